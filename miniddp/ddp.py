@@ -1,0 +1,431 @@
+"""MiniDDP: data-parallel training whose whole life fits in one file.
+
+    construct   check every rank has the same model, copy rank 0's weights to everyone,
+                lay gradients out in buckets, put a hook on every parameter
+    forward     (re)build buckets once, refresh buffers from rank 0, run the model, and decide
+                whether the coming backward synchronizes (not inside `no_sync()`)
+    backward    each parameter's hook copies its gradient, scaled by 1/W, into its bucket; a full
+                bucket starts an async all-reduce at once, while backward keeps computing
+    wait        when backward ends, a queued callback waits for every bucket and writes the
+                averaged values back into `.grad`
+
+So gradients are averaged by the time `loss.backward()` returns, exactly like torch's
+DistributedDataParallel, and bit for bit the same: the bucket layout, the 1/W scaling and the
+launch order follow torch's rules (facts in the docstrings below).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+
+from miniddp.buckets import (
+    Bucket,
+    BucketInfo,
+    bucket_caps,
+    describe_layout,
+    initial_layout,
+    rebuilt_layout,
+)
+from miniddp.env import HOW_TO_LAUNCH
+
+
+@dataclass(frozen=True)
+class Event:
+    """One moment in a step, recorded when `record_events()` is on (tutorials draw them)."""
+
+    time: float
+    kind: str  # "forward", "hook", "launch", "reduced", "wait", "rebuild"
+    name: str
+
+
+class MiniDDP(nn.Module):
+    """Wrap `module` so that `loss.backward()` leaves gradients averaged over all ranks.
+
+    Used exactly like `torch.nn.parallel.DistributedDataParallel`. Where torch is silent about a
+    mistake, MiniDDP raises: a parameter that got no gradient is reported at the end of that
+    same backward (torch only complains at the next forward), a model that differs across
+    ranks is reported on every rank (torch's rank 0 sees "Connection closed by peer"), and a
+    second backward through one synced forward is an error (torch leaves it unsynchronized).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float | None = None,
+        broadcast_buffers: bool = True,
+        find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = False,
+    ) -> None:
+        super().__init__()
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                f"MiniDDP needs a running process group, and there is none. {HOW_TO_LAUNCH}"
+            )
+        self.module = module
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.first_bucket_bytes, self.bucket_bytes = bucket_caps(bucket_cap_mb)
+
+        # Only parameters that require grad are reduced, and a tied weight only once: it is one
+        # variable with one gradient. `named_parameters()` walks modules in registration order
+        # and skips repeats, as torch's reducer does.
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError(
+                "MiniDDP got a module with no parameter that requires grad: there is nothing to "
+                "synchronize. Wrap the model you train (or unfreeze its parameters)."
+            )
+        _refuse_sparse_gradients(module)
+        self.param_names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self._verify_same_model_on_every_rank()
+        self._broadcast_from_rank0([*module.parameters(), *module.buffers()])
+
+        self.all_reduce_count = 0
+        self.events: list[Event] | None = None
+        self.has_rebuilt_buckets = False
+        self._ready_order: list[int] = []  # gradient arrival order in the first synced backward
+        self._build_buckets(
+            initial_layout(
+                self.params, self.first_bucket_bytes, self.bucket_bytes, find_unused_parameters
+            )
+        )
+        self._locally_used = torch.zeros(len(self.params), dtype=torch.int32)
+        self._usage_work: dist.Work | None = None
+        self._require_backward_grad_sync = True  # False inside no_sync()
+        self._require_forward_param_sync = True  # buffers are refreshed after a synced forward
+        self._reset_backward_state()
+        self._synced_forward_reduced = False
+        for index, param in enumerate(self.params):
+            param.register_post_accumulate_grad_hook(self._make_hook(index))
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            if self._backward_started:
+                raise RuntimeError(
+                    "The previous backward pass started reducing gradients but never finished "
+                    "(did it raise?). Start again from a fresh forward on every rank."
+                )
+            self._synced_forward_reduced = False
+            if self._ready_order and not self.has_rebuilt_buckets:
+                self._rebuild_buckets()
+        if self.broadcast_buffers and self._require_forward_param_sync:
+            self._broadcast_from_rank0(list(self.module.buffers()))
+        self._note("forward", "start")
+        output = self.module(*inputs, **kwargs)
+        # Whether this forward's backward synchronizes is decided now, at forward time: that is
+        # why the forward must run inside `no_sync()` for accumulation to skip communication.
+        if torch.is_grad_enabled() and self._require_backward_grad_sync:
+            self._require_forward_param_sync = True
+            self._armed = True
+            if self.find_unused_parameters:
+                self._unused_in_forward = self._find_unused(output)
+        else:
+            self._require_forward_param_sync = False
+        self._note("forward", "end")
+        return output
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: forwards run inside this block skip the all-reduce.
+
+        The first forward+backward outside it then reduces the whole accumulated `.grad`.
+        """
+        previous = self._require_backward_grad_sync
+        self._require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self._require_backward_grad_sync = previous
+
+    def finish_gradient_synchronization(self) -> None:
+        """Kept for readers of courses that call it: gradients are already averaged when
+        `backward()` returns, because the wait runs in a callback at the end of backward."""
+        if self._backward_started:
+            raise RuntimeError("A backward pass is still reducing gradients; let it finish first.")
+
+    def _make_hook(self, index: int):
+        def on_gradient_accumulated(param: torch.Tensor) -> None:
+            self._on_gradient_ready(index, param)
+
+        return on_gradient_accumulated
+
+    def _on_gradient_ready(self, index: int, param: torch.Tensor) -> None:
+        """Runs inside the autograd engine right after `param.grad` was accumulated."""
+        if self.find_unused_parameters and param.grad is not None:
+            self._locally_used[index] = 1  # counts in no_sync steps too, as in torch
+        if not self._armed:
+            if self._synced_forward_reduced:
+                raise RuntimeError(
+                    f"Gradient of '{self.param_names[index]}' arrived after this forward's "
+                    "gradients were already synchronized: backward ran twice on one synced "
+                    "forward, and the second result would stay unsynchronized. Run a new forward "
+                    "for each backward, or put the forward inside no_sync() to accumulate."
+                )
+            return
+        if not self._backward_started:
+            self._backward_started = True
+            Variable._execution_engine.queue_callback(self._finish_backward)
+            for unused in self._unused_in_forward:
+                self._mark_ready(unused)
+        if not self.has_rebuilt_buckets and not self.find_unused_parameters:
+            self._ready_order.append(index)
+        self._note("hook", self.param_names[index])
+        self._mark_ready(index)
+
+    def _mark_ready(self, index: int) -> None:
+        """Copy one gradient, scaled by 1/W, into its bucket; launch whatever is now ready."""
+        if self._marked_ready[index]:
+            raise RuntimeError(
+                f"Parameter '{self.param_names[index]}' got its gradient twice in one backward "
+                "(reentrant backward, e.g. torch.utils.checkpoint with use_reentrant=True, or a "
+                "parameter used in two separate backward calls). Use use_reentrant=False."
+            )
+        self._marked_ready[index] = True
+        bucket_index, position = self._slot[index]
+        bucket = self.buckets_[bucket_index]
+        view = bucket.views[position]
+        param = self.params[index]
+        grad = param.grad
+        if grad is None:
+            view.zero_()  # unused here: contributes zeros to the sum
+        elif grad.is_sparse:
+            raise RuntimeError(
+                f"Parameter '{self.param_names[index]}' produced a sparse gradient; MiniDDP "
+                "reduces dense buckets only. Use dense gradients (e.g. nn.Embedding(sparse=False))."
+            )
+        elif grad.data_ptr() == view.data_ptr():
+            view.div_(self.world_size)  # gradient_as_bucket_view: the gradient is already here
+        else:
+            # torch multiplies by the float 1/W while copying; `g / W` would differ in the last
+            # bit when W is not a power of two.
+            torch.mul(grad, 1.0 / self.world_size, out=view)
+            if self.gradient_as_bucket_view:
+                param.grad = view
+        bucket.ready_count += 1
+        self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        """Launch buckets strictly in index order, so every rank issues the same collectives in
+        the same sequence even if its gradients arrive in a different order."""
+        while self._next_bucket < len(self.buckets_) and self.buckets_[self._next_bucket].is_ready:
+            bucket = self.buckets_[self._next_bucket]
+            bucket.work = dist.all_reduce(bucket.flat, group=self.process_group, async_op=True)
+            self.all_reduce_count += 1
+            self._note("launch", f"bucket {bucket.index}")
+            if self.events is not None:
+                name = f"bucket {bucket.index}"
+                future = bucket.work.get_future()
+                future.add_done_callback(lambda _, n=name: self._note("reduced", n))
+            self._next_bucket += 1
+        if self._next_bucket == len(self.buckets_) and self.find_unused_parameters:
+            if self._usage_work is None:
+                # Which parameters did *any* rank use? Those unused everywhere keep their .grad.
+                self._global_usage = self._locally_used.clone()
+                self._usage_work = dist.all_reduce(
+                    self._global_usage, group=self.process_group, async_op=True
+                )
+
+    def _finish_backward(self) -> None:
+        """Queued on the autograd engine: runs once, when the whole backward pass is done."""
+        self._armed = False
+        self._synced_forward_reduced = True
+        missing = [self.param_names[i] for i, ready in enumerate(self._marked_ready) if not ready]
+        for bucket in self.buckets_:
+            if bucket.work is not None:
+                bucket.work.wait()
+                self._note("wait", f"bucket {bucket.index}")
+        if missing:
+            self._ready_order.clear()
+            self._locally_used.zero_()
+            self._reset_backward_state()
+            raise RuntimeError(
+                f"These parameters got no gradient in this backward pass: {', '.join(missing)}. "
+                "Their buckets were never all-reduced, so gradients are NOT synchronized. Either "
+                "make every parameter take part in computing the loss, freeze the unused ones "
+                "(requires_grad=False), or construct MiniDDP(..., find_unused_parameters=True)."
+            )
+        globally_used = None
+        if self._usage_work is not None:
+            self._usage_work.wait()
+            globally_used = self._global_usage.tolist()
+        for bucket in self.buckets_:
+            for index, view in zip(bucket.param_indices, bucket.views):
+                if globally_used is not None and not globally_used[index]:
+                    continue  # unused on every rank: leave .grad as it was (None stays None)
+                param = self.params[index]
+                if param.grad is None:
+                    param.grad = view if self.gradient_as_bucket_view else view.clone()
+                elif param.grad.data_ptr() != view.data_ptr():
+                    param.grad.copy_(view)
+        self._locally_used.zero_()
+        self._reset_backward_state()
+
+    def _reset_backward_state(self) -> None:
+        self._armed = False
+        self._backward_started = False
+        self._unused_in_forward: list[int] = []
+        self._marked_ready = [False] * len(self.params)
+        self._next_bucket = 0
+        self._usage_work = None
+        for bucket in self.buckets_:
+            bucket.ready_count = 0
+            bucket.work = None
+
+    def _build_buckets(self, layout: list[list[int]]) -> None:
+        self.buckets_ = [Bucket(i, indices, self.params) for i, indices in enumerate(layout)]
+        self._slot = {}
+        for bucket in self.buckets_:
+            for position, index in enumerate(bucket.param_indices):
+                self._slot[index] = (bucket.index, position)
+        if self.gradient_as_bucket_view:
+            # Existing gradients move into the new buckets, so `.grad` stays the bucket view.
+            for index, param in enumerate(self.params):
+                if param.grad is not None:
+                    bucket_index, position = self._slot[index]
+                    view = self.buckets_[bucket_index].views[position]
+                    view.copy_(param.grad)
+                    param.grad = view
+
+    def _rebuild_buckets(self) -> None:
+        """Once, before the second synced iteration's forward: rebuild from the observed order.
+
+        Ranks could observe different orders; rank 0's wins, so all ranks keep launching the
+        same buckets in the same sequence.
+        """
+        order = torch.tensor(self._ready_order, dtype=torch.int64)
+        dist.broadcast(order, src=self._global_rank0(), group=self.process_group)
+        self._build_buckets(
+            rebuilt_layout(self.params, order.tolist(), self.first_bucket_bytes, self.bucket_bytes)
+        )
+        self.has_rebuilt_buckets = True
+        self._ready_order = []
+        self._note("rebuild", f"{len(self.buckets_)} buckets")
+
+    def _find_unused(self, output: Any) -> list[int]:
+        """Walk the autograd graph back from the outputs: parameters not reached get no gradient
+        in this backward, so they are marked ready up front (contributing zeros)."""
+        position = {id(p): i for i, p in enumerate(self.params)}
+        reached: set[int] = set()
+        seen: set[Any] = set()
+        stack = []
+        for tensor in _find_tensors(output):
+            if tensor.grad_fn is not None:
+                stack.append(tensor.grad_fn)
+            elif id(tensor) in position:
+                reached.add(position[id(tensor)])
+        while stack:
+            fn = stack.pop()
+            if fn in seen:
+                continue
+            seen.add(fn)
+            variable = getattr(fn, "variable", None)  # AccumulateGrad nodes hold their leaf
+            if variable is not None and id(variable) in position:
+                reached.add(position[id(variable)])
+            stack.extend(next_fn for next_fn, _ in fn.next_functions if next_fn is not None)
+        return [i for i in range(len(self.params)) if i not in reached]
+
+    def _verify_same_model_on_every_rank(self) -> None:
+        """Compare every rank's parameters with rank 0's; on a mismatch EVERY rank raises the
+        same error (an error on one rank only would leave the others hanging)."""
+        mine = [
+            (name, tuple(p.shape), tuple(p.stride()), str(p.dtype))
+            for name, p in zip(self.param_names, self.params)
+        ]
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self.process_group)
+        reference = everyone[0]
+        for rank, theirs in enumerate(everyone[1:], start=1):
+            problem = _first_difference(reference, theirs, rank)
+            if problem:
+                raise ValueError(
+                    f"MiniDDP needs the same model on every rank, but {problem}. Build the model "
+                    "with the same code and arguments on every rank."
+                )
+
+    def _broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
+        """Overwrite `tensors` with rank 0's values: one flat message per (dtype, device)."""
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for tensor in tensors:
+            groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+        with torch.no_grad():
+            for group in groups.values():
+                flat = torch.cat([t.reshape(-1) for t in group])
+                dist.broadcast(flat, src=self._global_rank0(), group=self.process_group)
+                offset = 0
+                for t in group:
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
+    def _global_rank0(self) -> int:
+        if self.process_group is None:
+            return 0
+        return dist.get_global_rank(self.process_group, 0)
+
+    @property
+    def buckets(self) -> list[BucketInfo]:
+        """The current bucket layout, in launch order, described for printing."""
+        return [bucket.describe(self.param_names) for bucket in self.buckets_]
+
+    def describe_buckets(self) -> str:
+        return describe_layout(self.buckets)
+
+    def record_events(self, enabled: bool = True) -> None:
+        """Start (or stop) recording a timeline of hooks, launches and waits into `events`."""
+        self.events = [] if enabled else None
+
+    def _note(self, kind: str, name: str) -> None:
+        if self.events is not None:
+            self.events.append(Event(time.perf_counter(), kind, name))
+
+
+def _first_difference(reference: list[tuple], theirs: list[tuple], rank: int) -> str | None:
+    if len(reference) != len(theirs):
+        return (
+            f"rank 0 has {len(reference)} parameters that require grad while rank {rank} "
+            f"has {len(theirs)}"
+        )
+    fields = ("name", "shape", "stride", "dtype")
+    for ours, other in zip(reference, theirs):
+        for field, a, b in zip(fields, ours, other):
+            if a != b:
+                return (
+                    f"parameter '{ours[0]}' has {field} {a} on rank 0 and {field} {b} "
+                    f"on rank {rank}"
+                )
+    return None
+
+
+def _refuse_sparse_gradients(module: nn.Module) -> None:
+    for name, sub in module.named_modules():
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
+            raise ValueError(
+                f"Module '{name}' produces sparse gradients (sparse=True); MiniDDP reduces dense "
+                "buckets only. Construct it with sparse=False."
+            )
+
+
+def _find_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _find_tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _find_tensors(item)
