@@ -1,0 +1,195 @@
+"""What the ranks of the test pool run: random models trained with MiniDDP and torch's DDP.
+
+Everything here is deterministic from a `TrainSpec`, so the test process can rebuild the same
+model and the same data to train a single-process reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from miniddp import MiniDDP
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    seed: int = 0
+    in_features: int = 5
+    widths: tuple[int, ...] = (8,)
+    out_features: int = 3
+    frozen: tuple[int, ...] = ()  # hidden layers whose parameters do not require grad
+    tied: bool = False  # two square layers share one weight
+    unused: str = "none"  # "none", "all_ranks" (a layer never used) or "some_ranks"
+    batchnorm: bool = False
+    dtype: str = "float32"  # "float32", "float64" or "mixed" (one float64 layer)
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    model: ModelSpec = ModelSpec()
+    bucket_cap_mb: float | None = None
+    accumulation: int = 1
+    steps: int = 2
+    micro_batch: int = 4
+    gradient_as_bucket_view: bool = False
+    broadcast_buffers: bool = True
+    find_unused_parameters: bool = False
+    data_seed: int = 0
+    lr: float = 0.05
+
+
+class RandomNet(nn.Module):
+    """An MLP with the awkward parts DDP must handle: frozen, tied and unused parameters,
+    BatchNorm buffers, and a float64 layer among float32 ones."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        torch.manual_seed(spec.seed)
+        dims = [spec.in_features, *spec.widths]
+        self.hidden = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims, dims[1:]))
+        for index in spec.frozen:
+            for p in self.hidden[index].parameters():
+                p.requires_grad_(False)
+        width = dims[-1]
+        self.norm = nn.BatchNorm1d(width) if spec.batchnorm else None
+        self.square = self.tied_square = None
+        if spec.tied:
+            self.square = nn.Linear(width, width)
+            self.tied_square = nn.Linear(width, width)
+            self.tied_square.weight = self.square.weight
+        self.wide = nn.Linear(width, width).double() if spec.dtype == "mixed" else None
+        self.head = nn.Linear(width, spec.out_features)
+        self.extra_head = nn.Linear(width, spec.out_features) if spec.unused != "none" else None
+        if spec.dtype == "float64":
+            self.double()
+
+    def forward(self, x: torch.Tensor, use_extra: bool = False) -> torch.Tensor:
+        for layer in self.hidden:
+            x = torch.tanh(layer(x))
+        if self.norm is not None:
+            x = self.norm(x)
+        if self.square is not None:
+            x = torch.tanh(self.tied_square(torch.tanh(self.square(x))))
+        if self.wide is not None:
+            x = torch.tanh(self.wide(x.double())).to(x.dtype)
+        out = self.head(x)
+        if use_extra and self.extra_head is not None:
+            out = out + self.extra_head(x)
+        return out
+
+
+def uses_extra(spec: ModelSpec, rank: int) -> bool:
+    return spec.unused == "some_ranks" and rank % 2 == 0
+
+
+def model_dtype(spec: ModelSpec) -> torch.dtype:
+    return torch.float64 if spec.dtype == "float64" else torch.float32
+
+
+def micro_batch(spec: TrainSpec, rank: int, step: int, micro: int) -> tuple[torch.Tensor, ...]:
+    """The data rank `rank` sees in one micro-step; any process can regenerate it."""
+    seed = spec.data_seed * 1_000_003 + rank * 10_007 + step * 101 + micro
+    g = torch.Generator().manual_seed(seed)
+    dtype = model_dtype(spec.model)
+    x = torch.randn(spec.micro_batch, spec.model.in_features, generator=g, dtype=dtype)
+    y = torch.randn(spec.micro_batch, spec.model.out_features, generator=g, dtype=dtype)
+    return x, y
+
+
+def grads_of(model: nn.Module) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+
+
+def state_of(model: nn.Module) -> list[torch.Tensor]:
+    """Parameters and buffers (BatchNorm statistics)."""
+    return [t.detach().clone() for t in model.state_dict().values()]
+
+
+def params_of(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def train(spec: TrainSpec, use_torch: bool) -> dict:
+    """Train one replica on this rank; record gradients and state after every step."""
+    rank = dist.get_rank()
+    net = RandomNet(spec.model)
+    wrapper = DistributedDataParallel if use_torch else MiniDDP
+    model = wrapper(
+        net,
+        bucket_cap_mb=spec.bucket_cap_mb,
+        broadcast_buffers=spec.broadcast_buffers,
+        find_unused_parameters=spec.find_unused_parameters,
+        gradient_as_bucket_view=spec.gradient_as_bucket_view,
+    )
+    optimizer = torch.optim.SGD(net.parameters(), lr=spec.lr, momentum=0.5)
+    grads, states, params = [], [], []
+    for step in range(spec.steps):
+        for micro in range(spec.accumulation):
+            x, y = micro_batch(spec, rank, step, micro)
+            last = micro == spec.accumulation - 1
+            context = torch.enable_grad() if last else model.no_sync()
+            with context:
+                out = model(x, use_extra=uses_extra(spec.model, rank))
+                loss = nn.functional.mse_loss(out, y) / spec.accumulation
+                loss.backward()
+        grads.append(grads_of(net))
+        optimizer.step()
+        optimizer.zero_grad()
+        states.append(state_of(net))
+        params.append(params_of(net))
+    layout = bucket_layout(model, net)
+    return {"grads": grads, "states": states, "params": params, "layout": layout}
+
+
+def bucket_layout(model: nn.Module, net: nn.Module) -> list[list[str]]:
+    """The bucket layout in launch order, as parameter names, for either implementation."""
+    if isinstance(model, MiniDDP):
+        return [list(info.param_names) for info in model.buckets]
+    name_of = {id(p): n for n, p in net.named_parameters()}
+    return [
+        [name_of[id(p)] for p in bucket.parameters()]
+        for bucket in model.reducer._get_zeros_like_grad_buckets()
+    ]
+
+
+def train_both(spec: TrainSpec) -> dict:
+    """MiniDDP and torch's DDP on the same data, one after the other, on every rank."""
+    return {"ours": train(spec, use_torch=False), "torch": train(spec, use_torch=True)}
+
+
+def reference_training(spec: TrainSpec, world_size: int) -> dict:
+    """Single-process training on the global batch, with the same gradient accumulation.
+
+    DDP's gradient is the mean over ranks of each rank's accumulated gradient. One process gets
+    the same by treating the W micro-batches of a micro-step as one global micro-batch. BatchNorm
+    statistics and rank-dependent branches are per rank in DDP, so then each rank's share is
+    run separately and the losses averaged.
+    """
+    net = RandomNet(spec.model)
+    optimizer = torch.optim.SGD(net.parameters(), lr=spec.lr, momentum=0.5)
+    per_rank = spec.model.batchnorm or spec.model.unused == "some_ranks"
+    grads, params = [], []
+    for step in range(spec.steps):
+        for micro in range(spec.accumulation):
+            batches = [micro_batch(spec, r, step, micro) for r in range(world_size)]
+            if per_rank:
+                losses = [
+                    nn.functional.mse_loss(net(x, use_extra=uses_extra(spec.model, r)), y)
+                    for r, (x, y) in enumerate(batches)
+                ]
+                loss = torch.stack(losses).mean()
+            else:
+                x = torch.cat([b[0] for b in batches])
+                y = torch.cat([b[1] for b in batches])
+                loss = nn.functional.mse_loss(net(x), y)
+            (loss / spec.accumulation).backward()
+        grads.append(grads_of(net))
+        optimizer.step()
+        optimizer.zero_grad()
+        params.append(params_of(net))
+    return {"grads": grads, "params": params}
