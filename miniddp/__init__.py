@@ -1,0 +1,16 @@
+"""MiniDDP: PyTorch's DistributedDataParallel, rebuilt from scratch to be read."""
+
+from miniddp.buckets import BucketInfo
+from miniddp.ddp import Event, MiniDDP
+from miniddp.env import DistEnv, cleanup, init_distributed
+from miniddp.sampler import DistributedSampler
+
+__all__ = [
+    "BucketInfo",
+    "DistEnv",
+    "DistributedSampler",
+    "Event",
+    "MiniDDP",
+    "cleanup",
+    "init_distributed",
+]

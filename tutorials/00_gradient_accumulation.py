@@ -1,0 +1,154 @@
+"""Chapter 00: gradient accumulation, the maths that data parallelism is built on.
+
+A batch too big for memory can be cut into k micro-batches whose gradients are added up in
+`.grad` before one optimizer step. This script checks, with real numbers, when that gives exactly
+the big batch's gradient and when it quietly does not.
+
+    python tutorials/00_gradient_accumulation.py
+
+Under `torchrun` only rank 0 runs the chapter; it needs no process group, so the others just exit.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+MICRO_BATCH_SIZE = 4
+MICRO_BATCHES = 3
+# float64 rounding on sums of a dozen terms of size ~1 is ~1e-16; 1e-12 leaves ample margin
+# while still catching any real mistake, which would be of the size of the gradient itself.
+TOLERANCE = 1e-12
+
+
+def section(title: str) -> None:
+    print(f"\n== {title} ==")
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def gradient(model: nn.Module, micro_batches: list[Batch], loss_of: LossFn) -> torch.Tensor:
+    """Run backward once per micro-batch, letting `.grad` add them up; return the flat sum."""
+    model.zero_grad(set_to_none=True)
+    for inputs, targets in micro_batches:
+        loss_of(model(inputs), targets).backward()
+    return torch.cat([parameter.grad.flatten() for parameter in model.parameters()])
+
+
+def max_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+def main() -> None:
+    model = make_model()
+    batch_size = MICRO_BATCH_SIZE * MICRO_BATCHES
+    inputs = torch.randn(batch_size, 3, dtype=torch.float64)
+    targets = torch.randn(batch_size, 1, dtype=torch.float64)
+    whole_batch = [(inputs, targets)]
+    micro_batches = list(
+        zip(inputs.split(MICRO_BATCH_SIZE), targets.split(MICRO_BATCH_SIZE), strict=True)
+    )
+    mse_mean = nn.MSELoss(reduction="mean")
+    mse_sum = nn.MSELoss(reduction="sum")
+    k = MICRO_BATCHES
+    print(
+        f"Model: 3 -> 8 -> 1 MLP in float64, {batch_size} samples = {k} micro-batches of "
+        f"{MICRO_BATCH_SIZE}."
+    )
+
+    section("Claim 1: k micro-batches, each mean loss divided by k, equal one big batch")
+    reference = gradient(model, whole_batch, mse_mean)
+    accumulated = gradient(model, micro_batches, lambda out, y: mse_mean(out, y) / k)
+    gap = max_difference(accumulated, reference)
+    print(f"big-batch gradient, first 3 entries:   {reference[:3].tolist()}")
+    print(f"accumulated gradient, first 3 entries: {accumulated[:3].tolist()}")
+    print(f"max |difference| = {gap:.2e} (tolerance {TOLERANCE:.0e}).")
+    print("Not exactly zero: the same terms are summed in a different order, and floating-point")
+    print("addition is not associative. The big batch's mean is (1/12) sum of 12 losses; each")
+    print("micro-batch gives (1/4) sum of 4, and dividing by k=3 turns 1/4 into 1/12.")
+    assert gap < TOLERANCE
+
+    section("Claim 2: forget the division and the gradient is k times too big")
+    undivided = gradient(model, micro_batches, mse_mean)
+    ratio = undivided / reference
+    print(
+        f"undivided / big-batch, per entry: min {ratio.min().item():.12f}, "
+        f"max {ratio.max().item():.12f}"
+    )
+    print(f"That is k = {k}: the step is {k} times longer, as if the learning rate were {k}x.")
+    assert max_difference(undivided, k * reference) < TOLERANCE
+
+    section("Claim 3: with reduction='sum', do not divide")
+    reference_sum = gradient(model, whole_batch, mse_sum)
+    accumulated_sum = gradient(model, micro_batches, mse_sum)
+    print(
+        f"sum-loss: max |accumulated - big batch| = "
+        f"{max_difference(accumulated_sum, reference_sum):.2e}"
+    )
+    print("A sum over the batch is the sum of the sums over the micro-batches: nothing to fix.")
+    print(
+        f"Sum gradient / mean gradient = {(reference_sum / reference).mean().item():.6f}"
+        f" = batch size {batch_size}."
+    )
+    print("Mean keeps the gradient's size (and a good learning rate) independent of the batch")
+    print("size; sum weights every sample the same however the samples are grouped, which is")
+    print("what you want when you normalise once at the end, e.g. by a token count.")
+    assert max_difference(accumulated_sum, reference_sum) < TOLERANCE
+    assert max_difference(reference_sum, batch_size * reference) < TOLERANCE
+
+    section("Unequal micro-batches: the mean of means is not the mean")
+    sizes = [6, 4, 2]
+    uneven = list(zip(inputs.split(sizes), targets.split(sizes), strict=True))
+    naive = gradient(model, uneven, lambda out, y: mse_mean(out, y) / len(sizes))
+    weighted = gradient(model, uneven, lambda out, y: mse_mean(out, y) * len(y) / batch_size)
+    print(f"sizes {sizes}: each mean loss / {len(sizes)} gives every micro-batch the same weight,")
+    print("so the 2 samples of the last one count as much as the 6 of the first.")
+    print(f"max |naive - big batch|    = {max_difference(naive, reference):.2e}  (wrong)")
+    print(
+        f"max |weighted - big batch| = {max_difference(weighted, reference):.2e}  "
+        f"(weight n_i / N = {[f'{n}/{batch_size}' for n in sizes]})"
+    )
+    print("Equivalently: use reduction='sum' and divide once by the total N.")
+    assert max_difference(naive, reference) > 1e3 * TOLERANCE
+    assert max_difference(weighted, reference) < TOLERANCE
+
+    section("Looking ahead: data parallelism is the same sum")
+    print(f"Give each of W = {k} ranks one micro-batch instead of running them one after another.")
+    print("Each rank computes its mean-loss gradient; an all-reduce averages them over the ranks.")
+    print("That average is our division by k: (1/W) sum over ranks. Chapter 02 and MiniDDP do")
+    print("exactly this, and the uneven-size caveat returns when ranks get different batch sizes.")
+    per_rank = [gradient(model, [batch], mse_mean) for batch in micro_batches]
+    averaged = torch.stack(per_rank).mean(dim=0)
+    print(
+        f"average of {k} per-rank gradients vs big batch: max |difference| = "
+        f"{max_difference(averaged, reference):.2e}"
+    )
+
+    section("Final check")
+    assert max_difference(averaged, reference) < TOLERANCE
+    assert max_difference(accumulated, reference) < TOLERANCE
+    assert max_difference(undivided, k * reference) < TOLERANCE
+    assert max_difference(accumulated_sum, reference_sum) < TOLERANCE
+    assert max_difference(weighted, reference) < TOLERANCE < max_difference(naive, reference)
+    print(
+        "Verified: mean loss / k accumulates to the big-batch gradient; without / k it is k "
+        "times larger; sum loss needs no division; uneven micro-batches need n_i / N weights; "
+        "averaging over ranks equals accumulating."
+    )
+
+
+if __name__ == "__main__":
+    if os.environ.get("RANK", "0") != "0":
+        sys.exit(0)
+    main()
