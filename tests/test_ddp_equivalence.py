@@ -1,0 +1,154 @@
+"""The proof: MiniDDP computes what torch's DDP computes, bit for bit, and what one process
+training on the global batch computes, up to floating-point rounding.
+
+Each hypothesis example draws a random model (depth, widths, frozen, tied and unused parameters,
+BatchNorm buffers, float64 or a float64 layer among float32 ones), a bucket cap from "every
+parameter alone" to "one bucket", gradient accumulation through no_sync and a few optimizer steps,
+and runs it on a pool of W ranks with both implementations.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.measurements import record_max
+from tests.workloads import ModelSpec, TrainSpec, reference_training, train_both
+
+# Tolerances against single-process training. Not zero, because the two sum the same terms in a
+# different order: DDP sums each rank's batch, scales by 1/W and sums across ranks; one process
+# sums the whole global batch inside one matmul. Floating-point addition is not associative, so
+# results differ by a few units in the last place, amplified slightly by a few optimizer steps.
+TOLERANCE = {
+    torch.float32: {"rtol": 1e-4, "atol": 1e-5},
+    torch.float64: {"rtol": 1e-10, "atol": 1e-12},
+}
+
+
+@st.composite
+def train_specs(draw, max_width: int = 12) -> TrainSpec:
+    depth = draw(st.integers(1, 3))
+    widths = tuple(draw(st.integers(1, max_width)) for _ in range(depth))
+    unused = draw(st.sampled_from(["none", "none", "all_ranks", "some_ranks"]))
+    batchnorm = draw(st.booleans())
+    model = ModelSpec(
+        seed=draw(st.integers(0, 2**16)),
+        in_features=draw(st.integers(1, 6)),
+        widths=widths,
+        out_features=draw(st.integers(1, 4)),
+        frozen=tuple(i for i in range(depth) if draw(st.integers(0, 3)) == 0),
+        tied=draw(st.booleans()),
+        unused=unused,
+        batchnorm=batchnorm,
+        dtype=draw(st.sampled_from(["float32", "float64", "mixed"])),
+    )
+    cap = draw(
+        st.one_of(
+            st.none(),
+            st.sampled_from([1e-6, 1e-4, 4e-4, 1e-3, 25.0]),  # one param per bucket .. one bucket
+            st.floats(1e-6, 2e-3),
+        )
+    )
+    return TrainSpec(
+        model=model,
+        bucket_cap_mb=cap,
+        accumulation=draw(st.integers(1, 4)),
+        steps=draw(st.integers(1, 3)),
+        micro_batch=draw(st.integers(2, 5)),  # BatchNorm needs two samples per rank
+        gradient_as_bucket_view=draw(st.booleans()),
+        broadcast_buffers=draw(st.booleans()) if batchnorm else True,
+        find_unused_parameters=unused != "none" or draw(st.integers(0, 4)) == 0,
+        data_seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.dtype == b.dtype and torch.equal(a, b)
+
+
+def check_against_torch(results: list[dict]) -> None:
+    """(a) every gradient, parameter and buffer equals torch DDP's, bit for bit, on every rank."""
+    for rank, result in enumerate(results):
+        ours, theirs = result["ours"], result["torch"]
+        assert ours["layout"] == theirs["layout"], f"rank {rank}: bucket layouts differ"
+        for step, (g_ours, g_theirs) in enumerate(zip(ours["grads"], theirs["grads"])):
+            for i, (a, b) in enumerate(zip(g_ours, g_theirs)):
+                assert same(a, b), f"rank {rank} step {step}: gradient {i} differs from torch's"
+        for step, (s_ours, s_theirs) in enumerate(zip(ours["states"], theirs["states"])):
+            for i, (a, b) in enumerate(zip(s_ours, s_theirs)):
+                assert same(a, b), f"rank {rank} step {step}: state entry {i} differs from torch's"
+
+
+def check_replicas_identical(results: list[dict]) -> None:
+    """(c) after every step all replicas hold the same parameters and gradients."""
+    first = results[0]["ours"]
+    for rank, result in enumerate(results[1:], start=1):
+        for step in range(len(first["params"])):
+            for a, b in zip(first["params"][step], result["ours"]["params"][step]):
+                assert torch.equal(a, b), f"rank {rank} step {step}: replica differs from rank 0"
+            for a, b in zip(first["grads"][step], result["ours"]["grads"][step]):
+                assert same(a, b), f"rank {rank} step {step}: gradient differs from rank 0"
+
+
+def check_against_single_process(spec: TrainSpec, results: list[dict], world_size: int) -> None:
+    """(b) gradients and parameters equal single-process training with accumulation."""
+    reference = reference_training(spec, world_size)
+    dtype = torch.float64 if spec.model.dtype == "float64" else torch.float32
+    tolerance = TOLERANCE[dtype]
+    ours = results[0]["ours"]
+    for kind in ("grads", "params"):
+        for step, (mine, ref) in enumerate(zip(ours[kind], reference[kind])):
+            for i, (a, b) in enumerate(zip(mine, ref)):
+                assert (a is None) == (b is None), f"step {step}: {kind}[{i}] None-ness differs"
+                if a is None:
+                    continue
+                torch.testing.assert_close(
+                    a, b, **tolerance, msg=lambda m, s=step, k=kind, j=i: f"step {s} {k}[{j}]: {m}"
+                )
+                record_max(f"max |MiniDDP - single process| ({dtype})", (a - b).abs().max())
+
+
+def run_and_check(rank_pools, world_size: int, spec: TrainSpec) -> None:
+    results = rank_pools(world_size).run(train_both, spec, timeout=120)
+    check_against_torch(results)
+    check_replicas_identical(results)
+    check_against_single_process(spec, results, world_size)
+
+
+def property_settings(max_examples: int) -> settings:
+    return settings(
+        max_examples=max_examples,
+        deadline=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+        print_blob=True,
+    )
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@property_settings(max_examples=60)
+@given(spec=train_specs())
+def test_matches_torch_ddp_and_single_process(rank_pools, world_size, spec):
+    run_and_check(rank_pools, world_size, spec)
+
+
+@property_settings(max_examples=12)
+@given(spec=train_specs(max_width=6))
+def test_matches_torch_ddp_and_single_process_on_four_ranks(rank_pools, spec):
+    run_and_check(rank_pools, 4, spec)
+
+
+def test_default_caps_on_a_model_larger_than_the_first_bucket(rank_pools):
+    """bucket_cap_mb=None: one bucket in iteration 1, then a 1 MiB first bucket and 25 MiB ones."""
+    spec = TrainSpec(
+        model=ModelSpec(in_features=300, widths=(600, 600), out_features=300),
+        steps=3,
+        accumulation=2,
+    )
+    results = rank_pools(3).run(train_both, spec, timeout=120)
+    check_against_torch(results)
+    check_replicas_identical(results)
+    assert len(results[0]["ours"]["layout"]) >= 2
