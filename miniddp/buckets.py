@@ -58,7 +58,9 @@ def assign_buckets(
     """Group tensor indices into buckets, walking `order`.
 
     `size_limits` are the caps of the first, second, ... bucket of each (dtype, device); the last
-    one repeats. Buckets come out in the order they closed, then the partly filled ones.
+    one repeats. Buckets come out in the order they closed, then the partly filled ones in the
+    order their dtypes first appeared (torch takes those from a hash map, in no promised order;
+    which bucket launches first does not change any value).
     """
     open_buckets: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     open_bytes: dict[tuple[torch.dtype, torch.device], int] = {}

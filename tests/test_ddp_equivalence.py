@@ -70,11 +70,17 @@ def same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return a.dtype == b.dtype and torch.equal(a, b)
 
 
-def check_against_torch(results: list[dict]) -> None:
-    """(a) every gradient, parameter and buffer equals torch DDP's, bit for bit, on every rank."""
+def check_against_torch(results: list[dict], one_dtype: bool = True) -> None:
+    """(a) every gradient, parameter and buffer equals torch DDP's, bit for bit, on every rank.
+
+    With several dtypes, torch launches the partly filled buckets left at the end of the layout
+    (one per dtype) in hash-map order; then only their membership and inner order must match.
+    """
     for rank, result in enumerate(results):
         ours, theirs = result["ours"], result["torch"]
-        assert ours["layout"] == theirs["layout"], f"rank {rank}: bucket layouts differ"
+        assert sorted(ours["layout"]) == sorted(theirs["layout"]), f"rank {rank}: layouts differ"
+        if one_dtype:
+            assert ours["layout"] == theirs["layout"], f"rank {rank}: bucket order differs"
         for step, (g_ours, g_theirs) in enumerate(zip(ours["grads"], theirs["grads"])):
             for i, (a, b) in enumerate(zip(g_ours, g_theirs)):
                 assert same(a, b), f"rank {rank} step {step}: gradient {i} differs from torch's"
@@ -114,7 +120,7 @@ def check_against_single_process(spec: TrainSpec, results: list[dict], world_siz
 
 def run_and_check(rank_pools, world_size: int, spec: TrainSpec) -> None:
     results = rank_pools(world_size).run(train_both, spec, timeout=120)
-    check_against_torch(results)
+    check_against_torch(results, one_dtype=spec.model.dtype != "mixed")
     check_replicas_identical(results)
     check_against_single_process(spec, results, world_size)
 
@@ -129,7 +135,7 @@ def property_settings(max_examples: int) -> settings:
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@property_settings(max_examples=60)
+@property_settings(max_examples=100)
 @given(spec=train_specs())
 def test_matches_torch_ddp_and_single_process(rank_pools, world_size, spec):
     run_and_check(rank_pools, world_size, spec)
