@@ -105,6 +105,8 @@ class MiniDDP(nn.Module):
                 self.params, self.first_bucket_bytes, self.bucket_bytes, find_unused_parameters
             )
         )
+        # Small bookkeeping collectives run where the gradients live: NCCL only moves GPU tensors.
+        self._comm_device = self.params[0].device
         self._locally_used = torch.zeros(len(self.params), dtype=torch.int32)
         self._usage_work: dist.Work | None = None
         self._require_backward_grad_sync = True  # False inside no_sync()
@@ -236,7 +238,7 @@ class MiniDDP(nn.Module):
         if self._next_bucket == len(self.buckets_) and self.find_unused_parameters:
             if self._usage_work is None:
                 # Which parameters did *any* rank use? Those unused everywhere keep their .grad.
-                self._global_usage = self._locally_used.clone()
+                self._global_usage = self._locally_used.to(self._comm_device, copy=True)
                 self._usage_work = dist.all_reduce(
                     self._global_usage, group=self.process_group, async_op=True
                 )
@@ -308,7 +310,7 @@ class MiniDDP(nn.Module):
         Ranks could observe different orders; rank 0's wins, so all ranks keep launching the
         same buckets in the same sequence.
         """
-        order = torch.tensor(self._ready_order, dtype=torch.int64)
+        order = torch.tensor(self._ready_order, dtype=torch.int64, device=self._comm_device)
         dist.broadcast(order, src=self._global_rank0(), group=self.process_group)
         self._build_buckets(
             rebuilt_layout(self.params, order.tolist(), self.first_bucket_bytes, self.bucket_bytes)
