@@ -142,7 +142,7 @@ class Bucket:
             self.views.append(self.flat[offset : offset + p.numel()].view(p.shape))
             offset += p.numel()
         self.ready_count = 0
-        self.work: torch.distributed.Work | None = None
+        self.future: torch.futures.Future | None = None  # the in-flight all-reduce
 
     def __len__(self) -> int:
         return len(self.param_indices)
@@ -173,3 +173,34 @@ def describe_layout(infos: Sequence[BucketInfo]) -> str:
         dtype = str(info.dtype).removeprefix("torch.")
         lines.append(f"{info.index:>6}  {info.nbytes:>10,}  {dtype:<8}  {params}")
     return "\n".join(lines)
+
+
+class GradBucket:
+    """What a communication hook receives: torch's `dist.GradBucket` interface over a Bucket.
+
+    The methods mirror torch's, so hooks written for torch's DDP run on MiniDDP unchanged.
+    """
+
+    def __init__(self, bucket: Bucket, params: Sequence[torch.Tensor], buckets: Sequence[Bucket]):
+        self._bucket = bucket
+        self._params = params
+        self._is_last = bucket is buckets[-1]
+
+    def index(self) -> int:
+        return self._bucket.index
+
+    def buffer(self) -> torch.Tensor:
+        """The flat tensor holding every gradient of this bucket (not yet averaged)."""
+        return self._bucket.flat
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        self._bucket.flat.copy_(tensor)
+
+    def gradients(self) -> list[torch.Tensor]:
+        return list(self._bucket.views)
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [self._params[i] for i in self._bucket.param_indices]
+
+    def is_last(self) -> bool:
+        return self._is_last

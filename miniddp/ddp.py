@@ -17,7 +17,7 @@ launch order follow torch's rules (facts in the docstrings below).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -30,12 +30,15 @@ from torch.autograd import Variable
 from miniddp.buckets import (
     Bucket,
     BucketInfo,
+    GradBucket,
     bucket_caps,
     describe_layout,
     initial_layout,
     rebuilt_layout,
 )
 from miniddp.env import HOW_TO_LAUNCH
+
+CommHook = Callable[[Any, GradBucket], torch.futures.Future]
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,8 @@ class MiniDDP(nn.Module):
 
         self.all_reduce_count = 0
         self.events: list[Event] | None = None
+        self._recording = False
+        self._comm_hook: tuple[Any, CommHook] | None = None
         self.has_rebuilt_buckets = False
         self._ready_order: list[int] = []  # gradient arrival order in the first synced backward
         self._build_buckets(
@@ -130,6 +135,8 @@ class MiniDDP(nn.Module):
             self._broadcast_from_rank0(list(self.module.buffers()))
         self._note("forward", "start")
         output = self.module(*inputs, **kwargs)
+        if self._recording and torch.is_grad_enabled():
+            self._note_when_backward_starts(output)
         # Whether this forward's backward synchronizes is decided now, at forward time: that is
         # why the forward must run inside `no_sync()` for accumulation to skip communication.
         if torch.is_grad_enabled() and self._require_backward_grad_sync:
@@ -160,6 +167,19 @@ class MiniDDP(nn.Module):
         `backward()` returns, because the wait runs in a callback at the end of backward."""
         if self._backward_started:
             raise RuntimeError("A backward pass is still reducing gradients; let it finish first.")
+
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """Replace what happens to a full bucket: `hook(state, bucket) -> Future[Tensor]`.
+
+        torch's signature, so torch's own hooks work too (e.g. `fp16_compress_hook` from
+        `torch.distributed.algorithms.ddp_comm_hooks.default_hooks`). The bucket is NOT divided
+        by the world size beforehand: the hook averages. Register once, before training.
+        """
+        if self._comm_hook is not None:
+            raise RuntimeError("register_comm_hook can only be called once per MiniDDP.")
+        if self._backward_started or self.all_reduce_count:
+            raise RuntimeError("Register the comm hook before the first backward pass.")
+        self._comm_hook = (state, hook)
 
     def _make_hook(self, index: int):
         def on_gradient_accumulated(param: torch.Tensor) -> None:
@@ -212,14 +232,22 @@ class MiniDDP(nn.Module):
                 "reduces dense buckets only. Use dense gradients (e.g. nn.Embedding(sparse=False))."
             )
         elif grad.data_ptr() == view.data_ptr():
-            view.div_(self.world_size)  # gradient_as_bucket_view: the gradient is already here
+            # gradient_as_bucket_view: the gradient is already in place. A comm hook averages
+            # by itself, so it gets the plain sum of what each rank accumulated.
+            if self._comm_hook is None:
+                view.div_(self.world_size)
         else:
-            # torch multiplies by the float 1/W while copying; `g / W` would differ in the last
-            # bit when W is not a power of two.
-            torch.mul(grad, 1.0 / self.world_size, out=view)
+            if self._comm_hook is not None:
+                view.copy_(grad)
+            else:
+                # torch multiplies by the float 1/W while copying; `g / W` would differ in the
+                # last bit when W is not a power of two.
+                torch.mul(grad, 1.0 / self.world_size, out=view)
             if self.gradient_as_bucket_view:
                 param.grad = view
         bucket.ready_count += 1
+        if bucket.is_ready:
+            self._note("ready", f"bucket {bucket.index}")
         self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
@@ -227,13 +255,17 @@ class MiniDDP(nn.Module):
         the same sequence even if its gradients arrive in a different order."""
         while self._next_bucket < len(self.buckets_) and self.buckets_[self._next_bucket].is_ready:
             bucket = self.buckets_[self._next_bucket]
-            bucket.work = dist.all_reduce(bucket.flat, group=self.process_group, async_op=True)
-            self.all_reduce_count += 1
             self._note("launch", f"bucket {bucket.index}")
-            if self.events is not None:
+            if self._comm_hook is None:
+                work = dist.all_reduce(bucket.flat, group=self.process_group, async_op=True)
+                bucket.future = work.get_future()
+            else:
+                state, hook = self._comm_hook
+                bucket.future = hook(state, GradBucket(bucket, self.params, self.buckets_))
+            self.all_reduce_count += 1
+            if self._recording:
                 name = f"bucket {bucket.index}"
-                future = bucket.work.get_future()
-                future.add_done_callback(lambda _, n=name: self._note("reduced", n))
+                bucket.future.add_done_callback(lambda _, n=name: self._note("reduced", n))
             self._next_bucket += 1
         if self._next_bucket == len(self.buckets_) and self.find_unused_parameters:
             if self._usage_work is None:
@@ -245,12 +277,16 @@ class MiniDDP(nn.Module):
 
     def _finish_backward(self) -> None:
         """Queued on the autograd engine: runs once, when the whole backward pass is done."""
+        self._note("backward", "end")
         self._armed = False
         self._synced_forward_reduced = True
         missing = [self.param_names[i] for i, ready in enumerate(self._marked_ready) if not ready]
         for bucket in self.buckets_:
-            if bucket.work is not None:
-                bucket.work.wait()
+            if bucket.future is not None:
+                result = bucket.future.wait()
+                result = result[0] if isinstance(result, list) else result
+                if result.data_ptr() != bucket.flat.data_ptr():
+                    bucket.flat.copy_(result)  # a comm hook may answer in a tensor of its own
                 self._note("wait", f"bucket {bucket.index}")
         if missing:
             self._ready_order.clear()
@@ -277,6 +313,7 @@ class MiniDDP(nn.Module):
                     param.grad.copy_(view)
         self._locally_used.zero_()
         self._reset_backward_state()
+        self._note("sync", "end")
 
     def _reset_backward_state(self) -> None:
         self._armed = False
@@ -287,7 +324,7 @@ class MiniDDP(nn.Module):
         self._usage_work = None
         for bucket in self.buckets_:
             bucket.ready_count = 0
-            bucket.work = None
+            bucket.future = None
 
     def _build_buckets(self, layout: list[list[int]]) -> None:
         self.buckets_ = [Bucket(i, indices, self.params) for i, indices in enumerate(layout)]
@@ -388,12 +425,27 @@ class MiniDDP(nn.Module):
         return describe_layout(self.buckets)
 
     def record_events(self, enabled: bool = True) -> None:
-        """Start (or stop) recording a timeline of hooks, launches and waits into `events`."""
-        self.events = [] if enabled else None
+        """Start recording a fresh timeline into `events`, or stop (the list is kept).
+
+        Kinds, in the order a synced step produces them: forward start/end, backward start,
+        hook (one per parameter, in gradient-ready order), ready and launch (per bucket),
+        reduced (per bucket, from the communication thread), backward end, wait (per bucket),
+        sync end. Times are `time.perf_counter()` seconds.
+        """
+        if enabled:
+            self.events = []
+        self._recording = enabled
 
     def _note(self, kind: str, name: str) -> None:
-        if self.events is not None:
-            self.events.append(Event(time.perf_counter(), kind, name))
+        events = self.events
+        if self._recording and events is not None:
+            events.append(Event(time.perf_counter(), kind, name))
+
+    def _note_when_backward_starts(self, output: Any) -> None:
+        for tensor in _find_tensors(output):
+            if tensor.requires_grad:
+                tensor.register_hook(lambda _: self._note("backward", "start"))
+                return
 
 
 def _first_difference(reference: list[tuple], theirs: list[tuple], rank: int) -> str | None:

@@ -9,6 +9,8 @@ and runs it on a pool of W ranks with both implementations.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -145,6 +147,19 @@ def test_matches_torch_ddp_and_single_process(rank_pools, world_size, spec):
 @given(spec=train_specs(max_width=6))
 def test_matches_torch_ddp_and_single_process_on_four_ranks(rank_pools, spec):
     run_and_check(rank_pools, 4, spec)
+
+
+@pytest.mark.parametrize("hook", ["allreduce", "fp16_compress"])
+@property_settings(max_examples=15)
+@given(spec=train_specs(max_width=8))
+def test_torchs_comm_hooks_give_torchs_results(rank_pools, hook, spec):
+    """register_comm_hook takes torch's hooks unchanged; results stay bitwise torch's."""
+    spec = dataclasses.replace(spec, comm_hook=hook)
+    results = rank_pools(3).run(train_both, spec, timeout=120)
+    check_against_torch(results, one_dtype=spec.model.dtype != "mixed")
+    check_replicas_identical(results)
+    if hook == "allreduce":
+        check_against_single_process(spec, results, 3)
 
 
 def test_default_caps_on_a_model_larger_than_the_first_bucket(rank_pools):

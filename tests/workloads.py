@@ -41,6 +41,17 @@ class TrainSpec:
     find_unused_parameters: bool = False
     data_seed: int = 0
     lr: float = 0.05
+    comm_hook: str | None = None  # a key of COMM_HOOKS
+
+
+def comm_hooks() -> dict:
+    """Hooks with torch's signature; the same function object is registered on both DDPs."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return {
+        "allreduce": default_hooks.allreduce_hook,
+        "fp16_compress": default_hooks.fp16_compress_hook,
+    }
 
 
 class RandomNet(nn.Module):
@@ -126,6 +137,8 @@ def train(spec: TrainSpec, use_torch: bool) -> dict:
         find_unused_parameters=spec.find_unused_parameters,
         gradient_as_bucket_view=spec.gradient_as_bucket_view,
     )
+    if spec.comm_hook is not None:
+        model.register_comm_hook(None, comm_hooks()[spec.comm_hook])
     optimizer = torch.optim.SGD(net.parameters(), lr=spec.lr, momentum=0.5)
     grads, states, params = [], [], []
     for step in range(spec.steps):
