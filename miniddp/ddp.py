@@ -102,6 +102,8 @@ class MiniDDP(nn.Module):
         self.all_reduce_count = 0
         self.events: list[Event] | None = None
         self._recording = False
+        # Called with every Event as it happens (timeline.py uses this for profiler spans).
+        self.event_listeners: list[Callable[[Event], None]] = []
         self._comm_hook: tuple[Any, CommHook] | None = None
         self.has_rebuilt_buckets = False
         self._ready_order: list[int] = []  # gradient arrival order in the first synced backward
@@ -135,7 +137,7 @@ class MiniDDP(nn.Module):
             self._broadcast_from_rank0(list(self.module.buffers()))
         self._note("forward", "start")
         output = self.module(*inputs, **kwargs)
-        if self._recording and torch.is_grad_enabled():
+        if (self._recording or self.event_listeners) and torch.is_grad_enabled():
             self._note_when_backward_starts(output)
         # Whether this forward's backward synchronizes is decided now, at forward time: that is
         # why the forward must run inside `no_sync()` for accumulation to skip communication.
@@ -263,7 +265,7 @@ class MiniDDP(nn.Module):
                 state, hook = self._comm_hook
                 bucket.future = hook(state, GradBucket(bucket, self.params, self.buckets_))
             self.all_reduce_count += 1
-            if self._recording:
+            if self._recording or self.event_listeners:
                 name = f"bucket {bucket.index}"
                 bucket.future.add_done_callback(lambda _, n=name: self._note("reduced", n))
             self._next_bucket += 1
@@ -386,15 +388,26 @@ class MiniDDP(nn.Module):
             (name, tuple(p.shape), tuple(p.stride()), str(p.dtype))
             for name, p in zip(self.param_names, self.params)
         ]
+        # Settings that shape the sequence of collectives must agree too, or ranks would issue
+        # different all-reduces and gloo would abort or hang instead of explaining.
+        settings = {
+            "bucket_cap_mb (bytes: first, rest)": (self.first_bucket_bytes, self.bucket_bytes),
+            "find_unused_parameters": self.find_unused_parameters,
+            "broadcast_buffers": self.broadcast_buffers,
+        }
         everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self.process_group)
-        reference = everyone[0]
-        for rank, theirs in enumerate(everyone[1:], start=1):
+        dist.all_gather_object(everyone, (mine, settings), group=self.process_group)
+        reference, reference_settings = everyone[0]
+        for rank, (theirs, their_settings) in enumerate(everyone[1:], start=1):
             problem = _first_difference(reference, theirs, rank)
+            for name, value in reference_settings.items():
+                if problem is None and their_settings[name] != value:
+                    theirs = their_settings[name]
+                    problem = f"{name} is {value} on rank 0 and {theirs} on rank {rank}"
             if problem:
                 raise ValueError(
-                    f"MiniDDP needs the same model on every rank, but {problem}. Build the model "
-                    "with the same code and arguments on every rank."
+                    f"MiniDDP needs the same model and settings on every rank, but {problem}. "
+                    "Build it with the same code and arguments on every rank."
                 )
 
     def _broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
@@ -437,9 +450,14 @@ class MiniDDP(nn.Module):
         self._recording = enabled
 
     def _note(self, kind: str, name: str) -> None:
+        if not (self._recording or self.event_listeners):
+            return  # the common case: one check, nothing allocated
+        event = Event(time.perf_counter(), kind, name)
         events = self.events
         if self._recording and events is not None:
-            events.append(Event(time.perf_counter(), kind, name))
+            events.append(event)
+        for listener in self.event_listeners:
+            listener(event)
 
     def _note_when_backward_starts(self, output: Any) -> None:
         for tensor in _find_tensors(output):

@@ -43,6 +43,8 @@ def construct(case: str) -> None:
         MiniDDP(nn.Sequential(nn.Embedding(10, 3, sparse=True), nn.Linear(3, 1)))
     elif case == "shape_mismatch":
         MiniDDP(small_mlp(width=8 if rank == 0 else 9))
+    elif case == "settings_mismatch":
+        MiniDDP(small_mlp(), bucket_cap_mb=1 if rank == 0 else 2)
     elif case == "count_mismatch":
         model = small_mlp()
         MiniDDP(model if rank == 0 else nn.Sequential(*model, nn.Linear(2, 2)))

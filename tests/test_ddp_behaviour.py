@@ -32,8 +32,9 @@ BAD_CONSTRUCTION = {
     "cap_nan": ("ValueError", "bucket_cap_mb must be a positive", "got nan"),
     "no_trainable": ("ValueError", "no parameter that requires grad"),
     "sparse": ("ValueError", "sparse gradients", "sparse=False"),
-    "shape_mismatch": ("ValueError", "same model on every rank", "'0.weight'", "rank 1"),
-    "count_mismatch": ("ValueError", "same model on every rank", "6 parameters", "rank 1 has 8"),
+    "shape_mismatch": ("ValueError", "same model and settings", "'0.weight'", "rank 1"),
+    "count_mismatch": ("ValueError", "same model and settings", "6 parameters", "rank 1 has 8"),
+    "settings_mismatch": ("ValueError", "bucket_cap_mb", "(1048576, 1048576) on rank 0"),
 }
 
 
