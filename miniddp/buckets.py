@@ -136,16 +136,19 @@ class Bucket:
         members = [params[i] for i in self.param_indices]
         total = sum(p.numel() for p in members)
         self.flat = torch.zeros(total, dtype=members[0].dtype, device=members[0].device)
-        self.views: list[torch.Tensor] = []
-        offset = 0
-        for p in members:
-            self.views.append(self.flat[offset : offset + p.numel()].view(p.shape))
-            offset += p.numel()
+        self.numels = [p.numel() for p in members]
+        self.shapes = [p.shape for p in members]
+        self.views = self.split(self.flat)
         self.ready_count = 0
+        self.aliased = [False] * len(members)  # gradient already lives in its view
         self.future: torch.futures.Future | None = None  # the in-flight all-reduce
 
     def __len__(self) -> int:
         return len(self.param_indices)
+
+    def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Cut a bucket-shaped flat tensor into one view per parameter, shaped like it."""
+        return [piece.view(shape) for piece, shape in zip(flat.split(self.numels), self.shapes)]
 
     @property
     def is_ready(self) -> bool:

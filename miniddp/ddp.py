@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -97,7 +98,8 @@ class MiniDDP(nn.Module):
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self._verify_same_model_on_every_rank()
-        self._broadcast_from_rank0([*module.parameters(), *module.buffers()])
+        self._buffers_to_sync = list(module.buffers())
+        self._broadcast_from_rank0([*module.parameters(), *self._buffers_to_sync])
 
         self.all_reduce_count = 0
         self.events: list[Event] | None = None
@@ -121,7 +123,7 @@ class MiniDDP(nn.Module):
         self._reset_backward_state()
         self._synced_forward_reduced = False
         for index, param in enumerate(self.params):
-            param.register_post_accumulate_grad_hook(self._make_hook(index))
+            param.register_post_accumulate_grad_hook(partial(self._on_gradient_ready, index))
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
@@ -134,7 +136,7 @@ class MiniDDP(nn.Module):
             if self._ready_order and not self.has_rebuilt_buckets:
                 self._rebuild_buckets()
         if self.broadcast_buffers and self._require_forward_param_sync:
-            self._broadcast_from_rank0(list(self.module.buffers()))
+            self._broadcast_from_rank0(self._buffers_to_sync)
         self._note("forward", "start")
         output = self.module(*inputs, **kwargs)
         if (self._recording or self.event_listeners) and torch.is_grad_enabled():
@@ -183,12 +185,6 @@ class MiniDDP(nn.Module):
             raise RuntimeError("Register the comm hook before the first backward pass.")
         self._comm_hook = (state, hook)
 
-    def _make_hook(self, index: int):
-        def on_gradient_accumulated(param: torch.Tensor) -> None:
-            self._on_gradient_ready(index, param)
-
-        return on_gradient_accumulated
-
     def _on_gradient_ready(self, index: int, param: torch.Tensor) -> None:
         """Runs inside the autograd engine right after `param.grad` was accumulated."""
         if self.find_unused_parameters and param.grad is not None:
@@ -213,7 +209,7 @@ class MiniDDP(nn.Module):
         self._mark_ready(index)
 
     def _mark_ready(self, index: int) -> None:
-        """Copy one gradient, scaled by 1/W, into its bucket; launch whatever is now ready."""
+        """Copy one gradient into its bucket; once the bucket is full, average and launch."""
         if self._marked_ready[index]:
             raise RuntimeError(
                 f"Parameter '{self.param_names[index]}' got its gradient twice in one backward "
@@ -221,8 +217,7 @@ class MiniDDP(nn.Module):
                 "parameter used in two separate backward calls). Use use_reentrant=False."
             )
         self._marked_ready[index] = True
-        bucket_index, position = self._slot[index]
-        bucket = self.buckets_[bucket_index]
+        bucket, position = self._slot[index]
         view = bucket.views[position]
         param = self.params[index]
         grad = param.grad
@@ -234,23 +229,37 @@ class MiniDDP(nn.Module):
                 "reduces dense buckets only. Use dense gradients (e.g. nn.Embedding(sparse=False))."
             )
         elif grad.data_ptr() == view.data_ptr():
-            # gradient_as_bucket_view: the gradient is already in place. A comm hook averages
-            # by itself, so it gets the plain sum of what each rank accumulated.
-            if self._comm_hook is None:
-                view.div_(self.world_size)
+            bucket.aliased[position] = True  # gradient_as_bucket_view: already in place
         else:
-            if self._comm_hook is not None:
-                view.copy_(grad)
-            else:
-                # torch multiplies by the float 1/W while copying; `g / W` would differ in the
-                # last bit when W is not a power of two.
-                torch.mul(grad, 1.0 / self.world_size, out=view)
+            view.copy_(grad)
             if self.gradient_as_bucket_view:
                 param.grad = view
         bucket.ready_count += 1
         if bucket.is_ready:
             self._note("ready", f"bucket {bucket.index}")
-        self._launch_ready_buckets()
+            self._scale_for_average(bucket)
+            self._launch_ready_buckets()
+
+    def _scale_for_average(self, bucket: Bucket) -> None:
+        """Multiply the bucket by the float 1/W, so that the SUM all-reduce gives the average.
+
+        Exactly torch's recipe, for equal bits: `g * (1/W)`, not `g / W` (they differ in the last
+        bit when W is not a power of two), applied before the sum. torch scales each gradient as
+        it copies it; scaling the whole flat bucket once gives the same bits (it is the same
+        elementwise product) for one kernel instead of one per parameter. Gradients that were
+        already in the bucket (gradient_as_bucket_view) torch divides by W instead: so do we.
+        A comm hook averages by itself, so it gets the plain sum of what each rank accumulated.
+        """
+        if self._comm_hook is not None:
+            return
+        if not any(bucket.aliased):
+            bucket.flat.mul_(1.0 / self.world_size)
+            return
+        for view, aliased in zip(bucket.views, bucket.aliased):
+            if aliased:
+                view.div_(self.world_size)
+            else:
+                view.mul_(1.0 / self.world_size)
 
     def _launch_ready_buckets(self) -> None:
         """Launch buckets strictly in index order, so every rank issues the same collectives in
@@ -304,18 +313,31 @@ class MiniDDP(nn.Module):
         if self._usage_work is not None:
             self._usage_work.wait()
             globally_used = self._global_usage.tolist()
-        for bucket in self.buckets_:
-            for index, view in zip(bucket.param_indices, bucket.views):
-                if globally_used is not None and not globally_used[index]:
-                    continue  # unused on every rank: leave .grad as it was (None stays None)
-                param = self.params[index]
-                if param.grad is None:
-                    param.grad = view if self.gradient_as_bucket_view else view.clone()
-                elif param.grad.data_ptr() != view.data_ptr():
-                    param.grad.copy_(view)
+        self._write_back_gradients(globally_used)
         self._locally_used.zero_()
         self._reset_backward_state()
         self._note("sync", "end")
+
+    def _write_back_gradients(self, globally_used: list[int] | None) -> None:
+        """Put each averaged gradient into `.grad`: a copy into an existing one (all in one
+        batched kernel call), or, where there is none yet, a slice of one copy of the bucket."""
+        existing, averaged = [], []
+        for bucket in self.buckets_:
+            fresh_grads = None
+            for position, index in enumerate(bucket.param_indices):
+                if globally_used is not None and not globally_used[index]:
+                    continue  # unused on every rank: leave .grad as it was (None stays None)
+                param, view = self.params[index], bucket.views[position]
+                if param.grad is None and self.gradient_as_bucket_view:
+                    param.grad = view
+                elif param.grad is None:
+                    fresh_grads = fresh_grads or bucket.split(bucket.flat.clone())
+                    param.grad = fresh_grads[position]
+                elif param.grad.data_ptr() != view.data_ptr():
+                    existing.append(param.grad)
+                    averaged.append(view)
+        if existing:
+            torch._foreach_copy_(existing, averaged)
 
     def _reset_backward_state(self) -> None:
         self._armed = False
@@ -326,20 +348,21 @@ class MiniDDP(nn.Module):
         self._usage_work = None
         for bucket in self.buckets_:
             bucket.ready_count = 0
+            bucket.aliased = [False] * len(bucket)
             bucket.future = None
 
     def _build_buckets(self, layout: list[list[int]]) -> None:
         self.buckets_ = [Bucket(i, indices, self.params) for i, indices in enumerate(layout)]
-        self._slot = {}
+        self._slot: dict[int, tuple[Bucket, int]] = {}
         for bucket in self.buckets_:
             for position, index in enumerate(bucket.param_indices):
-                self._slot[index] = (bucket.index, position)
+                self._slot[index] = (bucket, position)
         if self.gradient_as_bucket_view:
             # Existing gradients move into the new buckets, so `.grad` stays the bucket view.
             for index, param in enumerate(self.params):
                 if param.grad is not None:
-                    bucket_index, position = self._slot[index]
-                    view = self.buckets_[bucket_index].views[position]
+                    bucket, position = self._slot[index]
+                    view = bucket.views[position]
                     view.copy_(param.grad)
                     param.grad = view
 

@@ -41,7 +41,8 @@ class TrainSpec:
     find_unused_parameters: bool = False
     data_seed: int = 0
     lr: float = 0.05
-    comm_hook: str | None = None  # a key of COMM_HOOKS
+    comm_hook: str | None = None  # a key of comm_hooks()
+    set_grads_to_none: bool = True  # False keeps .grad tensors (bucket views, with the option)
 
 
 def comm_hooks() -> dict:
@@ -152,7 +153,7 @@ def train(spec: TrainSpec, use_torch: bool) -> dict:
                 loss.backward()
         grads.append(grads_of(net))
         optimizer.step()
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=spec.set_grads_to_none)
         states.append(state_of(net))
         params.append(params_of(net))
     layout = bucket_layout(model, net)
