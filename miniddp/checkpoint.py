@@ -7,7 +7,7 @@ in the checkpoint. Resuming *exactly* (the same bits as a run that never stopped
     optimizer    momentum and Adam's moments; without them the next steps take other sizes
     progress     step, epoch, and how many batches of that epoch were consumed, so the sampler
                  resumes mid-epoch instead of replaying or skipping data
-    RNG states   every rank's: dropout and shuffling draw from them, and each rank has its own
+    RNG states   every rank's: dropout and random augmentation draw from them, each rank its own
     buckets      MiniDDP's bucket layout: with 3 or more ranks gloo's sums depend on where each
                  gradient sits in its bucket, and a fresh wrapper would start again from its
                  first-step layout (chapter 03)
@@ -46,6 +46,7 @@ from miniddp.ddp import MiniDDP
 
 FORMAT = "miniddp-checkpoint"
 VERSION = 1
+REQUIRED_KEYS = {"model", "optimizer", "buckets", "progress", "world_size", "rng", "extra"}
 
 
 class CheckpointError(RuntimeError):
@@ -156,7 +157,7 @@ def load_checkpoint(
         if optimizer is not None:
             optimizer.load_state_dict(checkpoint["optimizer"])
         if isinstance(model, MiniDDP) and checkpoint["buckets"] is not None:
-            _restore_bucket_layout(model, checkpoint["buckets"])
+            model.load_bucket_state(checkpoint["buckets"])
     except (RuntimeError, ValueError, KeyError) as error:
         raise CheckpointError(
             f"{path} does not fit this model or optimizer: {_first_line(error)}"
@@ -210,6 +211,9 @@ def read_checkpoint(
             f"{path} has checkpoint format version {checkpoint.get('version')}; this MiniDDP "
             f"reads version {VERSION}."
         )
+    missing = sorted(REQUIRED_KEYS - set(checkpoint))
+    if missing:
+        raise CheckpointError(f"{path} is incomplete: it has no {', '.join(missing)}.")
     return checkpoint
 
 
@@ -311,27 +315,9 @@ def _from_rank0(value: Any) -> Any:
 
 
 def _bucket_layout(model: nn.Module) -> dict[str, Any] | None:
-    """MiniDDP's buckets by parameter name, and whether the one-time rebuild has happened (if
-    not, the gradient order it has seen so far). None for other models: torch's DDP keeps its
-    layout inside the C++ reducer, out of reach."""
-    if not isinstance(model, MiniDDP):
-        return None
-    names = model.param_names
-    return {
-        "buckets": [list(info.param_names) for info in model.buckets],
-        "rebuilt": model.has_rebuilt_buckets,
-        "ready_order": [names[i] for i in model._ready_order],
-    }
-
-
-def _restore_bucket_layout(ddp: MiniDDP, saved: dict[str, Any]) -> None:
-    # MiniDDP has no public way to set its layout yet, so this uses its internals. The layout
-    # is the same on every rank (the rebuild follows rank 0's order), so every rank can
-    # restore it from rank 0's copy.
-    index = {name: i for i, name in enumerate(ddp.param_names)}
-    ddp._build_buckets([[index[name] for name in bucket] for bucket in saved["buckets"]])
-    ddp.has_rebuilt_buckets = saved["rebuilt"]
-    ddp._ready_order = [index[name] for name in saved["ready_order"]]
+    """MiniDDP's bucket layout; None for other models: torch's DDP keeps its layout inside the
+    C++ reducer, out of reach."""
+    return model.bucket_state() if isinstance(model, MiniDDP) else None
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

@@ -452,6 +452,33 @@ class MiniDDP(nn.Module):
             return 0
         return dist.get_global_rank(self.process_group, 0)
 
+    def bucket_state(self) -> dict[str, Any]:
+        """The bucket layout by parameter name, for checkpoints.
+
+        A fresh MiniDDP starts again from the first-iteration layout; with 3+ ranks gloo's sums
+        depend on each gradient's place in its bucket, so an exact resume restores this too.
+        """
+        return {
+            "buckets": [list(info.param_names) for info in self.buckets],
+            "rebuilt": self.has_rebuilt_buckets,
+            "ready_order": [self.param_names[i] for i in self._ready_order],
+        }
+
+    def load_bucket_state(self, state: dict[str, Any]) -> None:
+        """Adopt a layout saved by `bucket_state()` (the same on every rank)."""
+        index = {name: i for i, name in enumerate(self.param_names)}
+        saved = [name for bucket in state["buckets"] for name in bucket]
+        if sorted(saved) != sorted(self.param_names):
+            raise ValueError(
+                "The saved bucket layout names other parameters than this model has "
+                f"(saved {len(saved)}, model {len(self.param_names)}): load it into the model "
+                "it was saved from."
+            )
+        self._build_buckets([[index[name] for name in bucket] for bucket in state["buckets"]])
+        self._reset_backward_state()
+        self.has_rebuilt_buckets = state["rebuilt"]
+        self._ready_order = [index[name] for name in state["ready_order"]]
+
     @property
     def buckets(self) -> list[BucketInfo]:
         """The current bucket layout, in launch order, described for printing."""

@@ -88,11 +88,15 @@ def init_distributed(
 
     restart_count = _int_env("TORCHELASTIC_RESTART_COUNT", 0)
     if not dist.is_initialized():
-        # torchrun's agents keep one store for all restart attempts; a restarted group could read
-        # the dead attempt's addresses from it (pytorch#135712). A prefix per attempt keeps each
-        # attempt's keys apart, so `torchrun --max-restarts=N` just works.
         store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
-        store = dist.PrefixStore(f"miniddp/attempt-{restart_count}", store)
+        if _int_env("GROUP_WORLD_SIZE", 1) == 1:
+            # torchrun's agent keeps one store for all restart attempts; a restarted group could
+            # read the dead attempt's addresses from it (pytorch#135712). A prefix per attempt
+            # keeps each attempt's keys apart, so `torchrun --max-restarts=N` just works. With
+            # several nodes each agent counts its own restarts, so the nodes would disagree on
+            # the prefix: there launch.sh sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 instead,
+            # which gives each attempt a fresh store.
+            store = dist.PrefixStore(f"miniddp/attempt-{restart_count}", store)
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timeout
         )

@@ -1,0 +1,77 @@
+"""Task functions for tests/test_checkpoint.py. They run inside the pool's workers, which import
+them by module name, so they live here rather than in the test file."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from miniddp import MiniDDP
+from miniddp.checkpoint import CheckpointError, Progress, load_checkpoint, save_checkpoint
+
+
+def draws() -> list[float]:
+    """A few numbers from every global generator a training step might use."""
+    return [torch.rand(1).item(), random.random()]
+
+
+def rng_round_trip(path: str) -> tuple[list[float], list[float]]:
+    """Seed per rank, save, draw; draw something else; load, draw again. Returns the draws
+    right after saving and right after loading: equal if this rank got its own state back."""
+    rank = dist.get_rank()
+    torch.manual_seed(100 + rank)
+    random.seed(100 + rank)
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    save_checkpoint(path, model, optimizer, Progress(step=4, epoch=1, batches_done=2))
+    after_save = draws()
+    draws()  # move on, as training would
+    load_checkpoint(path, model, optimizer)
+    return after_save, draws()
+
+
+def four_layers() -> nn.Sequential:
+    widths = [4, 16, 16, 16, 1]
+    return nn.Sequential(*(nn.Linear(a, b) for a, b in zip(widths, widths[1:])))
+
+
+def bucket_layout_round_trip(path: str) -> tuple[list[tuple[str, ...]], list[tuple[str, ...]]]:
+    """Train two steps (so the buckets are rebuilt), save, and load into a fresh wrapper.
+    Returns the layouts of the trained wrapper and of the restored one."""
+    torch.manual_seed(0)
+    ddp = MiniDDP(four_layers(), bucket_cap_mb=0.0005)  # 512 bytes: several buckets
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for _ in range(2):
+        optimizer.zero_grad()
+        ddp(torch.randn(8, 4)).sum().backward()
+        optimizer.step()
+    save_checkpoint(path, ddp, optimizer, Progress(step=2, epoch=0, batches_done=2))
+    restored = MiniDDP(four_layers(), bucket_cap_mb=0.0005)
+    load_checkpoint(path, restored, torch.optim.SGD(restored.parameters(), lr=0.1))
+    assert restored.has_rebuilt_buckets
+    model = ddp.module
+    trained_keys = set(torch.load(path, weights_only=True)["model"])
+    assert trained_keys == set(model.state_dict()), "saved keys should be the inner module's"
+    return (
+        [info.param_names for info in ddp.buckets],
+        [info.param_names for info in restored.buckets],
+    )
+
+
+def save_where_rank0_cannot_write(path: str) -> None:
+    """`path` is an existing directory, so rank 0's rename fails: every rank must raise."""
+    model = nn.Linear(2, 2)
+    save_checkpoint(path, model, torch.optim.SGD(model.parameters(), lr=0.1), Progress(1, 0, 1))
+
+
+def load_expecting_error(path: str) -> str:
+    """Every rank reads the same broken file; return the error message it raised."""
+    model = nn.Linear(3, 2)
+    try:
+        load_checkpoint(path, model)
+    except CheckpointError as error:
+        return str(error)
+    return "no error"

@@ -1,0 +1,304 @@
+"""Checkpoints: a resume continues bit for bit, a crash mid-write keeps the previous checkpoint,
+and a broken or foreign file is a clear error naming it, never code run from it.
+
+Most tests run in this process without a process group (the library then acts as one rank);
+those about several ranks use the shared two-rank pool.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import re
+import subprocess
+import sys
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import miniddp.checkpoint as checkpoint_module
+from miniddp.checkpoint import (
+    FORMAT,
+    CheckpointError,
+    Progress,
+    load_checkpoint,
+    read_checkpoint,
+    save_checkpoint,
+)
+from tests import checkpoint_tasks
+from tests.pool import RankFailure, RankPool
+
+try:
+    import numpy
+except ImportError:  # optional: MiniDDP saves numpy's RNG state only when numpy is loaded
+    numpy = None
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def new_training(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A model with dropout (so the RNG matters) and Adam (so optimizer state matters)."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Dropout(0.3), nn.Linear(16, 1))
+    return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> None:
+    inputs = torch.linspace(-1, 1, 32).reshape(8, 4)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(inputs).pow(2).mean().backward()
+        optimizer.step()
+
+
+def every_draw() -> list[float]:
+    """One number from each global generator a checkpoint restores."""
+    numbers = [torch.rand(1).item(), random.random()]
+    return numbers + ([float(numpy.random.rand())] if numpy is not None else [])
+
+
+def parameters(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_resume_continues_bit_for_bit(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.pt"
+    model, optimizer = new_training(seed=0)
+    train(model, optimizer, steps=3)
+    save_checkpoint(path, model, optimizer, Progress(3, 1, 2), extra={"note": "hello"})
+    draws_after_save = every_draw()
+    train(model, optimizer, steps=3)
+    uninterrupted = parameters(model)
+
+    resumed, resumed_optimizer = new_training(seed=1)  # other weights, other RNG state
+    random.seed(1)
+    if numpy is not None:
+        numpy.random.seed(1)
+    loaded = load_checkpoint(path, resumed, resumed_optimizer)
+    assert loaded.progress == Progress(step=3, epoch=1, batches_done=2)
+    assert loaded.extra == {"note": "hello"}
+    assert (loaded.saved_world_size, loaded.rng_restored) == (1, True)
+    assert every_draw() == draws_after_save
+    train(resumed, resumed_optimizer, steps=3)
+    assert all(torch.equal(a, b) for a, b in zip(parameters(resumed), uninterrupted))
+
+
+def test_optimizer_state_round_trips(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.pt"
+    model, optimizer = new_training(seed=0)
+    train(model, optimizer, steps=2)
+    save_checkpoint(path, model, optimizer, Progress(2, 0, 2))
+    fresh, fresh_optimizer = new_training(seed=0)
+    load_checkpoint(path, fresh, fresh_optimizer)
+    saved, restored = optimizer.state_dict(), fresh_optimizer.state_dict()
+    assert saved["param_groups"] == restored["param_groups"]
+    for index, state in saved["state"].items():
+        for name, value in state.items():
+            assert torch.equal(value, restored["state"][index][name]), (index, name)
+
+
+def test_write_that_fails_midway_keeps_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "checkpoint.pt"
+    model, optimizer = new_training(seed=0)
+    save_checkpoint(path, model, optimizer, Progress(1, 0, 1))
+
+    def disk_full_halfway(obj, file) -> None:
+        file.write(b"PK\x03\x04 half a checkpoint")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", disk_full_halfway)
+    with pytest.raises(CheckpointError, match=re.escape(str(path))):
+        save_checkpoint(path, model, optimizer, Progress(2, 0, 2))
+    monkeypatch.undo()
+    assert read_checkpoint(path)["progress"]["step"] == 1
+    assert list(tmp_path.iterdir()) == [path], "the temporary file was left behind"
+
+
+# Saves step 1, then dies (os._exit, as a kill would) with half of step 2's file written.
+KILLED_MID_WRITE = """
+import io, os, sys
+import torch
+from torch import nn
+from miniddp.checkpoint import Progress, save_checkpoint
+
+model = nn.Linear(3, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+save_checkpoint(sys.argv[1], model, optimizer, Progress(1, 0, 1))
+real_save = torch.save
+
+def die_halfway(obj, file):
+    whole = io.BytesIO()
+    real_save(obj, whole)
+    file.write(whole.getvalue()[: len(whole.getvalue()) // 2])
+    file.flush()
+    os._exit(3)
+
+torch.save = die_halfway
+save_checkpoint(sys.argv[1], model, optimizer, Progress(2, 0, 2))
+"""
+
+
+def test_process_killed_mid_write_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.pt"
+    python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=python_path)
+    writer = subprocess.run(
+        [sys.executable, "-c", KILLED_MID_WRITE, str(path)], env=env, timeout=120, check=False
+    )
+    assert writer.returncode == 3
+    leftovers = [p for p in tmp_path.iterdir() if p != path]
+    assert len(leftovers) == 1 and leftovers[0].name.endswith(".tmp"), leftovers
+    assert read_checkpoint(path)["progress"]["step"] == 1
+
+    model = nn.Linear(3, 2)
+    save_checkpoint(path, model, torch.optim.SGD(model.parameters(), lr=0.1), Progress(3, 0, 3))
+    assert list(tmp_path.iterdir()) == [path], "the next save should clear the leftover"
+
+
+class RunsCodeWhenUnpickled:
+    """A payload that creates `marker` when unpickled by plain pickle."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_weights_only_refuses_to_run_code_from_the_file(tmp_path: Path) -> None:
+    path, marker = tmp_path / "checkpoint.pt", tmp_path / "code-ran"
+    torch.save({"format": FORMAT, "version": 1, "model": RunsCodeWhenUnpickled(marker)}, path)
+    with pytest.raises(CheckpointError, match="weights_only") as raised:
+        read_checkpoint(path)
+    assert str(path) in str(raised.value)
+    assert not marker.exists(), "loading the checkpoint ran code from it"
+    torch.load(path, weights_only=False)  # the payload is real: a plain load runs it
+    assert marker.exists()
+
+
+def write_checkpoint(path: Path) -> None:
+    model, optimizer = new_training(seed=0)
+    save_checkpoint(path, model, optimizer, Progress(1, 0, 1))
+
+
+def truncate(path: Path) -> None:
+    write_checkpoint(path)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def flip_a_bit_inside_a_tensor(path: Path) -> None:
+    write_checkpoint(path)
+    with zipfile.ZipFile(path) as archive:
+        record = next(info for info in archive.infolist() if "/data/" in info.filename)
+    data = bytearray(path.read_bytes())
+    start = record.header_offset + 30 + len(record.filename.encode()) + len(record.extra)
+    data[start + record.file_size // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def foreign_torch_file(path: Path) -> None:
+    torch.save(nn.Linear(4, 16).state_dict(), path)
+
+
+def newer_format(path: Path) -> None:
+    torch.save({"format": FORMAT, "version": 99}, path)
+
+
+BROKEN_FILES: dict[str, tuple[Callable[[Path], None], str]] = {
+    "missing": (lambda path: None, "No checkpoint file at"),
+    "empty": (lambda path: path.write_bytes(b""), "truncated or was not written by torch.save"),
+    "truncated": (truncate, "truncated"),
+    "bit flip": (flip_a_bit_inside_a_tensor, "does not match its checksum"),
+    "text": (lambda path: path.write_text("step = 7\n"), "not written by torch.save"),
+    "foreign torch file": (foreign_torch_file, "not a MiniDDP checkpoint"),
+    "newer format": (newer_format, "format version 99"),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN_FILES)
+def test_broken_file_is_a_clear_error_naming_it(tmp_path: Path, case: str) -> None:
+    make, phrase = BROKEN_FILES[case]
+    path = tmp_path / "checkpoint.pt"
+    make(path)
+    model, optimizer = new_training(seed=0)
+    with pytest.raises(CheckpointError) as raised:
+        load_checkpoint(path, model, optimizer)
+    message = str(raised.value)
+    assert str(path) in message and phrase in message, message
+    # No "During handling of the above exception..." from deep inside torch.load or pickle.
+    error = raised.value
+    assert error.__cause__ is None and (error.__context__ is None or error.__suppress_context__)
+
+
+def test_checkpoint_of_another_model_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.pt"
+    write_checkpoint(path)
+    with pytest.raises(CheckpointError, match="does not fit this model") as raised:
+        load_checkpoint(path, nn.Linear(5, 1))
+    assert str(path) in str(raised.value)
+
+
+def test_map_location_decides_where_tensors_land(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.pt"
+    write_checkpoint(path)
+    checkpoint = read_checkpoint(path, map_location="meta")
+    assert {t.device.type for t in checkpoint["model"].values()} == {"meta"}
+
+
+def test_every_rank_gets_its_own_rng_state_back(pool2: RankPool, tmp_path: Path) -> None:
+    results = pool2.run(checkpoint_tasks.rng_round_trip, str(tmp_path / "checkpoint.pt"))
+    for rank, (after_save, after_load) in enumerate(results):
+        assert after_save == after_load, f"rank {rank} did not get its own RNG state back"
+    assert results[0][0] != results[1][0], "the ranks were seeded differently"
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
+
+
+def test_resume_with_another_world_size_is_refused_unless_allowed(
+    pool2: RankPool, tmp_path: Path
+) -> None:
+    path = tmp_path / "checkpoint.pt"
+    pool2.run(checkpoint_tasks.rng_round_trip, str(path))
+    model = nn.Linear(3, 2)
+    with pytest.raises(CheckpointError, match="saved by 2 ranks and this job has 1"):
+        load_checkpoint(path, model)
+    loaded = load_checkpoint(path, model, allow_world_size_change=True)
+    assert (loaded.saved_world_size, loaded.rng_restored) == (2, False)
+    assert loaded.progress == Progress(step=4, epoch=1, batches_done=2)
+
+
+def test_bucket_layout_is_restored(pool2: RankPool, tmp_path: Path) -> None:
+    results = pool2.run(checkpoint_tasks.bucket_layout_round_trip, str(tmp_path / "c.pt"))
+    for trained, restored in results:
+        assert len(trained) > 1 and restored == trained
+
+
+def test_failed_write_on_rank0_raises_on_every_rank(pool2: RankPool, tmp_path: Path) -> None:
+    outcomes = pool2.run_expecting_errors(
+        checkpoint_tasks.save_where_rank0_cannot_write, str(tmp_path)
+    )
+    for rank, outcome in enumerate(outcomes):
+        assert isinstance(outcome, RankFailure), f"rank {rank} did not raise"
+        assert outcome.type_name == "CheckpointError", outcome
+        assert f"Rank 0 could not write the checkpoint {tmp_path}" in outcome.message
+
+
+def test_every_rank_reports_a_corrupt_file(pool2: RankPool, tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.pt"
+    truncate(path)
+    messages = pool2.run(checkpoint_tasks.load_expecting_error, str(path))
+    assert all(str(path) in m and "truncated" in m for m in messages), messages
+
+
+def test_torch_save_writes_the_checksums_that_loading_checks() -> None:
+    """read_checkpoint relies on torch.save writing a zip archive with a CRC32 per record."""
+    buffer = io.BytesIO()
+    torch.save({"x": torch.ones(2)}, buffer)
+    with zipfile.ZipFile(buffer) as archive:
+        assert archive.testzip() is None

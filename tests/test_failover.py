@@ -1,0 +1,104 @@
+"""Chapter 06's claim, checked from outside: a job whose rank crashed, restarted by a plain
+`torchrun --max-restarts`, ends with exactly the parameters of a job that never crashed.
+
+Each run is a real torchrun with 2 ranks, in a session of its own (a timeout kills torchrun and
+every worker it started) and with its own TMPDIR (torchrun leaves a torchelastic_* folder there).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.measurements import record_max
+
+REPO = Path(__file__).resolve().parents[1]
+CHAPTER = REPO / "tutorials" / "06_failover.py"
+TIMEOUT_SECONDS = 90
+SHA_LINE = re.compile(r"^final-params-sha256: ([0-9a-f]{64})$", re.MULTILINE)
+# "+  0.030  rank0's collective failed: ..." in the chapter's failover timeline
+TIMELINE = re.compile(r"\+\s*([\d.]+)\s+(rank0's collective failed|first step done)")
+
+
+def torchrun(arguments: list[str], workdir: Path, max_restarts: int = 0) -> str:
+    """Run the chapter under torchrun from `workdir`; return its output, failing on error."""
+    temporary = workdir / "tmp"
+    temporary.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(temporary))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc_per_node=2", f"--max-restarts={max_restarts}", str(CHAPTER), *arguments]
+    process = subprocess.Popen(
+        command,
+        cwd=workdir,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=TIMEOUT_SECONDS)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"timed out after {TIMEOUT_SECONDS} s: {command}\n{tail(output)}")
+    finally:
+        if process.poll() is None:  # interrupted (Ctrl-C): leave no workers behind
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 0, f"exit code {process.returncode}:\n{tail(output)}"
+    return output
+
+
+def tail(output: str, lines: int = 60) -> str:
+    return "\n".join(output.splitlines()[-lines:])
+
+
+def final_sha(output: str) -> str:
+    """The fingerprint the chapter prints once, as its last line."""
+    found = SHA_LINE.findall(output)
+    assert len(found) == 1, f"expected one final-params-sha256 line:\n{tail(output)}"
+    assert SHA_LINE.match(output.strip().splitlines()[-1]), f"not the last line:\n{tail(output)}"
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A run without a crash, from a fresh folder with the default checkpoint directory."""
+    workdir = tmp_path_factory.mktemp("uninterrupted")
+    output = torchrun([], workdir)
+    assert "attempt 0" in output and "No checkpoint in" in output, tail(output)
+    return workdir, final_sha(output)
+
+
+def test_crashed_and_restarted_run_ends_bit_identical(
+    uninterrupted: tuple[Path, str], tmp_path: Path
+) -> None:
+    output = torchrun(
+        ["--crash-at-step", "7", "--checkpoint-dir", str(tmp_path / "run")],
+        tmp_path,
+        max_restarts=2,
+    )
+    assert "[rank 1] exits abruptly after step 7" in output, tail(output)
+    assert "torchrun attempt 1" in output, f"no restart happened:\n{tail(output)}"
+    assert "Resumed from step 5 " in output, tail(output)
+    assert final_sha(output) == uninterrupted[1]
+    times = {what: float(seconds) for seconds, what in TIMELINE.findall(output)}
+    if "rank0's collective failed" in times:
+        record_max("failover: crash to survivor's error (s)", times["rank0's collective failed"])
+    record_max("failover: crash to first step after restart (s)", times["first step done"])
+
+
+def test_finished_checkpoint_is_reported_and_verified(uninterrupted: tuple[Path, str]) -> None:
+    workdir, sha = uninterrupted
+    default_checkpoint = workdir / "checkpoints" / "06_failover-2ranks-20steps" / "checkpoint.pt"
+    assert default_checkpoint.is_file()
+    output = torchrun([], workdir)
+    assert "Resumed from step 20 " in output and "nothing left to train" in output, tail(output)
+    assert final_sha(output) == sha
