@@ -15,15 +15,17 @@ What each algorithm costs, for a tensor of n bytes on W ranks (L = ceil(log2 W))
     broadcast  tree                L          L n       whoever has it sends: 1, 2, 4, ... ranks
     reduce     naive               W-1        n         the root receives (W-1) n in turn
     reduce     tree                L          n         the broadcast tree, run backwards
-    all_reduce reduce_broadcast    2L         2L n      tree reduce to rank 0, tree broadcast
+    all_reduce reduce_broadcast    2L         L n       tree reduce to rank 0, tree broadcast
+    all_reduce recursive_doubling  L (+2)     L n (+n)  swap and combine with rank r XOR 2^k
     reduce_scatter ring            W-1        (W-1)/W n
     all_gather     ring            W-1        (W-1)/W n
     all_reduce ring                2(W-1)     2(W-1)/W n   reduce_scatter, then all_gather
 
-The ring's 2(W-1)/W n is the least any all-reduce can send per rank (Patarasuk and Yuan, 2009:
-every rank must send out its (W-1)/W share of the inputs and receive the others' share of the
-result), which is why NCCL and gloo use rings for large tensors, while the tree's fewer steps win
-for small ones. `all_reduce(algorithm="auto")` picks between them by size (see RING_FROM_BYTES);
+(+2: two more steps, and one more n, when W is not a power of two.) The ring's 2(W-1)/W n is the
+least any all-reduce can send per rank (Patarasuk and Yuan, 2009: every rank must send out its
+(W-1)/W share of the inputs and receive the others' share of the result), which is why NCCL and
+gloo use rings for large tensors; recursive doubling's log2 W steps are the fewest any all-reduce
+can take, which wins for small ones. `all_reduce(algorithm="auto")` picks by size (AUTO_CHOICES);
 `CostModel` predicts each algorithm's time from two numbers fitted on the running machine.
 
 Collectives run one at a time in issue order, async ones on one communication thread per process
@@ -50,13 +52,20 @@ MiB = 1024 * KiB
 
 BROADCAST_ALGORITHMS = ("naive", "tree")
 REDUCE_ALGORITHMS = ("naive", "tree")
-ALL_REDUCE_ALGORITHMS = ("reduce_broadcast", "ring", "auto")
+ALL_REDUCE_ALGORITHMS = ("reduce_broadcast", "recursive_doubling", "ring", "auto")
 
-# The smallest tensor, in bytes, from which "ring" beat "reduce_broadcast" in
-# `python -m miniddp.bench collectives` (torchrun with W ranks, gloo over loopback TCP, on the
-# 2-core machine MiniDDP was written on). Below it the tree's fewer steps win, above it the ring's
-# fewer bytes. World sizes not listed use the largest one listed: measure yours.
-RING_FROM_BYTES = {2: 16 * MiB, 3: 1 * MiB, 4: 1 * MiB}
+# What `all_reduce(algorithm="auto")` runs, by world size: (from this many bytes on, algorithm).
+# Measured with `python -m miniddp.bench collectives` under torchrun with W ranks (gloo over
+# loopback TCP) on the shared 2-core machine MiniDDP was written on, where a "link" is memory
+# copies by the same two cores. There, fewer steps won up to a few MiB, and from 4 to 32 MiB the
+# tree and the ring came within a few percent of each other; with 3 or 4 ranks on 2 cores, steps
+# that need every rank running at once are slow, which favours the tree until the bytes dominate.
+# World sizes not listed use the largest one listed: measure yours.
+AUTO_CHOICES = {
+    2: ((0, "recursive_doubling"), (4 * MiB, "reduce_broadcast"), (32 * MiB, "ring")),
+    3: ((0, "reduce_broadcast"), (16 * MiB, "ring")),
+    4: ((0, "reduce_broadcast"), (16 * MiB, "ring")),
+}
 
 # Our messages carry their own tag, so that a user's own dist.send/recv between the same ranks
 # (tag 0 by default) is never taken for one of ours.
@@ -81,7 +90,7 @@ _INTEGER_ONLY = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 class Traffic:
     """What this process sent and received through these collectives since the last `reset()`.
 
-    Counted as each message is posted, on the communication thread; read it after `wait()`.
+    Counted as each message is posted; for an async collective, read it after `wait()`.
     """
 
     bytes_sent: int = 0
@@ -183,7 +192,11 @@ def all_reduce(
     if algorithm == "auto":
         algorithm = choose_all_reduce_algorithm(tensor.numel() * tensor.element_size(), peers.size)
     peers.collective = f"all_reduce/{algorithm}"
-    run = _ring_all_reduce if algorithm == "ring" else _reduce_broadcast_all_reduce
+    run = {
+        "reduce_broadcast": _reduce_broadcast_all_reduce,
+        "recursive_doubling": _recursive_doubling_all_reduce,
+        "ring": _ring_all_reduce,
+    }[algorithm]
     return _issue(lambda flat: run(peers, flat, op), tensor, [tensor], async_op)
 
 
@@ -205,9 +218,8 @@ def reduce_scatter(
 
     def scatter(out: torch.Tensor) -> None:
         chunks = list(torch.cat([t.reshape(-1) for t in input_list]).tensor_split(peers.size))
-        _ring_reduce_scatter(peers, chunks, op)
+        _run_ring(peers, chunks, op, _ring_reduce_scatter(peers))
         out.copy_(chunks[peers.rank])
-        _finish_average(out, op, peers.size)
 
     return _issue(scatter, output, [output], async_op)
 
@@ -237,7 +249,7 @@ def all_gather(
     def gather() -> None:
         chunks = [piece.contiguous().view(-1) for piece in tensor_list]
         chunks[peers.rank].copy_(tensor.reshape(-1))
-        _ring_all_gather(peers, chunks, first_step=0)
+        _run_ring(peers, chunks, ReduceOp.SUM, _ring_all_gather(peers))
         for piece, chunk in zip(tensor_list, chunks):
             if chunk.data_ptr() != piece.data_ptr():  # a contiguous copy of a strided piece
                 piece.copy_(chunk.view(piece.shape))
@@ -262,16 +274,16 @@ def all_gather_into_tensor(
     def gather(flat: torch.Tensor) -> None:
         chunks = list(flat.tensor_split(peers.size))
         chunks[peers.rank].copy_(input_tensor.reshape(-1))
-        _ring_all_gather(peers, chunks, first_step=0)
+        _run_ring(peers, chunks, ReduceOp.SUM, _ring_all_gather(peers))
 
     return _issue(gather, output_tensor, [output_tensor], async_op)
 
 
 def choose_all_reduce_algorithm(nbytes: int, world_size: int) -> str:
-    """What `all_reduce(algorithm="auto")` runs: the tree below the measured crossover size."""
-    known = [w for w in RING_FROM_BYTES if w <= world_size] or [min(RING_FROM_BYTES)]
-    ring_from = RING_FROM_BYTES.get(world_size, RING_FROM_BYTES[max(known)])
-    return "ring" if world_size > 1 and nbytes >= ring_from else "reduce_broadcast"
+    """What `all_reduce(algorithm="auto")` runs for a tensor of `nbytes` on `world_size` ranks:
+    the last entry of AUTO_CHOICES[world_size] whose size `nbytes` reaches."""
+    choices = AUTO_CHOICES.get(world_size, AUTO_CHOICES[max(AUTO_CHOICES)])
+    return [algorithm for from_bytes, algorithm in choices if nbytes >= from_bytes][-1]
 
 
 class _Peers:
@@ -303,6 +315,31 @@ class _Peers:
     def absolute(self, relative_rank: int, root: int) -> int:
         return (relative_rank + root) % self.size
 
+    def receive(self, src: int, buffer: torch.Tensor) -> dist.Work | None:
+        """Post a receive from group rank `src` into `buffer`, and return without waiting.
+
+        Empty tensors travel as no message at all: both sides know the sizes, so both skip.
+        """
+        if not buffer.numel():
+            return None
+        traffic.bytes_received += buffer.numel() * buffer.element_size()
+        traffic.messages_received += 1
+        source = self.global_ranks[src]
+        return dist.irecv(buffer, source, group=self.group, tag=MESSAGE_TAG)
+
+    def send(self, step: int, dst: int, buffer: torch.Tensor, what: str) -> dist.Work | None:
+        """Post a send of `buffer` to group rank `dst`, and return without waiting."""
+        if not buffer.numel():
+            return None
+        nbytes = buffer.numel() * buffer.element_size()
+        traffic.bytes_sent += nbytes
+        traffic.messages_sent += 1
+        target = self.global_ranks[dst]
+        if self.log is not None:
+            me = self.global_ranks[self.rank]
+            self.log.append(Message(self.collective, step, me, target, what, nbytes))
+        return dist.isend(buffer, target, group=self.group, tag=MESSAGE_TAG)
+
     def exchange(
         self,
         step: int,
@@ -311,28 +348,17 @@ class _Peers:
     ) -> None:
         """One step: post every receive and every send, then wait for all of them.
 
-        Posting both before waiting matters: gloo sends only once the receiver has posted its
-        receive, so two ranks that each wait on a send to the other would wait forever. Empty
-        tensors travel as no message at all; both sides know the sizes, so both skip them.
+        Posting both before waiting matters: gloo sends only into a receive the other side has
+        posted, so two ranks that each waited on a send to the other would wait forever.
         """
-        pending = []
-        for src, buffer in receives:
-            if buffer.numel():
-                source = self.global_ranks[src]
-                pending.append(dist.irecv(buffer, source, group=self.group, tag=MESSAGE_TAG))
-                traffic.bytes_received += buffer.numel() * buffer.element_size()
-                traffic.messages_received += 1
-        for dst, buffer, what in sends:
-            if buffer.numel():
-                nbytes = buffer.numel() * buffer.element_size()
-                target = self.global_ranks[dst]
-                pending.append(dist.isend(buffer, target, group=self.group, tag=MESSAGE_TAG))
-                traffic.bytes_sent += nbytes
-                traffic.messages_sent += 1
-                if self.log is not None:
-                    me = self.global_ranks[self.rank]
-                    self.log.append(Message(self.collective, step, me, target, what, nbytes))
-        for work in pending:
+        posted = [self.receive(src, buffer) for src, buffer in receives]
+        posted += [self.send(step, dst, buffer, what) for dst, buffer, what in sends]
+        _wait(*posted)
+
+
+def _wait(*works: dist.Work | None) -> None:
+    for work in works:
+        if work is not None:
             work.wait()
 
 
@@ -344,20 +370,6 @@ def _broadcast_naive(peers: _Peers, flat: torch.Tensor, root: int) -> None:
             peers.exchange(step, sends=[(peers.absolute(step, root), flat, "whole tensor")])
     else:
         peers.exchange(me, receives=[(root, flat)])
-
-
-def _broadcast_tree(peers: _Peers, flat: torch.Tensor, root: int, first_step: int = 0) -> None:
-    """Binomial tree: at step s the 2^(s-1) ranks that have the tensor each send it to one that
-    has not (relative rank v sends to v + 2^(s-1)), so all W have it after ceil(log2 W) steps."""
-    me = peers.relative(root)
-    for step in range(1, _tree_steps(peers.size) + 1):
-        distance = 1 << (step - 1)
-        if me < distance and me + distance < peers.size:
-            peer = peers.absolute(me + distance, root)
-            peers.exchange(first_step + step, sends=[(peer, flat, "whole tensor")])
-        elif distance <= me < 2 * distance:
-            source = peers.absolute(me - distance, root)
-            peers.exchange(first_step + step, receives=[(source, flat)])
 
 
 def _reduce_naive(peers: _Peers, flat: torch.Tensor, root: int, op: ReduceOp.RedOpType) -> None:
@@ -373,70 +385,189 @@ def _reduce_naive(peers: _Peers, flat: torch.Tensor, root: int, op: ReduceOp.Red
         peers.exchange(me, sends=[(root, flat, "whole tensor")])
 
 
-def _reduce_tree(peers: _Peers, flat: torch.Tensor, root: int, op: ReduceOp.RedOpType) -> None:
-    """The broadcast tree run backwards: at each step the upper half of the ranks still holding
-    a partial result send it to the lower half, which fold it in; `flat` is overwritten."""
+# The binomial tree, in ranks relative to the root. Broadcasting, at step s every rank that has
+# the tensor sends it to the rank 2^(s-1) further on, so the holders double each step: 1, 2, 4...
+# Rank v's children are thus v + d for each power of two d > v (with v + d < W), reached at step
+# log2(d) + 1, and its parent is v minus its highest power of two. Reducing runs the same tree
+# backwards: the child at distance d sends its partial result at step ceil(log2 W) - log2(d).
+#
+#     W = 8:   0 -> 1 (step 1)   0 -> 2, 1 -> 3 (step 2)   0 -> 4, 1 -> 5, 2 -> 6, 3 -> 7 (step 3)
+#
+# Every rank posts its receives first, then sends as soon as its data is complete, rather than
+# waiting step by step: gloo sends only into a posted receive, so a receive posted late would
+# cost the sender a round trip of "ready" notice at every level of the tree.
+
+
+def _child_distances(me: int, size: int) -> list[int]:
+    return [1 << k for k in range(size.bit_length()) if me < 1 << k < size - me]
+
+
+def _parent_distance(me: int) -> int:
+    return 1 << (me.bit_length() - 1)
+
+
+def _receive_from_parent(peers: _Peers, flat: torch.Tensor, root: int) -> dist.Work | None:
     me = peers.relative(root)
-    steps = _tree_steps(peers.size)
-    incoming = _scratch(flat.numel(), flat.dtype, flat.device)
-    for step in range(1, steps + 1):
-        distance = 1 << (steps - step)
-        if distance <= me < 2 * distance:
-            peers.exchange(step, sends=[(peers.absolute(me - distance, root), flat, "partial")])
-            return
-        if me < distance and me + distance < peers.size:
-            peers.exchange(step, receives=[(peers.absolute(me + distance, root), incoming)])
-            _COMBINE[op](flat, incoming, out=flat)
+    return peers.receive(peers.absolute(me - _parent_distance(me), root), flat)
+
+
+def _broadcast_tree(
+    peers: _Peers,
+    flat: torch.Tensor,
+    root: int,
+    first_step: int = 0,
+    arriving: dist.Work | None = None,
+) -> None:
+    """Binomial tree broadcast: ceil(log2 W) steps. `arriving`: the receive from the parent, if
+    the caller posted it already."""
+    me = peers.relative(root)
+    if me > 0:
+        _wait(arriving if arriving is not None else _receive_from_parent(peers, flat, root))
+    sends = [
+        peers.send(first_step + d.bit_length(), peers.absolute(me + d, root), flat, "whole tensor")
+        for d in _child_distances(me, peers.size)
+    ]
+    _wait(*sends)
+
+
+def _reduce_tree(peers: _Peers, flat: torch.Tensor, root: int, op: ReduceOp.RedOpType) -> None:
+    """Binomial tree reduce, ceil(log2 W) steps: each rank folds its children's partial results
+    into `flat` (furthest child first: the order is fixed, so the rounding is too), then sends
+    the result to its parent."""
+    me, steps = peers.relative(root), _tree_steps(peers.size)
+    children = sorted(_child_distances(me, peers.size), reverse=True)
+    n = flat.numel()
+    slots = _scratch(len(children) * n, flat.dtype, flat.device)
+    partials = [slots[i * n : (i + 1) * n] for i in range(len(children))]
+    arriving = [
+        peers.receive(peers.absolute(me + d, root), partial)
+        for d, partial in zip(children, partials)
+    ]
+    for partial, work in zip(partials, arriving):
+        _wait(work)
+        _COMBINE[op](flat, partial, out=flat)
+    if me > 0:
+        distance = _parent_distance(me)
+        step = steps + 1 - distance.bit_length()
+        _wait(peers.send(step, peers.absolute(me - distance, root), flat, "partial"))
 
 
 def _reduce_broadcast_all_reduce(peers: _Peers, flat: torch.Tensor, op: ReduceOp.RedOpType) -> None:
     """Tree reduce into rank 0, then tree broadcast from it: 2 ceil(log2 W) steps, each moving
-    the whole tensor. Few steps, many bytes: the choice for small tensors."""
+    the whole tensor. Few steps, many bytes: the choice for small tensors.
+
+    The broadcast's receive is posted before the reduce starts. It cannot arrive too early: the
+    parent we receive from is the parent we send our partial to, and it broadcasts only after
+    the whole reduce is done, so after our partial has left `flat`.
+    """
+    arriving = _receive_from_parent(peers, flat, 0) if peers.rank > 0 else None
     _reduce_tree(peers, flat, 0, op)
     if peers.rank == 0:
         _finish_average(flat, op, peers.size)
-    _broadcast_tree(peers, flat, 0, first_step=_tree_steps(peers.size))
+    _broadcast_tree(peers, flat, 0, first_step=_tree_steps(peers.size), arriving=arriving)
+
+
+def _recursive_doubling_all_reduce(
+    peers: _Peers, flat: torch.Tensor, op: ReduceOp.RedOpType
+) -> None:
+    """At step k every rank swaps its partial result with the rank whose number differs from
+    its own in bit k, and both combine the two: after log2 W steps every rank holds everything.
+    The fewest steps of any all-reduce, at the price of a whole tensor per step: the choice for
+    small tensors.
+
+    When W is not a power of two, the ranks from the largest power of two P on first hand their
+    tensor to rank r - P and, at the end, get the result back from it: two more steps.
+
+    Both partners combine as (lower rank's partial) op (higher rank's), so they compute the same
+    bits, and every rank ends with the same result.
+    """
+    me, size = peers.rank, peers.size
+    inner = 1 << (size.bit_length() - 1)  # the largest power of two <= W
+    folded = size > inner
+    incoming = _scratch(flat.numel(), flat.dtype, flat.device)
+    if me >= inner:  # an extra rank: hand over, then wait for the result
+        result = peers.receive(me - inner, flat)  # arrives only after our send has been received
+        _wait(peers.send(1, me - inner, flat, "own values"), result)
+        return
+    if me + inner < size:
+        peers.exchange(1, receives=[(me + inner, incoming)])
+        _COMBINE[op](flat, incoming, out=flat)
+    for k in range(inner.bit_length() - 1):
+        partner = me ^ (1 << k)
+        step = k + 1 + folded
+        peers.exchange(step, sends=[(partner, flat, "partial")], receives=[(partner, incoming)])
+        lower, higher = (flat, incoming) if me < partner else (incoming, flat)
+        _COMBINE[op](lower, higher, out=flat)
+    _finish_average(flat, op, size)
+    if me + inner < size:
+        peers.exchange(inner.bit_length() + 1, sends=[(me + inner, flat, "result")])
 
 
 def _ring_all_reduce(peers: _Peers, flat: torch.Tensor, op: ReduceOp.RedOpType) -> None:
-    """Cut the tensor into W chunks; reduce-scatter leaves group rank r with chunk r fully
-    reduced, all-gather passes the reduced chunks round the ring. 2(W-1) steps, and each rank
-    sends 2(W-1) chunks of n/W bytes: bandwidth-optimal."""
+    """Cut the tensor into W chunks; reduce-scatter leaves group rank r with chunk r complete,
+    all-gather passes the complete chunks round the ring. 2(W-1) steps, and each rank sends
+    2(W-1) chunks of n/W bytes: bandwidth-optimal."""
     chunks = list(flat.tensor_split(peers.size))
-    _ring_reduce_scatter(peers, chunks, op)
-    _finish_average(chunks[peers.rank], op, peers.size)
-    _ring_all_gather(peers, chunks, first_step=peers.size - 1)
+    _run_ring(peers, chunks, op, _ring_reduce_scatter(peers) + _ring_all_gather(peers))
 
 
-def _ring_reduce_scatter(peers: _Peers, chunks: list[torch.Tensor], op: ReduceOp.RedOpType):
-    """W-1 steps round the ring r -> r+1. At step s each rank sends its partial result for chunk
-    r-s (its own raw values at step 1) to the right, receives the left's partial for chunk r-s-1
-    and folds its own values in. Chunk c thus starts at rank c+1 and collects one rank per step
-    until it ends, complete, at rank c: x[c+1] op x[c+2] op ... op x[c], left to right."""
+def _ring_reduce_scatter(peers: _Peers) -> list[tuple[int, int, bool]]:
+    """W-1 steps of (chunk sent right, chunk received from left, fold it in). At step s rank r
+    sends its partial result for chunk r-s (its own values at step 1) and folds its own values
+    into the left's partial for chunk r-s-1. Chunk c thus starts at rank c+1 and collects one
+    rank per step until it ends, complete, at rank c: x[c+1] op x[c+2] op ... op x[c]."""
+    me, size = peers.rank, peers.size
+    return [((me - s) % size, (me - s - 1) % size, True) for s in range(1, size)]
+
+
+def _ring_all_gather(peers: _Peers) -> list[tuple[int, int, bool]]:
+    """W-1 steps: at step s rank r forwards chunk r-s+1 (its own at step 1) and receives chunk
+    r-s straight into place. Every rank ends with all W."""
+    me, size = peers.rank, peers.size
+    return [((me - s + 1) % size, (me - s) % size, False) for s in range(1, size)]
+
+
+def _run_ring(
+    peers: _Peers,
+    chunks: list[torch.Tensor],
+    op: ReduceOp.RedOpType,
+    steps: list[tuple[int, int, bool]],
+) -> None:
+    """Run ring steps, r -> r+1: at each step every rank sends one chunk right and receives one
+    from the left, all at once. A chunk that is complete (folded into at the last reduce-scatter
+    step) is divided by W there for AVG.
+
+    Each step's receive is posted one step ahead, before waiting on the current one, so that
+    the left neighbour never waits for our "ready" notice. It lands where the current step does
+    not look: folded partials alternate between two scratch slots, and all-gather receives go to
+    chunks the current step neither sends nor receives; except with W = 2, where left and right
+    are the same rank, which sends into that chunk only after it has received the current step's
+    send of it, so after that send is finished with it.
+    """
     me, size = peers.rank, peers.size
     right, left = (me + 1) % size, (me - 1) % size
-    incoming = _scratch(max(c.numel() for c in chunks), chunks[0].dtype, chunks[0].device)
-    for step in range(1, size):
-        send, receive = (me - step) % size, (me - step - 1) % size
-        into = chunks[receive]
-        partial = incoming[: into.numel()]
-        what = f"chunk {send}" + (" (own values)" if step == 1 else " (partial)")
-        peers.exchange(step, sends=[(right, chunks[send], what)], receives=[(left, partial)])
-        _COMBINE[op](into, partial, out=into)
+    largest = max(chunk.numel() for chunk in chunks)
+    slots = _scratch(2 * largest, chunks[0].dtype, chunks[0].device)
 
+    def post_receive(index: int) -> tuple[torch.Tensor, dist.Work | None]:
+        _, receive, fold = steps[index]
+        size_of = chunks[receive].numel()
+        into = slots[(index % 2) * largest :][:size_of] if fold else chunks[receive]
+        return into, peers.receive(left, into)
 
-def _ring_all_gather(peers: _Peers, chunks: list[torch.Tensor], first_step: int) -> None:
-    """W-1 steps round the ring r -> r+1: at step s each rank forwards chunk r-s+1 (its own at
-    the first step) and receives chunk r-s straight into place. Every rank ends with all W."""
-    me, size = peers.rank, peers.size
-    right, left = (me + 1) % size, (me - 1) % size
-    for step in range(1, size):
-        send, receive = (me - step + 1) % size, (me - step) % size
-        peers.exchange(
-            first_step + step,
-            sends=[(right, chunks[send], f"chunk {send}")],
-            receives=[(left, chunks[receive])],
-        )
+    arriving = post_receive(0) if steps else None
+    for index, (send, receive, fold) in enumerate(steps):
+        upcoming = post_receive(index + 1) if index + 1 < len(steps) else None
+        stage = "own" if index == 0 else "partial" if fold else "final"
+        sent = peers.send(index + 1, right, chunks[send], f"chunk {send} ({stage})")
+        into, work = arriving
+        _wait(work)
+        if fold:
+            _COMBINE[op](chunks[receive], into, out=chunks[receive])
+            if receive == me:
+                _finish_average(chunks[me], op, size)
+        _wait(sent)
+        arriving = upcoming
 
 
 def _tree_steps(world_size: int) -> int:
@@ -453,7 +584,8 @@ _scratch_buffers: dict[torch.device, torch.Tensor] = {}
 
 def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A receive buffer, reused from call to call: a fresh 64 MiB tensor costs thousands of page
-    faults each time. Only the communication thread uses it, one collective at a time."""
+    faults each time. Collectives run one at a time, so one buffer (per device) serves them all;
+    it keeps the largest size asked for."""
     nbytes = numel * dtype.itemsize
     buffer = _scratch_buffers.get(device)
     if buffer is None or buffer.numel() < nbytes:
@@ -471,6 +603,8 @@ class Work:
         self._future: torch.futures.Future = torch.futures.Future()
 
     def wait(self) -> bool:
+        """Block until done. Not from a future's callback: those run on the communication
+        thread, which would then wait for itself."""
         self._future.wait()
         return True
 
@@ -513,9 +647,11 @@ class _InIssueOrder:
         self.thread = threading.Thread(target=self._serve, name="miniddp-comm", daemon=True)
         self.thread.start()
 
-    def run(self, job: Callable[[], None], work: Work, async_op: bool) -> None:
-        on_comm_thread = threading.current_thread() is self.thread
-        if on_comm_thread and not async_op:
+    def run(
+        self, job: Callable[[], None], result: list[torch.Tensor], async_op: bool
+    ) -> Work | None:
+        """Run `job` in its turn: async, return a Work at once; blocking, return when done."""
+        if not async_op and threading.current_thread() is self.thread:
             raise RuntimeError(
                 "A blocking collective was issued from a future's callback, which runs on the "
                 "communication thread: it would wait for itself. Pass async_op=True there."
@@ -523,31 +659,36 @@ class _InIssueOrder:
         with self._turn:
             ticket = self._issued
             self._issued += 1
-            if async_op:  # queued under the lock, so the queue stays in ticket order
-                self._queue.put((ticket, job, work))
-        if not async_op:
-            self._run_in_turn(ticket, job, work)
+            if async_op:
+                work = Work(result)
+                self._queue.put((ticket, job, work))  # under the lock: the queue stays in order
+                return work
+        self._run_in_turn(ticket, job, work=None)
+        return None
 
     def _serve(self) -> None:
         while True:
             self._run_in_turn(*self._queue.get())
 
-    def _run_in_turn(self, ticket: int, job: Callable[[], None], work: Work) -> None:
+    def _run_in_turn(self, ticket: int, job: Callable[[], None], work: Work | None) -> None:
         with self._turn:
             self._turn.wait_for(lambda: self._finished == ticket)
         failure = None
         try:
             with torch.no_grad():  # collectives are not differentiable, and may write into leaves
                 job()
-        except Exception as exc:  # handed to whoever waits; the thread serves on
-            failure = exc
-        with self._turn:
-            self._finished += 1
-            self._turn.notify_all()
+        except Exception as exc:
+            if work is None:
+                raise  # a blocking call's caller gets it directly
+            failure = exc  # an async one's, from wait(); the thread serves on
+        finally:
+            with self._turn:
+                self._finished += 1
+                self._turn.notify_all()
         # Completed after the turn has passed on: a callback may issue the next collective.
-        if failure is None:
+        if work is not None and failure is None:
             work.get_future().set_result(work.result)
-        else:
+        elif work is not None:
             work.get_future().set_exception(failure)
 
 
@@ -560,12 +701,7 @@ def _submit(job: Callable[[], None], result: list[torch.Tensor], async_op: bool)
     with _start_lock:
         if _in_issue_order is None:
             _in_issue_order = _InIssueOrder()
-    work = Work(result)
-    _in_issue_order.run(job, work, async_op)
-    if async_op:
-        return work
-    work.wait()  # re-raises what the job raised
-    return None
+    return _in_issue_order.run(job, result, async_op)
 
 
 def _issue(
@@ -639,6 +775,8 @@ class CostModel:
 def schedule(collective: str, algorithm: str, nbytes: int, world_size: int) -> tuple[int, int]:
     """(steps, bytes carried by the steps in all) of an algorithm on `world_size` ranks."""
     w, tree = world_size, _tree_steps(world_size)
+    inner_steps = w.bit_length() - 1  # log2 of the largest power of two <= W
+    doubling = inner_steps + (2 if w > 1 << inner_steps else 0)
     chunk = math.ceil(nbytes / w)  # the ring's messages: the largest of W nearly equal chunks
     shapes = {
         ("broadcast", "naive"): (w - 1, (w - 1) * nbytes),
@@ -646,6 +784,7 @@ def schedule(collective: str, algorithm: str, nbytes: int, world_size: int) -> t
         ("reduce", "naive"): (w - 1, (w - 1) * nbytes),
         ("reduce", "tree"): (tree, tree * nbytes),
         ("all_reduce", "reduce_broadcast"): (2 * tree, 2 * tree * nbytes),
+        ("all_reduce", "recursive_doubling"): (doubling, doubling * nbytes),
         ("all_reduce", "ring"): (2 * (w - 1), 2 * (w - 1) * chunk),
         ("reduce_scatter", "ring"): (w - 1, (w - 1) * chunk),
         ("all_gather", "ring"): (w - 1, (w - 1) * chunk),
@@ -659,17 +798,19 @@ def schedule(collective: str, algorithm: str, nbytes: int, world_size: int) -> t
 
 def fit_cost_model(
     group: ProcessGroup | None = None,
-    sizes: Sequence[int] = (8, 64 * KiB, 1 * MiB, 4 * MiB),  # multiples of 4: float32 tensors
-    repeats: int = 10,
+    sizes: Sequence[int] = (8, 4 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB),
+    repeats: int = 30,
 ) -> CostModel:
-    """Measure alpha and beta on this machine: every rank must call it, none may have async
-    collectives in flight.
+    """Measure alpha and beta on this machine: every rank must call it, with no async collective
+    of ours in flight.
 
-    Group ranks 0 and 1 ping-pong a float32 tensor of each size `repeats` times, through the
-    same sends and receives the algorithms use; one way takes half the median round trip. The
-    line alpha + n * beta is fitted to those times in relative terms, so the small sizes, which
-    pin alpha down, weigh as much as the large ones, which pin beta. Rank 0 sends the result to
-    all. With one rank there is nothing to measure: alpha = beta = 0.
+    Group ranks 0 and 1 ping-pong a float32 tensor of each size (multiples of 4 bytes) `repeats`
+    times, through the same sends and receives the algorithms use, going round the sizes so that
+    a busy moment slows one round rather than one size. One way is half the quickest round trip:
+    the model describes the machine, not whoever else was using it at the time. alpha is the
+    smallest message's time; beta is the least-squares slope of the others' times above alpha,
+    so the large sizes, where bandwidth shows, decide it. Rank 0 sends the result to all. With
+    one rank there is nothing to measure: alpha = beta = 0.
     """
     peers = _Peers(group, "fit_cost_model")
     fitted = torch.zeros(2, dtype=torch.float64)
@@ -677,31 +818,32 @@ def fit_cost_model(
     def measure() -> None:
         if peers.size < 2:
             return
-        one_way = [_ping_pong(peers, nbytes, repeats) for nbytes in sizes]
+        buffers = [torch.zeros(nbytes // 4) for nbytes in sizes]
+        one_way = [math.inf] * len(sizes)
+        for attempt in range(repeats + 1):  # the first round warms up, uncounted
+            for index, buffer in enumerate(buffers):
+                seconds = _ping_pong(peers, buffer)
+                if attempt:
+                    one_way[index] = min(one_way[index], seconds)
         if peers.rank == 0:
-            n = torch.tensor(sizes, dtype=torch.float64)
-            t = torch.tensor(one_way, dtype=torch.float64)
-            rows = torch.stack([1 / t, n / t], dim=1)
-            solution = torch.linalg.lstsq(rows, torch.ones_like(t).unsqueeze(1)).solution
-            fitted.copy_(solution.squeeze(1).clamp(min=0))
+            alpha = one_way[0]
+            n = torch.tensor(sizes[1:], dtype=torch.float64)
+            above_alpha = torch.tensor(one_way[1:], dtype=torch.float64) - alpha
+            beta = (n * above_alpha).sum() / (n * n).sum()
+            fitted.copy_(torch.tensor([alpha, beta.item()]))
         _broadcast_tree(peers, fitted, 0)
 
     _submit(measure, [fitted], async_op=False)
     return CostModel(alpha=fitted[0].item(), beta=fitted[1].item())
 
 
-def _ping_pong(peers: _Peers, nbytes: int, repeats: int) -> float:
-    """Median one-way time of an `nbytes` message between group ranks 0 and 1, on rank 0."""
-    buffer = torch.zeros(nbytes // 4, dtype=torch.float32)
-    times = []
-    for attempt in range(repeats + 1):  # the first round trip warms up, uncounted
-        start = time.perf_counter()
-        if peers.rank == 0:
-            peers.exchange(1, sends=[(1, buffer, "ping")])
-            peers.exchange(2, receives=[(1, buffer)])
-        elif peers.rank == 1:
-            peers.exchange(1, receives=[(0, buffer)])
-            peers.exchange(2, sends=[(0, buffer, "pong")])
-        if attempt:
-            times.append((time.perf_counter() - start) / 2)
-    return sorted(times)[len(times) // 2]
+def _ping_pong(peers: _Peers, buffer: torch.Tensor) -> float:
+    """Half a round trip of `buffer` between group ranks 0 and 1, as rank 0 times it."""
+    start = time.perf_counter()
+    if peers.rank == 0:
+        peers.exchange(1, sends=[(1, buffer, "ping")])
+        peers.exchange(2, receives=[(1, buffer)])
+    elif peers.rank == 1:
+        peers.exchange(1, receives=[(0, buffer)])
+        peers.exchange(2, sends=[(0, buffer, "pong")])
+    return (time.perf_counter() - start) / 2

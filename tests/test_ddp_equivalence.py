@@ -17,7 +17,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.measurements import record_max
-from tests.workloads import ModelSpec, TrainSpec, reference_training, train_both
+from tests.workloads import (
+    ModelSpec,
+    TrainSpec,
+    model_dtype,
+    reference_training,
+    train_both,
+    train_ours_with_hook_and_torch_without,
+)
 
 # Tolerances against single-process training. Not zero, because the two sum the same terms in a
 # different order: DDP sums each rank's batch, scales by 1/W and sums across ranks; one process
@@ -167,6 +174,26 @@ def test_torchs_comm_hooks_give_torchs_results(rank_pools, hook, spec):
     check_replicas_identical(results)
     if hook == "allreduce":
         check_against_single_process(spec, results, 3)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("algorithm", ["ring", "reduce_broadcast"])
+@property_settings(max_examples=12)
+@given(spec=train_specs(max_width=8))
+def test_our_all_reduces_train_like_gloos(rank_pools, world_size, algorithm, spec):
+    """MiniDDP over miniddp.collectives trains to torch DDP's parameters: bit for bit on 2 ranks
+    (a + b = b + a), and on 3 within the single-process tolerance: the ring adds the three
+    ranks' values in another order than gloo does."""
+    spec = dataclasses.replace(spec, comm_hook=algorithm)
+    results = rank_pools(world_size).run(train_ours_with_hook_and_torch_without, spec)
+    check_replicas_identical(results)
+    if world_size == 2:
+        check_against_torch(results, one_dtype=spec.model.dtype != "mixed")
+    else:
+        tolerance = TOLERANCE[model_dtype(spec.model), spec.model.batchnorm]
+        for ours, theirs in zip(results[0]["ours"]["params"], results[0]["torch"]["params"]):
+            for a, b in zip(ours, theirs):
+                torch.testing.assert_close(a, b, **tolerance)
 
 
 def test_default_caps_on_a_model_larger_than_the_first_bucket(rank_pools):

@@ -6,6 +6,7 @@ model and the same data to train a single-process reference.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -46,12 +47,16 @@ class TrainSpec:
 
 
 def comm_hooks() -> dict:
-    """Hooks with torch's signature; the same function object is registered on both DDPs."""
+    """Hooks with torch's signature: torch's own, and MiniDDP's send/recv all-reduces."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from miniddp.comm_hooks import all_reduce_hook
 
     return {
         "allreduce": default_hooks.allreduce_hook,
         "fp16_compress": default_hooks.fp16_compress_hook,
+        "ring": all_reduce_hook("ring"),
+        "reduce_broadcast": all_reduce_hook("reduce_broadcast"),
     }
 
 
@@ -174,6 +179,12 @@ def bucket_layout(model: nn.Module, net: nn.Module) -> list[list[str]]:
 def train_both(spec: TrainSpec) -> dict:
     """MiniDDP and torch's DDP on the same data, one after the other, on every rank."""
     return {"ours": train(spec, use_torch=False), "torch": train(spec, use_torch=True)}
+
+
+def train_ours_with_hook_and_torch_without(spec: TrainSpec) -> dict:
+    """MiniDDP over one of our own all-reduces, against torch's DDP over gloo's."""
+    torch_spec = dataclasses.replace(spec, comm_hook=None)
+    return {"ours": train(spec, use_torch=False), "torch": train(torch_spec, use_torch=True)}
 
 
 def reference_training(spec: TrainSpec, world_size: int) -> dict:

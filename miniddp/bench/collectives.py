@@ -1,5 +1,5 @@
 """`python -m miniddp.bench collectives`: our send/recv all-reduces against gloo's, with the
-alpha-beta cost model's prediction beside each measured time.
+alpha-beta cost model's prediction beside each measured time (float32 SUM).
 
 For each size, every implementation runs once per round, in a rotated order, with a barrier
 before each call so every rank starts together; a call's time is the slowest rank's. Each round
@@ -8,6 +8,9 @@ the same round): interleaved pairs, measured under the same background load.
 
 algbw and busbw follow nccl-tests: algbw = bytes / time, busbw = algbw * 2(W-1)/W, the rate each
 rank's link would need for the bandwidth-optimal algorithm to take that time.
+
+The last lines say which of ours was fastest at each size, and what `auto` picked: the figures
+to copy into `collectives.AUTO_CHOICES` for this machine and world size.
 """
 
 from __future__ import annotations
@@ -27,9 +30,11 @@ from miniddp.collectives import KiB, MiB
 from miniddp.env import init_distributed
 
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"
-IMPLEMENTATIONS = ("gloo", "reduce_broadcast", "ring", "auto")
-# Large sizes get fewer rounds, so the default run stays within about two minutes on 2 cores.
-ROUNDS_BUDGET_BYTES = 256 * MiB
+IMPLEMENTATIONS = ("gloo", "reduce_broadcast", "recursive_doubling", "ring", "auto")
+OURS = IMPLEMENTATIONS[1:-1]
+# Large sizes get fewer rounds (at least 8), so the default run stays well within two minutes.
+ROUNDS_BUDGET_BYTES = 512 * MiB
+MIN_ROUNDS = 8
 
 
 def parse_size(text: str) -> int:
@@ -54,7 +59,7 @@ def all_reduce_with(implementation: str) -> Callable[[torch.Tensor], None]:
     return lambda tensor: collectives.all_reduce(tensor, algorithm=implementation)
 
 
-def time_size(nbytes: int, rounds: int, world_size: int) -> dict[str, list[float]]:
+def time_size(nbytes: int, rounds: int) -> dict[str, list[float]]:
     """Seconds per call of each implementation, one per round, the slowest rank's."""
     source = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(dist.get_rank()))
     tensor = torch.empty_like(source)
@@ -82,15 +87,18 @@ def summarize(
     for name, seconds in times.items():
         median = statistics.median(seconds)
         algbw = nbytes / median / 1e9
-        algorithm = "ring" if name == "gloo" else name  # gloo's CPU all_reduce is a ring too
+        if name == "gloo":
+            algorithm = "ring"  # gloo's CPU all_reduce runs a ring (gloo::allreduce's default)
+        elif name == "auto":
+            algorithm = collectives.choose_all_reduce_algorithm(nbytes, world_size)
+        else:
+            algorithm = name
         ratios = [ours / theirs for ours, theirs in zip(seconds, times["gloo"])]
         rows.append(
             {
                 "bytes": nbytes,
                 "implementation": name,
-                "algorithm": collectives.choose_all_reduce_algorithm(nbytes, world_size)
-                if name == "auto"
-                else algorithm,
+                "algorithm": algorithm,
                 "median_s": median,
                 "algbw_GBps": algbw,
                 "busbw_GBps": algbw * 2 * (world_size - 1) / world_size,
@@ -104,8 +112,8 @@ def summarize(
 
 def print_header() -> None:
     print(
-        f"\n{'size':>8}  {'implementation':<18} {'time':>10} {'algbw':>7} {'busbw':>7} "
-        f"{'vs gloo':>8} {'model':>10}\n{' ' * 40}{'GB/s':>7} {'GB/s':>7} {'median':>8}",
+        f"\n{'size':>8}  {'implementation':<26} {'time':>10} {'algbw':>7} {'busbw':>7} "
+        f"{'vs gloo':>8} {'model':>10}\n{' ' * 48}{'GB/s':>7} {'GB/s':>7} {'median':>8}",
         flush=True,
     )
 
@@ -116,24 +124,21 @@ def print_rows(rows: list[dict]) -> None:
         if name == "auto":
             name = f"auto ({row['algorithm']})"
         print(
-            f"{fmt_size(row['bytes']):>8}  {name:<18} {row['median_s'] * 1e6:8.0f}us "
+            f"{fmt_size(row['bytes']):>8}  {name:<26} {row['median_s'] * 1e6:8.0f}us "
             f"{row['algbw_GBps']:7.2f} {row['busbw_GBps']:7.2f} {row['vs_gloo']:7.2f}x "
             f"{row['predicted_s'] * 1e6:8.0f}us"
         )
     print(flush=True)
 
 
-def crossover(rows: list[dict]) -> int | None:
-    """The smallest size from which ring beat reduce_broadcast at every larger size too."""
-    by_size: dict[int, dict[str, float]] = {}
+def fastest_of_ours(rows: list[dict]) -> list[tuple[int, str]]:
+    """(size, our fastest algorithm there): what AUTO_CHOICES should say for this world size."""
+    fastest: dict[int, tuple[float, str]] = {}
     for row in rows:
-        by_size.setdefault(row["bytes"], {})[row["implementation"]] = row["median_s"]
-    ring_wins = [size for size, t in sorted(by_size.items()) if t["ring"] < t["reduce_broadcast"]]
-    sizes = sorted(by_size)
-    for size in sizes:
-        if all(s in ring_wins for s in sizes if s >= size):
-            return size
-    return None
+        if row["implementation"] in OURS:
+            candidate = (row["median_s"], row["implementation"])
+            fastest[row["bytes"]] = min(fastest.get(row["bytes"], candidate), candidate)
+    return [(size, name) for size, (_, name) in sorted(fastest.items())]
 
 
 def main(argv: list[str]) -> None:
@@ -147,8 +152,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument(
         "--iters",
         type=int,
-        default=40,
-        help="rounds per size (default 40); sizes above 4 MiB get fewer, at least 8",
+        default=100,
+        help="rounds per size (default 100); sizes above 4 MiB get fewer, at least 8",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the results here")
     args = parser.parse_args(argv)
@@ -171,18 +176,20 @@ def main(argv: list[str]) -> None:
         print_header()
     rows: list[dict] = []
     for nbytes in sizes:
-        rounds = max(min(args.iters, 8), min(args.iters, ROUNDS_BUDGET_BYTES // max(nbytes, 1)))
-        size_rows = summarize(nbytes, time_size(nbytes, rounds, world_size), model, world_size)
+        rounds = min(args.iters, max(MIN_ROUNDS, ROUNDS_BUDGET_BYTES // max(nbytes, 1)))
+        size_rows = summarize(nbytes, time_size(nbytes, rounds), model, world_size)
         rows += size_rows
         if env.is_main:
             print_rows(size_rows)
     if env.is_main:
-        found = crossover(rows)
-        say(
-            "ring beat reduce_broadcast from "
-            f"{fmt_size(found) if found else 'no measured size'} on (RING_FROM_BYTES says "
-            f"{fmt_size(collectives.RING_FROM_BYTES.get(world_size, 0))})"
-        )
+        fastest = ", ".join(f"{fmt_size(size)}: {name}" for size, name in fastest_of_ours(rows))
+        say(f"fastest of ours, by size: {fastest}")
+        picks = [
+            f"{fmt_size(r['bytes'])}: {r['algorithm']}"
+            for r in rows
+            if r["implementation"] == "auto"
+        ]
+        say(f"auto picks, by size: {', '.join(picks)}")
         if args.json:
             report = {
                 "world_size": world_size,
