@@ -43,6 +43,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from miniddp.ddp import MiniDDP
+from miniddp.objects import all_gather_object, broadcast_object
 
 FORMAT = "miniddp-checkpoint"
 VERSION = 1
@@ -301,17 +302,13 @@ def _gather(state: dict[str, Any]) -> list[dict[str, Any]]:
     """Every rank's `state`, indexed by rank (just ours without a process group)."""
     if not dist.is_initialized():
         return [state]
-    states: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(states, state)
-    return states
+    return all_gather_object(state)
 
 
 def _from_rank0(value: Any) -> Any:
     if not dist.is_initialized():
         return value
-    holder = [value]
-    dist.broadcast_object_list(holder, src=0)
-    return holder[0]
+    return broadcast_object(value, src=0)
 
 
 def _bucket_layout(model: nn.Module) -> dict[str, Any] | None:

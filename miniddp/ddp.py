@@ -38,6 +38,7 @@ from miniddp.buckets import (
     rebuilt_layout,
 )
 from miniddp.env import HOW_TO_LAUNCH
+from miniddp.objects import all_gather_object
 
 CommHook = Callable[[Any, GradBucket], torch.futures.Future]
 
@@ -418,8 +419,7 @@ class MiniDDP(nn.Module):
             "find_unused_parameters": self.find_unused_parameters,
             "broadcast_buffers": self.broadcast_buffers,
         }
-        everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, (mine, settings), group=self.process_group)
+        everyone = all_gather_object((mine, settings), group=self.process_group)
         reference, reference_settings = everyone[0]
         for rank, (theirs, their_settings) in enumerate(everyone[1:], start=1):
             problem = _first_difference(reference, theirs, rank)

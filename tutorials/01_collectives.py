@@ -35,6 +35,7 @@ from common import fmt_bytes, say, say_all_ranks, section
 from miniddp import collectives
 from miniddp.collectives import Message
 from miniddp.env import cleanup, init_distributed
+from miniddp.objects import all_gather_object
 
 SWEEP_ROUNDS = 5  # interleaved rounds per size: enough for a first look, not a benchmark
 COUNTING_NUMEL = 2**18  # a 1 MiB float32 tensor for the byte counts
@@ -51,8 +52,7 @@ def plural(count: int, noun: str) -> str:
 
 def gather_messages(log: list[Message]) -> list[Message]:
     """Every rank's log of the messages it sent, merged, in step order. Every rank must call."""
-    everyone: list[list[Message] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, log)
+    everyone = all_gather_object(log)
     return sorted(itertools.chain(*everyone), key=lambda m: (m.step, m.src))
 
 
@@ -184,8 +184,7 @@ def section_counting(world_size: int) -> tuple[bool, dict]:
         collectives.traffic.reset()
         with collectives.record_messages() as log:
             run(tensor, algorithm)
-        sent: list[int | None] = [None] * world_size
-        dist.all_gather_object(sent, collectives.traffic.bytes_sent)
+        sent = all_gather_object(collectives.traffic.bytes_sent)
         steps = max((m.step for m in gather_messages(log)), default=0)
         model_steps, model_bytes = collectives.schedule(collective, algorithm, nbytes, world_size)
         consistent &= steps == model_steps
