@@ -6,9 +6,20 @@ REPO_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
 usage() {
     cat <<EOF
-Usage: ./launch.sh [SCRIPT [ARGS...]]
+Usage: ./launch.sh [--emulate-nodes N [--link-rate RATE] [--loopback]] [SCRIPT [ARGS...]]
 
 Runs SCRIPT (default: tutorials/03_bucketing.py) under torchrun, one process per rank.
+
+Options, to try a multi-node job on this one machine:
+  --emulate-nodes N  run SCRIPT as an N-node job: one torchrun agent per node, NPROC processes
+                     each, meeting through c10d rendezvous. As root where 'ip netns' works, 2
+                     nodes each get a network namespace (10.213.7.1 and 10.213.7.2) joined by a
+                     veth pair; otherwise the agents share loopback, and it says so. Namespaces
+                     are removed on exit, Ctrl-C included. NNODES, NODE_RANK, MASTER_* are
+                     ignored. How it works: scripts/emulate_nodes.sh
+  --link-rate RATE   cap the link between the nodes with tc, e.g. 100mbit or 1gbit (namespaces
+                     only: loopback is shared with everything else on the machine)
+  --loopback         use loopback even where namespaces would work
 
 Environment (all optional):
   NPROC            processes on this node          (default 2)
@@ -17,15 +28,40 @@ Environment (all optional):
   MASTER_ADDR      host of node 0, for multi-node  (default 127.0.0.1)
   MASTER_PORT      port on node 0                  (default: a free one on one node, else 29500)
   OMP_NUM_THREADS  compute threads per rank        (default 1 on CPU)
+  MAX_RESTARTS     torchrun --max-restarts: restart every worker after a failure, up to this
+                   many times (default 0; the script must resume from its checkpoint)
 
 Examples:
   ./launch.sh
   NPROC=4 ./launch.sh tutorials/02_naive_ddp.py
   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 ./launch.sh train.py   # then NODE_RANK=1 on node 1
+  MAX_RESTARTS=2 ./launch.sh tutorials/06_failover.py --crash-at-step 7
+  ./launch.sh --emulate-nodes 2 tutorials/07_multinode.py
+  ./launch.sh --emulate-nodes 2 --link-rate 100mbit tutorials/07_multinode.py
 EOF
 }
 
-if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then usage; exit 0; fi
+fail_usage() { echo "launch.sh: $*; see ./launch.sh --help" >&2; exit 2; }
+
+EMULATE_NODES=""
+LINK_RATE=""
+NETWORK=namespaces
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        -h | --help) usage; exit 0 ;;
+        --emulate-nodes) EMULATE_NODES="${2:-}"; shift 2 || fail_usage "--emulate-nodes needs N" ;;
+        --link-rate) LINK_RATE="${2:-}"; shift 2 || fail_usage "--link-rate needs a rate" ;;
+        --loopback) NETWORK=loopback; shift ;;
+        -*) fail_usage "unknown option $1" ;;
+        *) break ;;  # the script and its own arguments
+    esac
+done
+if [[ -n "$EMULATE_NODES" ]] && ! [[ "$EMULATE_NODES" =~ ^[0-9]+$ && "$EMULATE_NODES" -ge 2 ]]; then
+    fail_usage "--emulate-nodes takes a number of nodes, 2 or more"
+fi
+if [[ -z "$EMULATE_NODES" && ( -n "$LINK_RATE" || "$NETWORK" == loopback ) ]]; then
+    fail_usage "--link-rate and --loopback go with --emulate-nodes"
+fi
 
 # Check from / so the current directory, which `python -c` puts on sys.path and torchrun's
 # workers do not, cannot hide a missing install. find_spec finds miniddp without importing torch
@@ -46,7 +82,18 @@ fi
 if [[ "$DEVICE" == cpu && -z "${OMP_NUM_THREADS:-}" ]]; then export OMP_NUM_THREADS=1; fi
 
 NPROC="${NPROC:-2}"
+if [[ $# -eq 0 ]]; then set -- "$REPO_DIR/tutorials/03_bucketing.py"; fi
+
+if [[ -n "$EMULATE_NODES" ]]; then
+    export NPROC LINK_RATE NETWORK
+    exec "$REPO_DIR/scripts/emulate_nodes.sh" "$EMULATE_NODES" "$@"
+fi
+
 NNODES="${NNODES:-1}"
+# Each node's agent counts its own restarts, so with several nodes init_distributed() cannot key
+# each attempt's process group apart by that count (see miniddp/env.py); instead every attempt
+# gets a fresh store, not the agents' shared one.
+if [[ "$NNODES" != 1 ]]; then export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; fi
 if [[ "$NNODES" == 1 && -z "${MASTER_PORT:-}" ]]; then
     RENDEZVOUS=(--standalone)  # torchrun starts its own rendezvous on a free local port
 else
@@ -54,8 +101,9 @@ else
         --master_addr="${MASTER_ADDR:-127.0.0.1}" --master_port="${MASTER_PORT:-29500}")
 fi
 
-if [[ $# -eq 0 ]]; then set -- "$REPO_DIR/tutorials/03_bucketing.py"; fi
-
-COMMAND=(torchrun "${RENDEZVOUS[@]}" --nproc_per_node="$NPROC" "$@")
-echo "+ ${OMP_NUM_THREADS:+OMP_NUM_THREADS=$OMP_NUM_THREADS }${COMMAND[*]}"
+COMMAND=(torchrun "${RENDEZVOUS[@]}" --nproc_per_node="$NPROC"
+    ${MAX_RESTARTS:+--max-restarts="$MAX_RESTARTS"} "$@")
+SHOWN_ENV="${OMP_NUM_THREADS:+OMP_NUM_THREADS=$OMP_NUM_THREADS }"
+SHOWN_ENV+="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 }"
+echo "+ $SHOWN_ENV${COMMAND[*]}"
 exec "${COMMAND[@]}"

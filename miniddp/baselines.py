@@ -170,26 +170,7 @@ class DeferredMiniDDP(MiniDDP):
     """MiniDDP with every bucket's launch held back until backward is over: the same buckets
     and the same all-reduces, minus the overlap. Only the timing differs from MiniDDP."""
 
-    _backward_over = False
-
-    def _launch_ready_buckets(self) -> None:
-        if self._backward_over:
-            super()._launch_ready_buckets()
-
-    def _finish_backward(self) -> None:
-        # Note the end of backward before the launches, where it really is: launching can take
-        # a while on a busy machine, and the timeline must not count that as overlap.
-        self._note("backward", "end")
-        self._backward_over = True
-        try:
-            self._launch_ready_buckets()
-            super()._finish_backward()
-        finally:
-            self._backward_over = False
-
-    def _note(self, kind: str, name: str) -> None:
-        if not (self._backward_over and (kind, name) == ("backward", "end")):  # noted above
-            super()._note(kind, name)
+    launch_during_backward = False
 
 
 BASELINES: dict[str, type[AfterBackward]] = {

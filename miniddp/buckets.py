@@ -140,7 +140,6 @@ class Bucket:
         self.shapes = [p.shape for p in members]
         self.views = self.split(self.flat)
         self.ready_count = 0
-        self.aliased = [False] * len(members)  # gradient already lives in its view
         self.future: torch.futures.Future | None = None  # the in-flight all-reduce
 
     def __len__(self) -> int:

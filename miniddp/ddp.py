@@ -38,6 +38,7 @@ from miniddp.buckets import (
     rebuilt_layout,
 )
 from miniddp.env import HOW_TO_LAUNCH
+from miniddp.faults import wait_for
 from miniddp.objects import all_gather_object
 
 CommHook = Callable[[Any, GradBucket], torch.futures.Future]
@@ -61,6 +62,10 @@ class MiniDDP(nn.Module):
     ranks is reported on every rank (torch's rank 0 sees "Connection closed by peer"), and a
     second backward through one synced forward is an error (torch leaves it unsynchronized).
     """
+
+    # Flip to False (as the benchmark's "deferred" ablation does) to hold every launch until
+    # backward is over: the same all-reduces, minus the overlap.
+    launch_during_backward = True
 
     def __init__(
         self,
@@ -230,37 +235,24 @@ class MiniDDP(nn.Module):
                 "reduces dense buckets only. Use dense gradients (e.g. nn.Embedding(sparse=False))."
             )
         elif grad.data_ptr() == view.data_ptr():
-            bucket.aliased[position] = True  # gradient_as_bucket_view: already in place
+            # gradient_as_bucket_view: the gradient already lives in the bucket; torch divides
+            # it in place. A comm hook averages by itself, so it gets the plain sum.
+            if self._comm_hook is None:
+                view.div_(self.world_size)
         else:
-            view.copy_(grad)
+            if self._comm_hook is None:
+                # torch multiplies by the float 1/W while copying (one pass over the gradient);
+                # `g / W` would differ in the last bit when W is not a power of two.
+                torch.mul(grad, 1.0 / self.world_size, out=view)
+            else:
+                view.copy_(grad)
             if self.gradient_as_bucket_view:
                 param.grad = view
         bucket.ready_count += 1
         if bucket.is_ready:
             self._note("ready", f"bucket {bucket.index}")
-            self._scale_for_average(bucket)
-            self._launch_ready_buckets()
-
-    def _scale_for_average(self, bucket: Bucket) -> None:
-        """Multiply the bucket by the float 1/W, so that the SUM all-reduce gives the average.
-
-        Exactly torch's recipe, for equal bits: `g * (1/W)`, not `g / W` (they differ in the last
-        bit when W is not a power of two), applied before the sum. torch scales each gradient as
-        it copies it; scaling the whole flat bucket once gives the same bits (it is the same
-        elementwise product) for one kernel instead of one per parameter. Gradients that were
-        already in the bucket (gradient_as_bucket_view) torch divides by W instead: so do we.
-        A comm hook averages by itself, so it gets the plain sum of what each rank accumulated.
-        """
-        if self._comm_hook is not None:
-            return
-        if not any(bucket.aliased):
-            bucket.flat.mul_(1.0 / self.world_size)
-            return
-        for view, aliased in zip(bucket.views, bucket.aliased):
-            if aliased:
-                view.div_(self.world_size)
-            else:
-                view.mul_(1.0 / self.world_size)
+            if self.launch_during_backward:
+                self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
         """Launch buckets strictly in index order, so every rank issues the same collectives in
@@ -290,12 +282,16 @@ class MiniDDP(nn.Module):
     def _finish_backward(self) -> None:
         """Queued on the autograd engine: runs once, when the whole backward pass is done."""
         self._note("backward", "end")
+        self._launch_ready_buckets()  # nothing left to launch, unless launch_during_backward=False
         self._armed = False
         self._synced_forward_reduced = True
         missing = [self.param_names[i] for i, ready in enumerate(self._marked_ready) if not ready]
         for bucket in self.buckets_:
             if bucket.future is not None:
-                result = bucket.future.wait()
+                # Like bucket.future.wait(), but a rank that died, stalled or stopped early is
+                # named in the error instead of surfacing as a bare gloo timeout.
+                what = f"all-reduce of bucket {bucket.index} ({bucket.nbytes:,} bytes)"
+                result = wait_for(bucket.future, what, self.process_group)
                 result = result[0] if isinstance(result, list) else result
                 if result.data_ptr() != bucket.flat.data_ptr():
                     bucket.flat.copy_(result)  # a comm hook may answer in a tensor of its own
@@ -312,7 +308,8 @@ class MiniDDP(nn.Module):
             )
         globally_used = None
         if self._usage_work is not None:
-            self._usage_work.wait()
+            usage = self._usage_work.get_future()
+            wait_for(usage, "all-reduce of which parameters were used", self.process_group)
             globally_used = self._global_usage.tolist()
         self._write_back_gradients(globally_used)
         self._locally_used.zero_()
@@ -349,7 +346,6 @@ class MiniDDP(nn.Module):
         self._usage_work = None
         for bucket in self.buckets_:
             bucket.ready_count = 0
-            bucket.aliased = [False] * len(bucket)
             bucket.future = None
 
     def _build_buckets(self, layout: list[list[int]]) -> None:
@@ -374,7 +370,7 @@ class MiniDDP(nn.Module):
         same buckets in the same sequence.
         """
         order = torch.tensor(self._ready_order, dtype=torch.int64, device=self._comm_device)
-        dist.broadcast(order, src=self._global_rank0(), group=self.process_group)
+        self._broadcast(order, "broadcast of the gradient-ready order for the rebuild")
         self._build_buckets(
             rebuilt_layout(self.params, order.tolist(), self.first_bucket_bytes, self.bucket_bytes)
         )
@@ -441,11 +437,17 @@ class MiniDDP(nn.Module):
         with torch.no_grad():
             for group in groups.values():
                 flat = torch.cat([t.reshape(-1) for t in group])
-                dist.broadcast(flat, src=self._global_rank0(), group=self.process_group)
+                nbytes = flat.numel() * flat.element_size()
+                self._broadcast(flat, f"broadcast from rank 0 ({nbytes:,} bytes)")
                 offset = 0
                 for t in group:
                     t.copy_(flat[offset : offset + t.numel()].view_as(t))
                     offset += t.numel()
+
+    def _broadcast(self, tensor: torch.Tensor, what: str) -> None:
+        src = self._global_rank0()
+        work = dist.broadcast(tensor, src=src, group=self.process_group, async_op=True)
+        wait_for(work.get_future(), what, self.process_group)
 
     def _global_rank0(self) -> int:
         if self.process_group is None:

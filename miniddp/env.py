@@ -113,6 +113,16 @@ def init_distributed(
 
 
 def cleanup() -> None:
-    """Leave the process group (call at the end of a script)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Leave the process group (call at the end of a script).
+
+    A barrier first, so that no rank tears its connections down while a peer is still finishing
+    the last collective (in two-node runs here, gloo occasionally aborted a worker at exit with
+    "terminate called without an active exception" without one).
+    """
+    if not dist.is_initialized():
+        return
+    try:
+        dist.barrier()
+    except RuntimeError:
+        pass  # a peer is gone already: nothing left to wait for
+    dist.destroy_process_group()

@@ -18,14 +18,23 @@ reaches without going through gloo's connections:
 
 Every survivor then raises `CollectiveFailed`, for example
 
-    all-reduce of bucket 0 (3,520 bytes) could not finish on rank 0: rank 1 is missing.
-      rank 1: posted nothing within 1.0 s: its process died abruptly (killed, crashed, os._exit)...
+    all-reduce of bucket 0 (1,284 bytes) could not finish on rank 0: rank 1 is missing.
+      rank 1: posted nothing within 1 s, and a connection closed: most likely its process died
+      abruptly (killed, crashed, os._exit)
+      rank 0: waiting on it, as collective #6
+      First sign: the collective failed: Read error [127.0.0.1]:49536: Connection reset by peer.
+
+If the store itself is gone (with several nodes, launch.sh gives each job a store hosted by
+rank 0's process), the error still names the collective and says that the store went with it.
 
 How long a silent rank is waited for is the process group's timeout, set where the group starts:
 `init_distributed(timeout=timedelta(seconds=30))` or `init_process_group(..., timeout=...)`.
 There is deliberately no second knob: a shorter MiniDDP timeout would abandon gloo mid-collective
-anyway, and a longer one would never fire. Nothing here costs anything while collectives finish
-in time: the store is only touched once a collective is late.
+anyway, and a longer one would never fire.
+
+While collectives finish in time the store is never touched; the price is one Python callback
+from gloo's thread per wait that has to block, about 20 us here (next to ~25 us for the bare
+wait of a small all-reduce), and none for a collective that has already finished.
 """
 
 from __future__ import annotations
@@ -163,8 +172,9 @@ def _diagnose(watch: _Watch, what: str, cause: str) -> CollectiveFailed:
         reports, exits = _hear_from_everyone(watch)
     except Exception as store_error:  # the store's host may be gone too
         return CollectiveFailed(
-            f"{what} could not finish on rank {watch.rank} ({cause}), and the other ranks could "
-            f"not be asked where they are: {_first_line(store_error)}",
+            f"{what} could not finish on rank {watch.rank} ({cause}), and the store where ranks "
+            f"leave word for each other is unreachable too ({_first_line(store_error)}): the "
+            "process hosting it has most likely died (in multi-node launches, rank 0's)",
             what,
             [],
         )

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from miniddp.ddp import Event
+from miniddp.objects import all_gather_object
 
 COMPUTE = "compute"
 COMM = "communication"
@@ -131,7 +132,7 @@ def split_steps(events: Iterable[Event], rank: int = 0) -> list[StepTimeline]:
         if (event.kind, event.name) == ("forward", "start"):
             steps.append(_StepBuilder(len(steps), pending))
             pending = []
-        if not steps:
+        if not steps or event.kind == "rebuild":
             pending.append(Mark(event.time, event.kind, event.name))
         elif event.kind == "reduced":
             # Completion can be noted after the next step began; it belongs to its launch.
@@ -219,8 +220,7 @@ def gather(steps: list[StepTimeline]) -> list[StepTimeline]:
     """
     if not dist.is_initialized():
         return list(steps)
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, steps)
+    everyone = all_gather_object(steps)
     return [step for rank_steps in everyone for step in rank_steps]
 
 
@@ -249,12 +249,12 @@ def recording(model: Recordable, profiler_spans: bool = True) -> Iterator[list[E
 class ProfilerSpans:
     """An event listener that mirrors the spans as `torch.profiler.record_function` ranges.
 
-    Forward, backward and the final wait open and close on the training thread. A bucket's range
-    opens at its launch but must close on gloo's thread, when the all-reduce completes; a plain
-    `__exit__` there loses the profiler's thread-local state and the range runs to the end of
-    the trace. So it ends through `_call_end_callbacks_on_future`, torch's own way to close a
-    range from another thread (its RPC profiling uses it). Bucket ranges overlap one another on
-    the training thread's track, which Perfetto may draw imperfectly; `chrome_trace` below gives
+    Every range opens and closes on the training thread. A bucket's range runs from its launch
+    to the end of the final wait for it: the all-reduce's own work shows up beside it as gloo's
+    `gloo:all_reduce` events on gloo's threads. (Closing a range from gloo's thread when the
+    sum completes would be more precise, but with torch 2.13 on CPU that corrupted the
+    profiler's heap and crashed the process at exit.) Bucket ranges overlap one another on the
+    training thread's track, which Perfetto may draw imperfectly; `chrome_trace` below gives
     each bucket in flight a row of its own.
     """
 
@@ -268,7 +268,6 @@ class ProfilerSpans:
 
     def __init__(self) -> None:
         self._open: dict[str, torch.profiler.record_function] = {}
-        self._in_flight: dict[str, torch.futures.Future] = {}
 
     def __call__(self, event: Event) -> None:
         key = (event.kind, event.name)
@@ -282,11 +281,9 @@ class ProfilerSpans:
         if key == ("backward", "end"):
             self._open["wait"] = self._enter("wait")
         elif event.kind == "launch":
-            done: torch.futures.Future = torch.futures.Future()
-            self._enter(event.name)._call_end_callbacks_on_future(done)
-            self._in_flight[event.name] = done
-        elif event.kind == "reduced" and event.name in self._in_flight:
-            self._in_flight.pop(event.name).set_result(None)  # on gloo's thread
+            self._open[event.name] = self._enter(event.name)
+        elif event.kind == "wait" and event.name in self._open:
+            self._open.pop(event.name).__exit__(None, None, None)
 
     @staticmethod
     def _enter(name: str) -> torch.profiler.record_function:
@@ -297,8 +294,6 @@ class ProfilerSpans:
     def close_all(self) -> None:
         while self._open:
             self._open.popitem()[1].__exit__(None, None, None)
-        while self._in_flight:
-            self._in_flight.popitem()[1].set_result(None)
 
 
 BUCKET_LABELS = string.digits + string.ascii_lowercase + string.ascii_uppercase

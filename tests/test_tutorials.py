@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted((REPO / "tutorials").glob("[0-9][0-9]_*.py"))
 TIMEOUT_SECONDS = 240
 # Inherited values would change what launch.sh runs.
-LAUNCH_VARIABLES = ("NPROC", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
+LAUNCH_VARIABLES = ("NPROC", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "MAX_RESTARTS")
 
 
 def run(command: list[str], tmp_path: Path) -> tuple[int, str]:

@@ -1,0 +1,423 @@
+"""`python -m miniddp.bench step`: a training step under every design, against torch's DDP.
+
+Every variant lives in the same pair of processes, on its own copy of the same model. Each
+iteration runs every variant once, in an order rotated by one every iteration, with a barrier
+before each step; a step's time is the slowest rank's. So the variants share the machine's
+background load, and "vs torch" is the median over iterations of (variant / torch's DDP at the
+same caps, same iteration): paired ratios, the only figures worth trusting on a shared machine.
+
+A step is: gradients set to None (what `optimizer.zero_grad()` does), forward, loss, backward;
+it ends when `backward()` returns with gradients averaged. The optimizer is left out: it costs
+every variant the same. CPU time is the process's (the training thread and gloo's), summed over
+ranks. Overlap and tail come from separate, recorded iterations after the timed ones (recording
+is cheap, but the timed steps pay nothing for it).
+
+    python -m miniddp.bench step                                  # everything, ~3-5 minutes
+    python -m miniddp.bench step --models mlp --variants miniddp-1,deferred-1,torch-1 --iters 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from miniddp.baselines import BASELINES, DeferredMiniDDP
+from miniddp.ddp import MiniDDP
+from miniddp.env import init_distributed
+from miniddp.objects import all_gather_object
+from miniddp.timeline import gather, recording, split_steps, summarize, write_chrome_trace
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model (rebuilt identically on every call) and one rank's batch, with its loss."""
+
+    name: str
+    what: str
+    build: Callable[[], nn.Module]
+    batch: tuple[torch.Tensor, ...]
+    loss: Callable[[nn.Module, tuple[torch.Tensor, ...]], torch.Tensor]
+
+
+def _seeded(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    def seeded_build() -> nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return build()
+
+    return seeded_build
+
+
+def _mean_square(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return model(batch[0]).square().mean()
+
+
+class TiedTransformer(nn.Module):
+    """A small language model whose output projection is its token embedding (one tensor)."""
+
+    def __init__(self, vocab: int = 4096, width: int = 256, layers: int = 4, length: int = 64):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.position = nn.Parameter(torch.zeros(length, width))
+        layer = nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0.0, batch_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.blocks(self.embed(tokens) + self.position[: tokens.shape[1]])
+        return self.norm(hidden) @ self.embed.weight.T  # tied: the embedding reads out too
+
+
+def _next_token_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    tokens = batch[0]
+    logits = model(tokens[:, :-1])
+    return nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def workloads(rank: int) -> dict[str, Workload]:
+    """The three models, each with this rank's own (seeded) batch."""
+    generator = torch.Generator().manual_seed(1000 + rank)
+    return {
+        "mlp": Workload(
+            "mlp",
+            "10 Linear(1024, 1024) + ReLU: 10.5M parameters in 20 tensors, batch 32",
+            _seeded(lambda: nn.Sequential(*[m for _ in range(10) for m in _linear_relu(1024)])),
+            (torch.randn(32, 1024, generator=generator),),
+            _mean_square,
+        ),
+        "transformer": Workload(
+            "transformer",
+            "4-layer transformer, width 256, tied 4096-token embedding: 52 tensors, 4 x 32 tokens",
+            _seeded(TiedTransformer),
+            (torch.randint(0, 4096, (4, 33), generator=generator),),
+            _next_token_loss,
+        ),
+        "deep": Workload(
+            "deep",
+            "150 Linear(64, 64) + Tanh: 300 small tensors (0.6M parameters), batch 32",
+            _seeded(lambda: nn.Sequential(*[m for _ in range(150) for m in _linear_tanh(64)])),
+            (torch.randn(32, 64, generator=generator),),
+            _mean_square,
+        ),
+    }
+
+
+def _linear_relu(width: int) -> list[nn.Module]:
+    return [nn.Linear(width, width), nn.ReLU()]
+
+
+def _linear_tanh(width: int) -> list[nn.Module]:
+    return [nn.Linear(width, width), nn.Tanh()]
+
+
+def _torch_ddp(**options) -> Callable[[nn.Module], nn.Module]:
+    return lambda module: DistributedDataParallel(module, **options)
+
+
+def _miniddp(cls: type[MiniDDP] = MiniDDP, **options) -> Callable[[nn.Module], nn.Module]:
+    return lambda module: cls(module, **options)
+
+
+# name -> (how to wrap a fresh model, the torch variant it is compared with)
+VARIANTS: dict[str, tuple[Callable[[nn.Module], nn.Module], str]] = {
+    **{name: (cls, "torch") for name, cls in BASELINES.items()},
+    "miniddp": (_miniddp(), "torch"),
+    "miniddp-1": (_miniddp(bucket_cap_mb=1), "torch-1"),
+    "miniddp-5": (_miniddp(bucket_cap_mb=5), "torch-5"),
+    "miniddp-25": (_miniddp(bucket_cap_mb=25), "torch-25"),
+    "deferred-1": (_miniddp(DeferredMiniDDP, bucket_cap_mb=1), "torch-1"),
+    "miniddp-view": (_miniddp(gradient_as_bucket_view=True), "torch-view"),
+    "torch": (_torch_ddp(), "torch"),
+    "torch-1": (_torch_ddp(bucket_cap_mb=1), "torch-1"),
+    "torch-5": (_torch_ddp(bucket_cap_mb=5), "torch-5"),
+    "torch-25": (_torch_ddp(bucket_cap_mb=25), "torch-25"),
+    "torch-view": (_torch_ddp(gradient_as_bucket_view=True), "torch-view"),
+}
+VARIANT_HELP = {
+    "none": "no communication at all: the compute floor",
+    "naive": "a blocking all-reduce per gradient after backward",
+    "flat": "one flat all-reduce of every gradient after backward",
+    "async": "an async all-reduce per gradient, launched from its hook",
+    "miniddp": "MiniDDP, torch's default caps (1 MiB first bucket, then 25 MiB)",
+    "miniddp-N": "MiniDDP with bucket_cap_mb=N (1, 5, 25)",
+    "deferred-1": "MiniDDP at 1 MiB, launches held until backward ends (ablation)",
+    "miniddp-view": "MiniDDP, default caps, gradient_as_bucket_view=True",
+    "torch[-N|-view]": "torch's DistributedDataParallel with the same settings",
+}
+
+
+def step(model: nn.Module, params: list[nn.Parameter], workload: Workload) -> None:
+    """One training step minus the optimizer: `.grad` ends averaged over the ranks."""
+    for param in params:
+        param.grad = None
+    workload.loss(model, workload.batch).backward()
+
+
+def rotated(names: list[str], iteration: int) -> list[str]:
+    """The order for one iteration: every variant takes every position equally often."""
+    shift = iteration % len(names)
+    return names[shift:] + names[:shift]
+
+
+def time_interleaved(
+    models: dict[str, nn.Module], workload: Workload, iters: int, warmup: int = 3
+) -> dict[str, dict[str, list[float]]]:
+    """Per variant, this rank's wall and CPU seconds of each timed iteration."""
+    names = list(models)
+    params = {
+        name: [p for p in model.parameters() if p.requires_grad] for name, model in models.items()
+    }
+    for _ in range(warmup):  # the first step records the gradient order; the second rebuilds
+        for name in names:
+            step(models[name], params[name], workload)
+    times: dict[str, dict[str, list[float]]] = {n: {"wall": [], "cpu": []} for n in names}
+    for iteration in range(iters):
+        for name in rotated(names, iteration):
+            dist.barrier()
+            wall, cpu = time.perf_counter(), time.process_time()
+            step(models[name], params[name], workload)
+            times[name]["cpu"].append(time.process_time() - cpu)
+            times[name]["wall"].append(time.perf_counter() - wall)
+    return times
+
+
+def record_overlap(
+    models: dict[str, nn.Module], workload: Workload, iters: int, trace_dir: str | None
+) -> dict[str, list[dict[str, float]]]:
+    """Recorded steps of every variant that notes events; summaries from every rank."""
+    recordable = {n: m for n, m in models.items() if hasattr(m, "record_events")}
+    summaries: dict[str, list[dict[str, float]]] = {name: [] for name in recordable}
+    for name, model in recordable.items():
+        params = [p for p in model.parameters() if p.requires_grad]
+        with recording(model, profiler_spans=False) as events:
+            for _ in range(iters):
+                dist.barrier()
+                step(model, params, workload)
+        steps = gather(split_steps(events, dist.get_rank()))
+        for one in steps:
+            summary = summarize(one)
+            summaries[name].append({**vars(summary), "overlap": summary.overlap})
+        if trace_dir and dist.get_rank() == 0:
+            os.makedirs(trace_dir, exist_ok=True)
+            write_chrome_trace(steps, os.path.join(trace_dir, f"{workload.name}-{name}.json"))
+    return summaries
+
+
+def run_workload(workload: Workload, variant_names: list[str], args: argparse.Namespace) -> dict:
+    models = {name: VARIANTS[name][0](workload.build()) for name in variant_names}
+    local = time_interleaved(models, workload, args.iters)
+    overlap = record_overlap(models, workload, args.trace_iters, args.trace_dir)
+    everyone = all_gather_object(local)
+    reference = workload.build()
+    tensors = [p for p in reference.parameters() if p.requires_grad]
+    del models
+    return {
+        "model": workload.name,
+        "what": workload.what,
+        "parameters": sum(p.numel() for p in tensors),
+        "tensors": len(tensors),
+        "iters": args.iters,
+        "wall_s": {n: _max_over_ranks(everyone, n, "wall") for n in variant_names},
+        "cpu_s": {n: _sum_over_ranks(everyone, n, "cpu") for n in variant_names},
+        "overlap": overlap,
+    }
+
+
+def _max_over_ranks(everyone: list, name: str, key: str) -> list[float]:
+    return [max(values) for values in zip(*(rank[name][key] for rank in everyone))]
+
+
+def _sum_over_ranks(everyone: list, name: str, key: str) -> list[float]:
+    return [sum(values) for values in zip(*(rank[name][key] for rank in everyone))]
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low, high = math.floor(position), math.ceil(position)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def paired_ratio(ours: list[float], theirs: list[float]) -> float:
+    """Median over iterations of ours/theirs, each pair measured in the same iteration."""
+    return statistics.median(a / b for a, b in zip(ours, theirs))
+
+
+def statistics_of(result: dict) -> dict[str, dict[str, float]]:
+    """Per variant: median and quartiles of the step time, paired ratios, CPU, overlap."""
+    wall, cpu = result["wall_s"], result["cpu_s"]
+    rows = {}
+    for name, seconds in wall.items():
+        reference = VARIANTS[name][1]
+        recorded = result["overlap"].get(name, [])
+        row = {
+            "median_ms": statistics.median(seconds) * 1e3,
+            "p25_ms": quantile(seconds, 0.25) * 1e3,
+            "p75_ms": quantile(seconds, 0.75) * 1e3,
+            "cpu_ms": statistics.median(cpu[name]) * 1e3,
+            "reference": reference,
+        }
+        if reference in wall:
+            row["vs_reference"] = paired_ratio(seconds, wall[reference])
+            row["cpu_vs_reference"] = paired_ratio(cpu[name], cpu[reference])
+        if recorded:
+            overlaps = [s["overlap"] for s in recorded if not math.isnan(s["overlap"])]
+            row["overlap"] = statistics.median(overlaps) if overlaps else math.nan
+            row["tail_ms"] = statistics.median(s["tail_s"] for s in recorded) * 1e3
+        rows[name] = row
+    return rows
+
+
+def format_table(result: dict, rows: dict[str, dict[str, float]]) -> str:
+    lines = [
+        f"\n{result['model']}: {result['what']}; {result['iters']} interleaved iterations",
+        f"{'variant':<13} {'median':>8} {'p25-p75':>15} {'vs torch':>16} {'CPU':>8} "
+        f"{'CPU vs':>7} {'overlap':>7} {'tail':>7}",
+        f"{'':<13} {'ms':>8} {'ms':>15} {'(paired median)':>16} {'ms':>8} {'torch':>7} "
+        f"{'':>7} {'ms':>7}",
+    ]
+    for name, row in rows.items():
+        spread = f"{row['p25_ms']:.1f}-{row['p75_ms']:.1f}"
+        versus = (
+            f"{row['vs_reference']:.3f}x {row['reference']}"
+            if "vs_reference" in row and row["reference"] != name
+            else "-"
+        )
+        cpu_versus = f"{row['cpu_vs_reference']:.3f}" if "cpu_vs_reference" in row else "-"
+        if row["reference"] == name:
+            cpu_versus = "-"
+        overlap = f"{row['overlap']:.2f}" if not math.isnan(row.get("overlap", math.nan)) else "-"
+        tail = f"{row['tail_ms']:.1f}" if "tail_ms" in row else "-"
+        lines.append(
+            f"{name:<13} {row['median_ms']:8.1f} {spread:>15} {versus:>16} "
+            f"{row['cpu_ms']:8.1f} {cpu_versus:>7} {overlap:>7} {tail:>7}"
+        )
+    return "\n".join(lines)
+
+
+def targets(results: list[dict]) -> list[dict]:
+    """The issue's targets, checked against this run's paired medians (those it can check)."""
+    wanted = []  # (model, what, value, limit, at_most)
+    for result in results:
+        model, wall, rows = result["model"], result["wall_s"], result["rows"]
+        ratios = [("miniddp", "torch", 1.03)]
+        ratios += [(f"miniddp-{cap}", f"torch-{cap}", 1.05) for cap in (1, 5, 25)]
+        ratios += [("miniddp-view", "torch", 1.0), ("miniddp-view", "torch-view", 1.0)]
+        if model == "mlp":
+            ratios.append(("miniddp-1", "deferred-1", 0.95))
+        if model == "deep":
+            ratios.append(("miniddp", "naive", 0.35))
+        for ours, theirs, limit in ratios:
+            if ours in wall and theirs in wall:
+                value = paired_ratio(wall[ours], wall[theirs])
+                wanted.append((model, f"{ours} / {theirs}", value, limit, True))
+        for name in ("miniddp", "miniddp-1", "miniddp-5", "miniddp-25"):
+            row = rows.get(name, {})
+            if "cpu_vs_reference" in row:
+                what = f"CPU {name} / {row['reference']}"
+                wanted.append((model, what, row["cpu_vs_reference"], 1.05, True))
+        for name, limit in (("miniddp-1", 0.75), ("miniddp-5", 0.70)):
+            overlap = rows.get(name, {}).get("overlap", math.nan)
+            if not math.isnan(overlap):
+                wanted.append((model, f"overlap {name}", overlap, limit, False))
+    return [
+        {
+            "model": model,
+            "what": what,
+            "value": value,
+            "target": f"{'<=' if at_most else '>='} {limit}",
+            "met": value <= limit if at_most else value >= limit,
+        }
+        for model, what, value, limit, at_most in wanted
+    ]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m miniddp.bench step",
+        description="A training step: baselines, MiniDDP and torch's DDP, interleaved.",
+        epilog="variants: " + "; ".join(f"{name}: {what}" for name, what in VARIANT_HELP.items()),
+    )
+    parser.add_argument(
+        "--models", default="mlp,transformer,deep", help="comma-separated (default: all three)"
+    )
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help="comma-separated (default: all)"
+    )
+    parser.add_argument("--iters", type=int, default=30, help="timed iterations (default 30)")
+    parser.add_argument(
+        "--trace-iters", type=int, default=5, help="recorded iterations per variant (default 5)"
+    )
+    parser.add_argument("--trace-dir", help="write a Chrome trace per model and variant here")
+    parser.add_argument("--json", metavar="PATH", help="also write every figure here")
+    args = parser.parse_args(argv)
+    args.models = args.models.split(",")
+    args.variants = args.variants.split(",")
+    unknown = [m for m in args.models if m not in ("mlp", "transformer", "deep")]
+    unknown += [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown model or variant: {', '.join(unknown)}")
+    return args
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    env = init_distributed()
+    torch.set_num_threads(1)  # one intra-op thread per rank: the ranks share the cores
+    say = print if env.is_main else (lambda *_, **__: None)
+    if env.world_size < 2:
+        raise SystemExit("run with at least 2 ranks: there is nothing to communicate with one")
+    load_before = os.getloadavg()
+    say(
+        f"training step, {env.world_size} ranks, backend {env.backend}, "
+        f"{torch.get_num_threads()} compute thread per rank, {os.cpu_count()} cores, "
+        f"load average {load_before[0]:.2f}",
+        flush=True,
+    )
+    # Every variant is compared with torch at the same settings: add those that were left out.
+    variants = list(dict.fromkeys(args.variants + [VARIANTS[v][1] for v in args.variants]))
+    all_workloads = workloads(env.rank)
+    results = []
+    for model_name in args.models:
+        result = run_workload(all_workloads[model_name], variants, args)
+        result["rows"] = statistics_of(result)
+        results.append(result)
+        say(format_table(result, result["rows"]), flush=True)
+    checks = targets(results)
+    load_after = os.getloadavg()
+    say("\ntargets (paired medians over iterations)")
+    for c in checks:
+        say(
+            f"  {c['model']:<12} {c['what']:<34} {c['value']:7.3f}  {c['target']:<8} "
+            f"{'met' if c['met'] else 'NOT met'}"
+        )
+    say(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1-minute)")
+    if env.is_main and args.json:
+        report = {
+            "world_size": env.world_size,
+            "backend": env.backend,
+            "machine": platform.platform(),
+            "cores": os.cpu_count(),
+            "torch": torch.__version__,
+            "load_average_before": load_before,
+            "load_average_after": load_after,
+            "results": results,
+            "targets": checks,
+        }
+        with open(args.json, "w") as file:
+            json.dump(report, file, indent=1)
+        say(f"wrote {args.json}")
+    dist.barrier()
+    dist.destroy_process_group()
