@@ -27,6 +27,9 @@ import torch
 MiB = 1024 * 1024
 DEFAULT_BUCKET_CAP_MB = 25.0
 DEFAULT_FIRST_BUCKET_BYTES = 1 * MiB
+# Gradients with fewer elements are averaged together, a run of them per call, once their bucket
+# is full; bigger ones while they are copied in (see MiniDDP._mark_ready).
+SMALL_GRADIENT_NUMEL = 16_384
 
 
 def bucket_caps(bucket_cap_mb: float | None) -> tuple[int, int]:
@@ -139,11 +142,26 @@ class Bucket:
         self.numels = [p.numel() for p in members]
         self.shapes = [p.shape for p in members]
         self.views = self.split(self.flat)
+        self.is_small = [n < SMALL_GRADIENT_NUMEL for n in self.numels]
+        self.small_runs = self._runs_of_small_gradients()
         self.ready_count = 0
+        self.small_in_place: list[int] = []  # positions of small gradients already in the bucket
         self.future: torch.futures.Future | None = None  # the in-flight all-reduce
 
     def __len__(self) -> int:
         return len(self.param_indices)
+
+    def _runs_of_small_gradients(self) -> list[torch.Tensor]:
+        """Slices of `flat` covering neighbouring small gradients: usually the whole bucket."""
+        runs, start, offset = [], None, 0
+        for numel, small in zip(self.numels + [0], self.is_small + [False]):
+            if small and start is None:
+                start = offset
+            elif not small and start is not None:
+                runs.append(self.flat[start:offset])
+                start = None
+            offset += numel
+        return runs
 
     def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Cut a bucket-shaped flat tensor into one view per parameter, shaped like it."""

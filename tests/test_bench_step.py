@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 
 from miniddp.bench.step import VARIANTS, paired_ratio, quantile, rotated, targets
-from tests.test_timeline import run_in_own_session
+from tests.processes import child_env, run_in_own_session
 
 
 def test_rotation_puts_every_variant_in_every_position_equally_often():
@@ -57,7 +57,7 @@ def test_a_tiny_run_reports_every_variant_with_paired_ratios(tmp_path):
     command = [sys.executable, "-m", "miniddp.bench", "step", "--models", "deep",
                "--variants", "miniddp,naive", "--iters", "2", "--trace-iters", "1",
                "--json", str(report_path)]  # fmt: skip
-    returncode, output = run_in_own_session(command, tmp_path, timeout=240)
+    returncode, output = run_in_own_session(command, child_env(tmp_path), timeout=240)
     assert returncode == 0, output[-3000:]
     assert "torchrun" in output or "torch.distributed.run" in output  # relaunched itself
     report = json.loads(report_path.read_text())

@@ -7,16 +7,14 @@ every worker it started) and with its own TMPDIR (torchrun leaves a torchelastic
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from tests.measurements import record_max
+from tests.processes import child_env, run_in_own_session, tail
 
 REPO = Path(__file__).resolve().parents[1]
 CHAPTER = REPO / "tutorials" / "06_failover.py"
@@ -30,34 +28,13 @@ def torchrun(arguments: list[str], workdir: Path, max_restarts: int = 0) -> str:
     """Run the chapter under torchrun from `workdir`; return its output, failing on error."""
     temporary = workdir / "tmp"
     temporary.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(temporary))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += ["--nproc_per_node=2", f"--max-restarts={max_restarts}", str(CHAPTER), *arguments]
-    process = subprocess.Popen(
-        command,
-        cwd=workdir,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+    returncode, output = run_in_own_session(
+        command, child_env(temporary), TIMEOUT_SECONDS, cwd=workdir
     )
-    try:
-        output, _ = process.communicate(timeout=TIMEOUT_SECONDS)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"timed out after {TIMEOUT_SECONDS} s: {command}\n{tail(output)}")
-    finally:
-        if process.poll() is None:  # interrupted (Ctrl-C): leave no workers behind
-            os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode == 0, f"exit code {process.returncode}:\n{tail(output)}"
+    assert returncode == 0, f"exit code {returncode}:\n{tail(output)}"
     return output
-
-
-def tail(output: str, lines: int = 60) -> str:
-    return "\n".join(output.splitlines()[-lines:])
 
 
 def final_sha(output: str) -> str:

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -29,6 +26,7 @@ from miniddp.timeline import (
     summarize,
 )
 from tests import timeline_tasks
+from tests.processes import child_env, run_in_own_session
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -244,30 +242,10 @@ def test_every_design_averages_to_the_same_bits_and_launches_when_it_says(pool2)
         assert len(launched) >= 3 and min(launched) >= end
 
 
-def run_in_own_session(command: list[str], tmp_path: Path, timeout: float) -> tuple[int, str]:
-    """Run from the repo root in a session of its own; on timeout kill the whole group."""
-    env = dict(os.environ, TMPDIR=str(tmp_path), OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    process = subprocess.Popen(
-        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"timed out after {timeout} s: {command}\n{output[-3000:]}")
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-    return process.returncode, output
-
-
 def test_profiler_trace_shows_buckets_beside_gloos_all_reduce(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node=2", "-m", "tests.timeline_tasks", str(tmp_path)]  # fmt: skip
-    returncode, output = run_in_own_session(command, tmp_path, timeout=120)
+    returncode, output = run_in_own_session(command, child_env(tmp_path), timeout=120)
     assert returncode == 0, output[-3000:]
     for rank in (0, 1):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())

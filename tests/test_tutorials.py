@@ -5,13 +5,12 @@ Chapters check their own claims with asserts, so exit code 0 means the chapter's
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.processes import child_env, run_in_own_session, tail
 
 REPO = Path(__file__).resolve().parents[1]
 # Globbed at collection time, so a new chapter is tested without touching this file.
@@ -23,39 +22,7 @@ LAUNCH_VARIABLES = ("NPROC", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"
 
 def run(command: list[str], tmp_path: Path) -> tuple[int, str]:
     """Run `command` from the repo root; return its exit code and combined output."""
-    env = {name: value for name, value in os.environ.items() if name not in LAUNCH_VARIABLES}
-    env.update(
-        OMP_NUM_THREADS="1",
-        # torchrun leaves a torchelastic_* folder in TMPDIR on every run.
-        TMPDIR=str(tmp_path),
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-        # launch.sh calls python3 and torchrun: make them the ones next to this interpreter.
-        PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
-    )
-    # A session of its own, so a timeout can kill torchrun and every worker it started.
-    process = subprocess.Popen(
-        command,
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = process.communicate(timeout=TIMEOUT_SECONDS)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"timed out after {TIMEOUT_SECONDS} s: {command}\n{tail(output)}")
-    finally:
-        if process.poll() is None:  # interrupted (Ctrl-C): leave no workers behind
-            os.killpg(process.pid, signal.SIGKILL)
-    return process.returncode, output
-
-
-def tail(output: str, lines: int = 60) -> str:
-    return "\n".join(output.splitlines()[-lines:])
+    return run_in_own_session(command, child_env(tmp_path, drop=LAUNCH_VARIABLES), TIMEOUT_SECONDS)
 
 
 @pytest.mark.parametrize("chapter", CHAPTERS, ids=[chapter.name for chapter in CHAPTERS])
