@@ -83,7 +83,7 @@ def replica_digest(model: nn.Module) -> str:
     """A fingerprint of every parameter's exact bits: equal digests mean identical replicas."""
     digest = hashlib.sha256()
     for param in model.parameters():
-        digest.update(param.detach().cpu().contiguous().numpy().tobytes())
+        digest.update(bytes(param.detach().cpu().contiguous().view(torch.uint8).flatten()))
     return digest.hexdigest()[:16]
 
 
