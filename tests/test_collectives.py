@@ -28,7 +28,7 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from miniddp import collectives
@@ -43,6 +43,7 @@ from tests.collective_tasks import (
     subgroup_collectives,
 )
 from tests.measurements import record_max
+from tests.properties import property_settings
 
 WORLD_SIZES = [2, 3, 4]
 FLOAT_OPS = ["SUM", "AVG", "PRODUCT", "MAX", "MIN"]
@@ -152,15 +153,6 @@ def cases(draw, collective: str, world_size: int) -> Case:
         root=draw(st.integers(0, world_size - 1)),
         strided=draw(st.booleans()),
         seed=draw(st.integers(0, 2**20)),
-    )
-
-
-def property_settings(max_examples: int) -> settings:
-    return settings(
-        max_examples=max_examples,
-        deadline=None,
-        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-        print_blob=True,
     )
 
 

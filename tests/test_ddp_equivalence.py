@@ -13,10 +13,11 @@ import dataclasses
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.measurements import record_max
+from tests.properties import property_settings
 from tests.workloads import (
     ModelSpec,
     TrainSpec,
@@ -139,15 +140,6 @@ def run_and_check(rank_pools, world_size: int, spec: TrainSpec) -> None:
     check_against_torch(results, one_dtype=spec.model.dtype != "mixed")
     check_replicas_identical(results)
     check_against_single_process(spec, results, world_size)
-
-
-def property_settings(max_examples: int) -> settings:
-    return settings(
-        max_examples=max_examples,
-        deadline=None,
-        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-        print_blob=True,
-    )
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
