@@ -12,12 +12,13 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.processes import child_env, tail
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 240
@@ -77,14 +78,7 @@ NAMESPACES = namespaces_work()
 
 
 def launch(args: list[str], tmp_path: Path, **extra_env: str) -> subprocess.Popen:
-    env = {name: value for name, value in os.environ.items() if name not in LAUNCH_VARIABLES}
-    env.update(
-        OMP_NUM_THREADS="1",
-        TMPDIR=str(tmp_path),  # torchrun leaves a torchelastic_* folder there
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-        PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
-        **extra_env,
-    )
+    env = child_env(tmp_path, drop=LAUNCH_VARIABLES, **extra_env)
     return subprocess.Popen(
         ["./launch.sh", *args],
         cwd=REPO,
@@ -93,6 +87,9 @@ def launch(args: list[str], tmp_path: Path, **extra_env: str) -> subprocess.Pope
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,  # our signals only, not the terminal's
+        # A shell started in the background hands its children SIGINT ignored, and bash cannot
+        # trap a signal ignored on entry: give the launcher Ctrl-C back, as a terminal would.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 
@@ -128,10 +125,6 @@ def remove_namespaces(names: list[str]) -> None:
         for pid in pids.stdout.split():
             os.kill(int(pid), signal.SIGKILL)
         subprocess.run(["ip", "netns", "delete", name], capture_output=True)
-
-
-def tail(output: str, lines: int = 60) -> str:
-    return "\n".join(output.splitlines()[-lines:])
 
 
 def check_network_said(output: str) -> None:

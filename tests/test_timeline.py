@@ -257,10 +257,11 @@ def test_profiler_trace_shows_buckets_beside_gloos_all_reduce(tmp_path):
         gloo_threads = {s["thread"] for s in report["spans"] if s["name"] == "gloo:all_reduce"}
         ours = {s["thread"] for s in report["spans"] if s["name"].startswith("miniddp: ")}
         assert gloo_threads.isdisjoint(ours)  # gloo works on threads of its own
-        # Each bucket's range lasts about as long as the timeline says, not to the trace's end.
+        # Each bucket's range runs from its launch to the end of its wait: at least as long as
+        # its all-reduce, and inside its step, not on to the end of the trace.
         last = [s for s in report["spans"] if s["name"].startswith("miniddp: bucket")][
             -len(set(report["launches"])) :
         ]
         for span in last:
-            timeline_ms = report["last_step_comm_ms"][span["name"].removeprefix("miniddp: ")]
-            assert span["ms"] == pytest.approx(timeline_ms, abs=5)
+            comm_ms = report["last_step_comm_ms"][span["name"].removeprefix("miniddp: ")]
+            assert comm_ms - 1 <= span["ms"] <= report["last_step_ms"] + 1

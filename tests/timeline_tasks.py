@@ -121,7 +121,13 @@ def profile_a_step(out_dir: str) -> None:
     ]
     steps = split_steps(events, dist.get_rank())
     comm_ms = {s.name: s.duration * 1e3 for s in steps[-1].buckets}
-    report = {"launches": launches, "spans": spans, "last_step_comm_ms": comm_ms}
+    step_ms = (steps[-1].end - steps[-1].start) * 1e3
+    report = {
+        "launches": launches,
+        "spans": spans,
+        "last_step_comm_ms": comm_ms,
+        "last_step_ms": step_ms,
+    }
     Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
     dist.destroy_process_group()  # local: no collective
 
