@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable
 
 import torch
+from common import section
 from torch import nn
 
 MICRO_BATCH_SIZE = 4
@@ -23,10 +24,6 @@ MICRO_BATCHES = 3
 # float64 rounding on sums of a dozen terms of size ~1 is ~1e-16; 1e-12 leaves ample margin
 # while still catching any real mistake, which would be of the size of the gradient itself.
 TOLERANCE = 1e-12
-
-
-def section(title: str) -> None:
-    print(f"\n== {title} ==")
 
 
 def make_model() -> nn.Module:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from miniddp import collectives
 from miniddp.collectives import KiB, MiB
-from miniddp.env import init_distributed
+from miniddp.env import cleanup, init_distributed
 
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"
 IMPLEMENTATIONS = ("gloo", "reduce_broadcast", "recursive_doubling", "ring", "auto")
@@ -202,5 +202,4 @@ def main(argv: list[str]) -> None:
             with open(args.json, "w") as file:
                 json.dump(report, file, indent=2)
             say(f"wrote {args.json}")
-    dist.barrier()
-    dist.destroy_process_group()
+    cleanup()

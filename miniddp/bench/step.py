@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from miniddp.baselines import BASELINES, DeferredMiniDDP
 from miniddp.ddp import MiniDDP
-from miniddp.env import init_distributed
+from miniddp.env import cleanup, init_distributed
 from miniddp.objects import all_gather_object
 from miniddp.timeline import gather, recording, split_steps, summarize, write_chrome_trace
 
@@ -419,5 +419,4 @@ def main(argv: list[str]) -> None:
         with open(args.json, "w") as file:
             json.dump(report, file, indent=1)
         say(f"wrote {args.json}")
-    dist.barrier()
-    dist.destroy_process_group()
+    cleanup()
