@@ -23,6 +23,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from miniddp.faults import forget_watches
+
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 HOW_TO_LAUNCH = (
@@ -125,4 +127,5 @@ def cleanup() -> None:
         dist.barrier()
     except RuntimeError:
         pass  # a peer is gone already: nothing left to wait for
+    forget_watches()  # after a clean barrier, no rank waits for an exit note from this one
     dist.destroy_process_group()

@@ -69,7 +69,7 @@ class CollectiveFailed(RuntimeError):
 class _Watch:
     """One process's view of one process group: its store, and how far this rank has got."""
 
-    store: dist.Store
+    store: dist.Store | None  # None once the group was shut down cleanly
     rank: int
     world_size: int
     timeout: timedelta
@@ -245,8 +245,19 @@ def _why_missing(exit_note: str | None, position: int, cause: str) -> str:
     )
 
 
+def forget_watches() -> None:
+    """Drop every group's watch, store included: called when the process group is destroyed,
+    so nothing touches a dead group's store while the interpreter shuts down."""
+    for watch in _WATCHES.values():
+        atexit.unregister(_post_exit)
+        watch.store = None
+    _WATCHES.clear()
+
+
 def _post_exit(watch: _Watch) -> None:
     """At interpreter exit: tell the others how far this rank got (os._exit skips this)."""
+    if watch.store is None:
+        return  # the group was shut down cleanly: nobody is waiting for this rank
     try:
         watch.store.set_timeout(timedelta(seconds=2))  # never hold up an exit for long
         watch.store.set(watch.key("exited", watch.rank), f"{watch.finished}|{watch.crash or ''}")
