@@ -57,12 +57,14 @@ ALL_REDUCE_ALGORITHMS = ("reduce_broadcast", "recursive_doubling", "ring", "auto
 # What `all_reduce(algorithm="auto")` runs, by world size: (from this many bytes on, algorithm).
 # Measured with `python -m miniddp.bench collectives` under torchrun with W ranks (gloo over
 # loopback TCP) on the shared 2-core machine MiniDDP was written on, where a "link" is memory
-# copies by the same two cores. There, fewer steps won up to a few MiB, and from 4 to 32 MiB the
-# tree and the ring came within a few percent of each other; with 3 or 4 ranks on 2 cores, steps
-# that need every rank running at once are slow, which favours the tree until the bytes dominate.
-# World sizes not listed use the largest one listed: measure yours.
+# copies by the same two cores and every message costs ~100 us of thread wake-ups. There, fewer
+# messages won up to tens of MiB: with 2 ranks the ring's 4 half-size messages lost to the tree's
+# 2 whole ones below 64 MiB, and recursive doubling's single swap won below 128 KiB; with 3 or 4
+# ranks on 2 cores, steps that need every rank running at once are slow, which favours the tree
+# until the bytes dominate. Between neighbouring entries the two algorithms were within the
+# run-to-run noise (about 10%). World sizes not listed use the largest one listed: measure yours.
 AUTO_CHOICES = {
-    2: ((0, "recursive_doubling"), (4 * MiB, "reduce_broadcast"), (32 * MiB, "ring")),
+    2: ((0, "recursive_doubling"), (128 * KiB, "reduce_broadcast"), (64 * MiB, "ring")),
     3: ((0, "reduce_broadcast"), (16 * MiB, "ring")),
     4: ((0, "reduce_broadcast"), (16 * MiB, "ring")),
 }
@@ -534,40 +536,33 @@ def _run_ring(
     steps: list[tuple[int, int, bool]],
 ) -> None:
     """Run ring steps, r -> r+1: at each step every rank sends one chunk right and receives one
-    from the left, all at once. A chunk that is complete (folded into at the last reduce-scatter
-    step) is divided by W there for AVG.
+    from the left. A chunk that is complete (folded into at the last reduce-scatter step) is
+    divided by W there for AVG.
 
-    Each step's receive is posted one step ahead, before waiting on the current one, so that
-    the left neighbour never waits for our "ready" notice. It lands where the current step does
-    not look: folded partials alternate between two scratch slots, and all-gather receives go to
-    chunks the current step neither sends nor receives; except with W = 2, where left and right
-    are the same rank, which sends into that chunk only after it has received the current step's
-    send of it, so after that send is finished with it.
+    Every receive is posted before the first send, and no send is waited for until the end, so
+    a rank only ever waits for data: the left neighbour never waits for our "ready" notice, and
+    a step's send leaves as soon as its chunk is folded. Posting early is safe because nothing
+    lands where we still look: partials go to a scratch slot per step, and a final chunk
+    arrives only after our partial of it went round the whole ring, long after we last read or
+    wrote it (the final value includes what we sent, so that send is finished).
     """
-    me, size = peers.rank, peers.size
-    right, left = (me + 1) % size, (me - 1) % size
+    right, left = (peers.rank + 1) % peers.size, (peers.rank - 1) % peers.size
+    folds = [receive for _, receive, fold in steps if fold]
     largest = max(chunk.numel() for chunk in chunks)
-    slots = _scratch(2 * largest, chunks[0].dtype, chunks[0].device)
-
-    def post_receive(index: int) -> tuple[torch.Tensor, dist.Work | None]:
-        _, receive, fold = steps[index]
-        size_of = chunks[receive].numel()
-        into = slots[(index % 2) * largest :][:size_of] if fold else chunks[receive]
-        return into, peers.receive(left, into)
-
-    arriving = post_receive(0) if steps else None
+    slots = _scratch(len(folds) * largest, chunks[0].dtype, chunks[0].device)
+    partials = iter(slots[i * largest :][: chunks[c].numel()] for i, c in enumerate(folds))
+    intos = [next(partials) if fold else chunks[receive] for _, receive, fold in steps]
+    arriving = [peers.receive(left, into) for into in intos]
+    sent = []
     for index, (send, receive, fold) in enumerate(steps):
-        upcoming = post_receive(index + 1) if index + 1 < len(steps) else None
         stage = "own" if index == 0 else "partial" if fold else "final"
-        sent = peers.send(index + 1, right, chunks[send], f"chunk {send} ({stage})")
-        into, work = arriving
-        _wait(work)
+        sent.append(peers.send(index + 1, right, chunks[send], f"chunk {send} ({stage})"))
+        _wait(arriving[index])
         if fold:
-            _COMBINE[op](chunks[receive], into, out=chunks[receive])
-            if receive == me:
-                _finish_average(chunks[me], op, size)
-        _wait(sent)
-        arriving = upcoming
+            _COMBINE[op](chunks[receive], intos[index], out=chunks[receive])
+            if receive == peers.rank:
+                _finish_average(chunks[receive], op, peers.size)
+    _wait(*sent)
 
 
 def _tree_steps(world_size: int) -> int:
