@@ -141,11 +141,14 @@ class Bucket:
         self.flat = torch.zeros(total, dtype=members[0].dtype, device=members[0].device)
         self.numels = [p.numel() for p in members]
         self.shapes = [p.shape for p in members]
+        self._sizes = [torch.empty(shape, device="meta") for shape in self.shapes]  # no memory
         self.views = self.split(self.flat)
         self.is_small = [n < SMALL_GRADIENT_NUMEL for n in self.numels]
         self.small_runs = self._runs_of_small_gradients()
         self.ready_count = 0
         self.small_in_place: list[int] = []  # positions of small gradients already in the bucket
+        # (view, gradient) of small gradients waiting to be copied in once the bucket is full
+        self.small_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.future: torch.futures.Future | None = None  # the in-flight all-reduce
 
     def __len__(self) -> int:
@@ -165,7 +168,9 @@ class Bucket:
 
     def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Cut a bucket-shaped flat tensor into one view per parameter, shaped like it."""
-        return [piece.view(shape) for piece, shape in zip(flat.split(self.numels), self.shapes)]
+        # One C++ call for all of them: a Python `.view()` per piece costs ~5 us each, which
+        # for a 300-tensor model is a few percent of a training step.
+        return list(torch._utils._unflatten_dense_tensors(flat, self._sizes))
 
     @property
     def is_ready(self) -> bool:

@@ -234,19 +234,23 @@ class MiniDDP(nn.Module):
                 f"Parameter '{self.param_names[index]}' produced a sparse gradient; MiniDDP "
                 "reduces dense buckets only. Use dense gradients (e.g. nn.Embedding(sparse=False))."
             )
-        elif grad.data_ptr() == view.data_ptr():
-            # gradient_as_bucket_view: the gradient already lives in the bucket; torch divides
-            # it in place (a comm hook averages by itself, so it gets the plain sum).
+        elif self.gradient_as_bucket_view and grad.data_ptr() == view.data_ptr():
+            # The gradient already lives in the bucket; torch divides it in place (a comm hook
+            # averages by itself, so it gets the plain sum).
             if bucket.is_small[position]:
                 bucket.small_in_place.append(position)
             elif self._comm_hook is None:
                 view.div_(self.world_size)
-        elif self._comm_hook is None and not bucket.is_small[position]:
+        elif bucket.is_small[position]:
+            # Copied, with its neighbours, in one call once the bucket is full (see
+            # `_average_small_gradients`): for a small gradient the call costs more than the copy.
+            bucket.small_copies.append((view, grad))
+        elif self._comm_hook is None:
             # torch multiplies by the float 1/W while copying (one pass over the gradient);
             # `g / W` would differ in the last bit when W is not a power of two.
             torch.mul(grad, 1.0 / self.world_size, out=view)
         else:
-            view.copy_(grad)  # small: averaged with its neighbours once the bucket is full
+            view.copy_(grad)
         if self.gradient_as_bucket_view and grad is not None:
             param.grad = view
         bucket.ready_count += 1
@@ -257,14 +261,20 @@ class MiniDDP(nn.Module):
                 self._launch_ready_buckets()
 
     def _average_small_gradients(self, bucket: Bucket) -> None:
-        """Multiply the bucket's small gradients by 1/W, one call per run of neighbours.
+        """Copy the bucket's small gradients in, then multiply them by 1/W, one call per run of
+        neighbours.
 
-        For a small gradient the call costs more than the arithmetic (a 32x32 weight: ~4 us of
-        dispatch for 1,024 multiplies), so instead of scaling each as it is copied in, the
-        neighbours are scaled together: the same elementwise product, so the same bits. Small
-        gradients that were already in place (gradient_as_bucket_view) torch divides by W, so
-        those are done one by one, with their own arithmetic.
+        For a small gradient a call costs more than the arithmetic (a 32x32 weight: ~4 us of
+        dispatch for 1,024 multiplies), so instead of copying and scaling each in its hook, all
+        are copied by one batched call and the neighbours scaled together: the same elementwise
+        product, so the same bits. Small gradients that were already in place
+        (gradient_as_bucket_view) torch divides by W, so those are done one by one, with their
+        own arithmetic.
         """
+        if bucket.small_copies:
+            views, grads = zip(*bucket.small_copies)
+            torch._foreach_copy_(views, grads)
+            bucket.small_copies = []
         if self._comm_hook is not None:
             return
         if not bucket.small_in_place:
@@ -370,6 +380,7 @@ class MiniDDP(nn.Module):
         for bucket in self.buckets_:
             bucket.ready_count = 0
             bucket.small_in_place = []
+            bucket.small_copies = []
             bucket.future = None
 
     def _build_buckets(self, layout: list[list[int]]) -> None:
