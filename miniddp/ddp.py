@@ -208,13 +208,13 @@ class MiniDDP(nn.Module):
             self._backward_started = True
             Variable._execution_engine.queue_callback(self._finish_backward)
             for unused in self._unused_in_forward:
-                self._mark_ready(unused)
+                self._mark_ready(unused, self.params[unused].grad)  # may hold no_sync sums
         if not self.has_rebuilt_buckets and not self.find_unused_parameters:
             self._ready_order.append(index)
         self._note("hook", self.param_names[index])
-        self._mark_ready(index)
+        self._mark_ready(index, param.grad)
 
-    def _mark_ready(self, index: int) -> None:
+    def _mark_ready(self, index: int, grad: torch.Tensor | None) -> None:
         """Copy one gradient into its bucket; once the bucket is full, average and launch."""
         if self._marked_ready[index]:
             raise RuntimeError(
@@ -223,10 +223,9 @@ class MiniDDP(nn.Module):
                 "parameter used in two separate backward calls). Use use_reentrant=False."
             )
         self._marked_ready[index] = True
-        bucket, position = self._slot[index]
-        view = bucket.views[position]
-        param = self.params[index]
-        grad = param.grad
+        bucket, position, view, small = self._slot[index]
+        if grad is None or not self.gradient_as_bucket_view:
+            self._copy_back.append((index, grad, view))  # the result goes back to this .grad
         if grad is None:
             view.zero_()  # unused here: contributes zeros to the sum
         elif grad.is_sparse:
@@ -234,14 +233,9 @@ class MiniDDP(nn.Module):
                 f"Parameter '{self.param_names[index]}' produced a sparse gradient; MiniDDP "
                 "reduces dense buckets only. Use dense gradients (e.g. nn.Embedding(sparse=False))."
             )
-        elif self.gradient_as_bucket_view and grad.data_ptr() == view.data_ptr():
-            # The gradient already lives in the bucket; torch divides it in place (a comm hook
-            # averages by itself, so it gets the plain sum).
-            if bucket.is_small[position]:
-                bucket.small_in_place.append(position)
-            elif self._comm_hook is None:
-                view.div_(self.world_size)
-        elif bucket.is_small[position]:
+        elif self.gradient_as_bucket_view:
+            self._mark_ready_in_bucket_view(index, grad, bucket, position)
+        elif small:
             # Copied, with its neighbours, in one call once the bucket is full (see
             # `_average_small_gradients`): for a small gradient the call costs more than the copy.
             bucket.small_copies.append((view, grad))
@@ -251,14 +245,35 @@ class MiniDDP(nn.Module):
             torch.mul(grad, 1.0 / self.world_size, out=view)
         else:
             view.copy_(grad)
-        if self.gradient_as_bucket_view and grad is not None:
-            param.grad = view
         bucket.ready_count += 1
-        if bucket.is_ready:
+        if bucket.ready_count == bucket.size:
             self._average_small_gradients(bucket)
             self._note("ready", f"bucket {bucket.index}")
             if self.launch_during_backward:
                 self._launch_ready_buckets()
+
+    def _mark_ready_in_bucket_view(
+        self, index: int, grad: torch.Tensor, bucket: Bucket, position: int
+    ) -> None:
+        """gradient_as_bucket_view: `.grad` becomes the bucket's view, so the next backward
+        accumulates straight into the bucket and nothing is copied back after the all-reduce."""
+        view, small = bucket.views[position], bucket.is_small[position]
+        if grad.data_ptr() == view.data_ptr():
+            # Already in the bucket: torch divides it in place (a comm hook averages by itself,
+            # so it gets the plain sum).
+            if small:
+                bucket.small_in_place.append(position)
+            elif self._comm_hook is None:
+                view.div_(self.world_size)
+        else:
+            # First time (or .grad was replaced): copy in as usual, then alias.
+            if small:
+                bucket.small_copies.append((view, grad))
+            elif self._comm_hook is None:
+                torch.mul(grad, 1.0 / self.world_size, out=view)
+            else:
+                view.copy_(grad)
+            self.params[index].grad = view
 
     def _average_small_gradients(self, bucket: Bucket) -> None:
         """Copy the bucket's small gradients in, then multiply them by 1/W, one call per run of
@@ -350,31 +365,26 @@ class MiniDDP(nn.Module):
         self._note("sync", "end")
 
     def _write_back_gradients(self, globally_used: list[int] | None) -> None:
-        """Put each averaged gradient into `.grad`: a copy into an existing one (all in one
-        batched kernel call), or, where there is none yet, a slice of one copy of the bucket."""
-        existing, averaged = [], []
-        for bucket in self.buckets_:
-            fresh_grads = None
-            for position, index in enumerate(bucket.param_indices):
-                if globally_used is not None and not globally_used[index]:
-                    continue  # unused on every rank: leave .grad as it was (None stays None)
-                param, view = self.params[index], bucket.views[position]
-                if param.grad is None and self.gradient_as_bucket_view:
-                    param.grad = view
-                elif param.grad is None:
-                    fresh_grads = fresh_grads or bucket.split(bucket.flat.clone())
-                    param.grad = fresh_grads[position]
-                elif param.grad.data_ptr() != view.data_ptr():
-                    existing.append(param.grad)
-                    averaged.append(view)
-        if existing:
-            torch._foreach_copy_(existing, averaged)
+        """Put each averaged gradient into the `.grad` its hook copied from: all in one batched
+        kernel call. A parameter that had no gradient gets a copy of its slice of the bucket."""
+        to_fill, averaged = [], []
+        for index, grad, view in self._copy_back:
+            if globally_used is not None and not globally_used[index]:
+                continue  # unused on every rank: leave .grad as it was (None stays None)
+            if grad is not None:
+                to_fill.append(grad)
+                averaged.append(view)
+            else:
+                self.params[index].grad = view if self.gradient_as_bucket_view else view.clone()
+        if to_fill:
+            torch._foreach_copy_(to_fill, averaged)
 
     def _reset_backward_state(self) -> None:
         self._armed = False
         self._backward_started = False
         self._unused_in_forward: list[int] = []
         self._marked_ready = [False] * len(self.params)
+        self._copy_back: list[tuple[int, torch.Tensor | None, torch.Tensor]] = []
         self._next_bucket = 0
         self._usage_work = None
         for bucket in self.buckets_:
@@ -385,16 +395,17 @@ class MiniDDP(nn.Module):
 
     def _build_buckets(self, layout: list[list[int]]) -> None:
         self.buckets_ = [Bucket(i, indices, self.params) for i, indices in enumerate(layout)]
-        self._slot: dict[int, tuple[Bucket, int]] = {}
+        # Where each parameter's gradient goes: (bucket, position, view, is it small).
+        self._slot: dict[int, tuple[Bucket, int, torch.Tensor, bool]] = {}
         for bucket in self.buckets_:
             for position, index in enumerate(bucket.param_indices):
-                self._slot[index] = (bucket, position)
+                view, small = bucket.views[position], bucket.is_small[position]
+                self._slot[index] = (bucket, position, view, small)
         if self.gradient_as_bucket_view:
             # Existing gradients move into the new buckets, so `.grad` stays the bucket view.
             for index, param in enumerate(self.params):
                 if param.grad is not None:
-                    bucket, position = self._slot[index]
-                    view = bucket.views[position]
+                    view = self._slot[index][2]
                     view.copy_(param.grad)
                     param.grad = view
 
