@@ -17,6 +17,7 @@ bit-for-bit torch's (with 3+ ranks gloo's sum depends on each gradient's offset 
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 from collections.abc import Sequence
@@ -27,9 +28,6 @@ import torch
 MiB = 1024 * 1024
 DEFAULT_BUCKET_CAP_MB = 25.0
 DEFAULT_FIRST_BUCKET_BYTES = 1 * MiB
-# Gradients with fewer elements are averaged together, a run of them per call, once their bucket
-# is full; bigger ones while they are copied in (see MiniDDP._mark_ready).
-SMALL_GRADIENT_NUMEL = 16_384
 
 
 def bucket_caps(bucket_cap_mb: float | None) -> tuple[int, int]:
@@ -143,27 +141,25 @@ class Bucket:
         self.numels = [p.numel() for p in members]
         self.shapes = [p.shape for p in members]
         self.views = self.split(self.flat)
-        self.is_small = [n < SMALL_GRADIENT_NUMEL for n in self.numels]
-        self.small_runs = self._runs_of_small_gradients()
+        self.offsets = [0, *itertools.accumulate(self.numels)]  # where each view starts
         self.ready_count = 0
-        self.small_in_place: list[int] = []  # positions of small gradients already in the bucket
-        # (view, gradient) of small gradients waiting to be copied in once the bucket is full
-        self.small_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # (position, gradient) of small gradients waiting to be copied in, and their elements
+        self.small_copies: list[tuple[int, torch.Tensor]] = []
+        self.small_copies_numel = 0
         self.future: torch.futures.Future | None = None  # the in-flight all-reduce
 
     def __len__(self) -> int:
         return len(self.param_indices)
 
-    def _runs_of_small_gradients(self) -> list[torch.Tensor]:
-        """Slices of `flat` covering neighbouring small gradients: usually the whole bucket."""
-        runs, start, offset = [], None, 0
-        for numel, small in zip(self.numels + [0], self.is_small + [False]):
-            if small and start is None:
-                start = offset
-            elif not small and start is not None:
-                runs.append(self.flat[start:offset])
-                start = None
-            offset += numel
+    def runs(self, positions: Sequence[int]) -> list[torch.Tensor]:
+        """Slices of `flat` covering the views at `positions`, one per run of neighbours."""
+        positions = sorted(positions)
+        runs, first = [], 0
+        for i in range(1, len(positions) + 1):
+            if i == len(positions) or positions[i] != positions[i - 1] + 1:
+                start, end = self.offsets[positions[first]], self.offsets[positions[i - 1] + 1]
+                runs.append(self.flat[start:end])
+                first = i
         return runs
 
     def split(self, flat: torch.Tensor) -> list[torch.Tensor]:

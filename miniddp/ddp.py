@@ -66,6 +66,11 @@ class MiniDDP(nn.Module):
     # Flip to False (as the benchmark's "deferred" ablation does) to hold every launch until
     # backward is over: the same all-reduces, minus the overlap.
     launch_during_backward = True
+    # Gradients with fewer elements are copied in and scaled in batches of about
+    # `small_batch_numel` elements (or whatever is left when their bucket fills), bigger ones one
+    # by one as each arrives: see `_copy_small_gradients`.
+    small_gradient_numel = 16_384
+    small_batch_numel = 262_144
 
     def __init__(
         self,
@@ -215,7 +220,7 @@ class MiniDDP(nn.Module):
         self._mark_ready(index, param.grad)
 
     def _mark_ready(self, index: int, grad: torch.Tensor | None) -> None:
-        """Copy one gradient into its bucket; once the bucket is full, average and launch."""
+        """Copy one gradient into its bucket, scaled by 1/W; once the bucket is full, launch."""
         if self._marked_ready[index]:
             raise RuntimeError(
                 f"Parameter '{self.param_names[index]}' got its gradient twice in one backward "
@@ -233,74 +238,50 @@ class MiniDDP(nn.Module):
                 f"Parameter '{self.param_names[index]}' produced a sparse gradient; MiniDDP "
                 "reduces dense buckets only. Use dense gradients (e.g. nn.Embedding(sparse=False))."
             )
-        elif self.gradient_as_bucket_view:
-            self._mark_ready_in_bucket_view(index, grad, bucket, position)
+        elif self.gradient_as_bucket_view and grad.data_ptr() == view.data_ptr():
+            # Already in the bucket: torch divides it in place (a comm hook averages by itself,
+            # so it gets the plain sum).
+            if self._comm_hook is None:
+                view.div_(self.world_size)
         elif small:
-            # Copied, with its neighbours, in one call once the bucket is full (see
-            # `_average_small_gradients`): for a small gradient the call costs more than the copy.
-            bucket.small_copies.append((view, grad))
+            bucket.small_copies.append((position, grad))
+            bucket.small_copies_numel += grad.numel()
+            if bucket.small_copies_numel >= self.small_batch_numel:
+                self._copy_small_gradients(bucket)
         elif self._comm_hook is None:
             # torch multiplies by the float 1/W while copying (one pass over the gradient);
             # `g / W` would differ in the last bit when W is not a power of two.
             torch.mul(grad, 1.0 / self.world_size, out=view)
         else:
             view.copy_(grad)
+        if self.gradient_as_bucket_view and grad is not None:
+            self.params[index].grad = view  # the next backward accumulates in the bucket
         bucket.ready_count += 1
         if bucket.ready_count == bucket.size:
-            self._average_small_gradients(bucket)
+            self._copy_small_gradients(bucket)
             self._note("ready", f"bucket {bucket.index}")
             if self.launch_during_backward:
                 self._launch_ready_buckets()
 
-    def _mark_ready_in_bucket_view(
-        self, index: int, grad: torch.Tensor, bucket: Bucket, position: int
-    ) -> None:
-        """gradient_as_bucket_view: `.grad` becomes the bucket's view, so the next backward
-        accumulates straight into the bucket and nothing is copied back after the all-reduce."""
-        view, small = bucket.views[position], bucket.is_small[position]
-        if grad.data_ptr() == view.data_ptr():
-            # Already in the bucket: torch divides it in place (a comm hook averages by itself,
-            # so it gets the plain sum).
-            if small:
-                bucket.small_in_place.append(position)
-            elif self._comm_hook is None:
-                view.div_(self.world_size)
-        else:
-            # First time (or .grad was replaced): copy in as usual, then alias.
-            if small:
-                bucket.small_copies.append((view, grad))
-            elif self._comm_hook is None:
-                torch.mul(grad, 1.0 / self.world_size, out=view)
-            else:
-                view.copy_(grad)
-            self.params[index].grad = view
-
-    def _average_small_gradients(self, bucket: Bucket) -> None:
-        """Copy the bucket's small gradients in, then multiply them by 1/W, one call per run of
-        neighbours.
+    def _copy_small_gradients(self, bucket: Bucket) -> None:
+        """Copy a batch of small gradients into the bucket in one call, then scale them by 1/W
+        in one call per run of neighbours (usually one: after the rebuild, a bucket's gradients
+        arrive in its order).
 
         For a small gradient a call costs more than the arithmetic (a 32x32 weight: ~4 us of
-        dispatch for 1,024 multiplies), so instead of copying and scaling each in its hook, all
-        are copied by one batched call and the neighbours scaled together: the same elementwise
-        product, so the same bits. Small gradients that were already in place
-        (gradient_as_bucket_view) torch divides by W, so those are done one by one, with their
-        own arithmetic.
+        dispatch for 1,024 multiplies); batching keeps the bits (the same elementwise product)
+        and, unlike leaving it all to the bucket's last gradient, keeps the work spread over
+        backward instead of delaying the launch.
         """
-        if bucket.small_copies:
-            views, grads = zip(*bucket.small_copies)
-            torch._foreach_copy_(views, grads)
-            bucket.small_copies = []
-        if self._comm_hook is not None:
+        if not bucket.small_copies:
             return
-        if not bucket.small_in_place:
-            for run in bucket.small_runs:
+        positions, grads = zip(*bucket.small_copies)
+        torch._foreach_copy_([bucket.views[p] for p in positions], grads)
+        if self._comm_hook is None:
+            for run in bucket.runs(positions):
                 run.mul_(1.0 / self.world_size)
-            return
-        for position, view in enumerate(bucket.views):
-            if position in bucket.small_in_place:
-                view.div_(self.world_size)
-            elif bucket.is_small[position]:
-                view.mul_(1.0 / self.world_size)
+        bucket.small_copies = []
+        bucket.small_copies_numel = 0
 
     def _launch_ready_buckets(self) -> None:
         """Launch buckets strictly in index order, so every rank issues the same collectives in
@@ -389,8 +370,8 @@ class MiniDDP(nn.Module):
         self._usage_work = None
         for bucket in self.buckets_:
             bucket.ready_count = 0
-            bucket.small_in_place = []
             bucket.small_copies = []
+            bucket.small_copies_numel = 0
             bucket.future = None
 
     def _build_buckets(self, layout: list[list[int]]) -> None:
@@ -399,7 +380,8 @@ class MiniDDP(nn.Module):
         self._slot: dict[int, tuple[Bucket, int, torch.Tensor, bool]] = {}
         for bucket in self.buckets_:
             for position, index in enumerate(bucket.param_indices):
-                view, small = bucket.views[position], bucket.is_small[position]
+                view = bucket.views[position]
+                small = view.numel() < self.small_gradient_numel
                 self._slot[index] = (bucket, position, view, small)
         if self.gradient_as_bucket_view:
             # Existing gradients move into the new buckets, so `.grad` stays the bucket view.
