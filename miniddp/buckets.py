@@ -143,9 +143,10 @@ class Bucket:
         self.views = self.split(self.flat)
         self.offsets = [0, *itertools.accumulate(self.numels)]  # where each view starts
         self.ready_count = 0
-        # (position, gradient) of small gradients waiting to be copied in, and their elements
-        self.small_copies: list[tuple[int, torch.Tensor]] = []
-        self.small_copies_numel = 0
+        # Small gradients waiting to be copied in and scaled, as (position, gradient), or
+        # (position, None) where only the scaling waits; and how many elements they hold
+        self.small_batch: list[tuple[int, torch.Tensor | None]] = []
+        self.small_batch_numel = 0
         self.future: torch.futures.Future | None = None  # the in-flight all-reduce
 
     def __len__(self) -> int:
