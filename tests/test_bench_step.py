@@ -11,7 +11,14 @@ from collections import Counter
 
 import pytest
 
-from miniddp.bench.step import VARIANTS, paired_ratio, quantile, rotated, targets
+from miniddp.bench.step import (
+    VARIANTS,
+    paired_ratio,
+    paired_ratio_interval,
+    quantile,
+    rotated,
+    targets,
+)
 from tests.processes import child_env, run_in_own_session
 
 
@@ -41,6 +48,7 @@ def test_targets_check_the_issues_bounds():
         "model": "mlp",
         "wall_s": {"miniddp": [1.0, 1.0], "torch": [1.0, 0.9], "miniddp-1": [0.9, 0.9],
                    "deferred-1": [1.0, 1.0]},
+        "cpu_s": {"miniddp": [1.2, 1.2], "torch": [1.0, 1.0]},
         "rows": {"miniddp": {"cpu_vs_reference": 1.2, "reference": "torch"},
                  "miniddp-1": {"overlap": 0.8}},
     }  # fmt: skip
@@ -50,6 +58,17 @@ def test_targets_check_the_issues_bounds():
     assert found["CPU miniddp / torch"] == (1.2, False)
     assert found["overlap miniddp-1"] == (0.8, True)
     assert "miniddp / naive" not in found  # only for the deep model, and naive did not run
+
+
+def test_the_interval_of_a_paired_median_widens_with_the_noise_and_narrows_with_iterations():
+    theirs = [1.0] * 100
+    ours = [1.0 + i / 100 for i in range(100)]  # ratios 1.00 .. 1.99, median 1.495
+    assert paired_ratio_interval(ours, theirs) == (pytest.approx(1.40), pytest.approx(1.59))
+    assert paired_ratio_interval(ours[::4], theirs[::4]) == (  # 25 ratios: 1.00, 1.04, ...
+        pytest.approx(1.28),
+        pytest.approx(1.68),
+    )
+    assert paired_ratio_interval([2.0], [1.0]) == (2.0, 2.0)
 
 
 def test_a_tiny_run_reports_every_variant_with_paired_ratios(tmp_path):
@@ -69,8 +88,9 @@ def test_a_tiny_run_reports_every_variant_with_paired_ratios(tmp_path):
     assert rows["miniddp"]["reference"] == "torch" and rows["miniddp"]["vs_reference"] > 0
     assert 0 <= rows["miniddp"]["overlap"] <= 1 and rows["naive"]["overlap"] == 0
     assert "overlap" not in rows["torch"]  # torch's DDP notes no events
+    assert rows["miniddp"]["buckets"] == 2  # 2.4 MB of gradients: the 1 MiB first bucket + one
     checked = {c["what"] for c in report["targets"]}
     assert {"miniddp / torch", "miniddp / naive", "CPU miniddp / torch"} <= checked
     assert len(report["load_average_before"]) == 3
-    for line in ("deep:", "targets (paired medians over iterations)", "load average"):
+    for line in ("deep:", "targets (paired medians over iterations", "load average"):
         assert line in output

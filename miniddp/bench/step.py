@@ -208,7 +208,9 @@ def record_overlap(
         steps = gather(split_steps(events, dist.get_rank()))
         for one in steps:
             summary = summarize(one)
-            summaries[name].append({**vars(summary), "overlap": summary.overlap})
+            summaries[name].append(
+                {**vars(summary), "overlap": summary.overlap, "buckets": len(one.buckets)}
+            )
         if trace_dir and dist.get_rank() == 0:
             os.makedirs(trace_dir, exist_ok=True)
             write_chrome_trace(steps, os.path.join(trace_dir, f"{workload.name}-{name}.json"))
@@ -255,6 +257,19 @@ def paired_ratio(ours: list[float], theirs: list[float]) -> float:
     return statistics.median(a / b for a, b in zip(ours, theirs))
 
 
+def paired_ratio_interval(ours: list[float], theirs: list[float]) -> tuple[float, float]:
+    """A 95% confidence interval for `paired_ratio`, assuming nothing about the distribution.
+
+    The true median lies between the k-th smallest and k-th largest of n ratios with 95%
+    confidence when k = n/2 - 0.98 sqrt(n) (the binomial count of ratios below the median,
+    approximated by a normal). A target closer to the median than this is not settled by the run.
+    """
+    ratios = sorted(a / b for a, b in zip(ours, theirs))
+    n = len(ratios)
+    below = max(0, math.floor(n / 2 - 0.98 * math.sqrt(n)))
+    return ratios[below], ratios[n - 1 - below]
+
+
 def statistics_of(result: dict) -> dict[str, dict[str, float]]:
     """Per variant: median and quartiles of the step time, paired ratios, CPU, overlap."""
     wall, cpu = result["wall_s"], result["cpu_s"]
@@ -276,6 +291,7 @@ def statistics_of(result: dict) -> dict[str, dict[str, float]]:
             overlaps = [s["overlap"] for s in recorded if not math.isnan(s["overlap"])]
             row["overlap"] = statistics.median(overlaps) if overlaps else math.nan
             row["tail_ms"] = statistics.median(s["tail_s"] for s in recorded) * 1e3
+            row["buckets"] = max(s["buckets"] for s in recorded)
         rows[name] = row
     return rows
 
@@ -322,16 +338,21 @@ def targets(results: list[dict]) -> list[dict]:
         for ours, theirs, limit in ratios:
             if ours in wall and theirs in wall:
                 value = paired_ratio(wall[ours], wall[theirs])
-                wanted.append((model, f"{ours} / {theirs}", value, limit, True))
+                interval = paired_ratio_interval(wall[ours], wall[theirs])
+                wanted.append((model, f"{ours} / {theirs}", value, limit, True, interval))
         for name in ("miniddp", "miniddp-1", "miniddp-5", "miniddp-25"):
             row = rows.get(name, {})
             if "cpu_vs_reference" in row:
-                what = f"CPU {name} / {row['reference']}"
-                wanted.append((model, what, row["cpu_vs_reference"], 1.05, True))
+                theirs = row["reference"]
+                what = f"CPU {name} / {theirs}"
+                interval = paired_ratio_interval(result["cpu_s"][name], result["cpu_s"][theirs])
+                wanted.append((model, what, row["cpu_vs_reference"], 1.05, True, interval))
         for name, limit in (("miniddp-1", 0.75), ("miniddp-5", 0.70)):
             overlap = rows.get(name, {}).get("overlap", math.nan)
+            if rows.get(name, {}).get("buckets") == 1:
+                continue  # the whole model fits in one bucket: there is nothing to overlap
             if not math.isnan(overlap):
-                wanted.append((model, f"overlap {name}", overlap, limit, False))
+                wanted.append((model, f"overlap {name}", overlap, limit, False, None))
     return [
         {
             "model": model,
@@ -339,8 +360,9 @@ def targets(results: list[dict]) -> list[dict]:
             "value": value,
             "target": f"{'<=' if at_most else '>='} {limit}",
             "met": value <= limit if at_most else value >= limit,
+            "interval95": interval,
         }
-        for model, what, value, limit, at_most in wanted
+        for model, what, value, limit, at_most, interval in wanted
     ]
 
 
@@ -397,11 +419,13 @@ def main(argv: list[str]) -> None:
         say(format_table(result, result["rows"]), flush=True)
     checks = targets(results)
     load_after = os.getloadavg()
-    say("\ntargets (paired medians over iterations)")
+    say("\ntargets (paired medians over iterations, with their 95% confidence interval)")
     for c in checks:
+        low, high = c["interval95"] or (math.nan, math.nan)
+        interval = f"{low:.3f}-{high:.3f}" if c["interval95"] else ""
         say(
-            f"  {c['model']:<12} {c['what']:<34} {c['value']:7.3f}  {c['target']:<8} "
-            f"{'met' if c['met'] else 'NOT met'}"
+            f"  {c['model']:<12} {c['what']:<30} {c['value']:7.3f} {interval:>13}  "
+            f"{c['target']:<8} {'met' if c['met'] else 'NOT met'}"
         )
     say(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1-minute)")
     if env.is_main and args.json:
