@@ -147,6 +147,8 @@ class Bucket:
         # (position, None) where only the scaling waits; and how many elements they hold
         self.small_batch: list[tuple[int, torch.Tensor | None]] = []
         self.small_batch_numel = 0
+        # (parameter index, the .grad to fill, its view) for every gradient copied in
+        self.copy_back: list[tuple[int, torch.Tensor | None, torch.Tensor]] = []
         self.future: torch.futures.Future | None = None  # the in-flight all-reduce
 
     def __len__(self) -> int:
