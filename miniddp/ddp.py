@@ -6,8 +6,8 @@
                 whether the coming backward synchronizes (not inside `no_sync()`)
     backward    each parameter's hook copies its gradient, scaled by 1/W, into its bucket; a full
                 bucket starts an async all-reduce at once, while backward keeps computing
-    wait        when backward ends, a queued callback waits for every bucket and writes the
-                averaged values back into `.grad`
+    wait        when backward ends, a queued callback waits for the buckets in order and writes
+                each one's averaged values back into `.grad` as soon as it arrives
 
 So gradients are averaged by the time `loss.backward()` returns, exactly like torch's
 DistributedDataParallel, and bit for bit the same: the bucket layout, the 1/W scaling and the
