@@ -39,7 +39,12 @@ from miniddp.buckets import (
 )
 from miniddp.env import HOW_TO_LAUNCH
 from miniddp.faults import wait_for
-from miniddp.objects import all_gather_object
+from miniddp.model_checks import (
+    find_tensors,
+    parameters_not_reached,
+    refuse_sparse_gradients,
+    verify_same_model_on_every_rank,
+)
 
 CommHook = Callable[[Any, GradBucket], torch.futures.Future]
 
@@ -105,10 +110,17 @@ class MiniDDP(nn.Module):
                 "MiniDDP got a module with no parameter that requires grad: there is nothing to "
                 "synchronize. Wrap the model you train (or unfreeze its parameters)."
             )
-        _refuse_sparse_gradients(module)
+        refuse_sparse_gradients(module)
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        self._verify_same_model_on_every_rank()
+        # Settings that shape the sequence of collectives must agree too, or ranks would issue
+        # different all-reduces and gloo would abort or hang instead of explaining.
+        settings = {
+            "bucket_cap_mb (bytes: first, rest)": (self.first_bucket_bytes, self.bucket_bytes),
+            "find_unused_parameters": self.find_unused_parameters,
+            "broadcast_buffers": self.broadcast_buffers,
+        }
+        verify_same_model_on_every_rank(named, settings, process_group)
         self._buffers_to_sync = list(module.buffers())
         self._broadcast_from_rank0([*module.parameters(), *self._buffers_to_sync])
 
@@ -158,7 +170,7 @@ class MiniDDP(nn.Module):
             self._require_forward_param_sync = True
             self._armed = True
             if self.find_unused_parameters:
-                self._unused_in_forward = self._find_unused(output)
+                self._unused_in_forward = parameters_not_reached(output, self.params)
         else:
             self._require_forward_param_sync = False
         self._note("forward", "end")
@@ -418,57 +430,6 @@ class MiniDDP(nn.Module):
         self._ready_order = []
         self._note("rebuild", f"{len(self.buckets_)} buckets")
 
-    def _find_unused(self, output: Any) -> list[int]:
-        """Walk the autograd graph back from the outputs: parameters not reached get no gradient
-        in this backward, so they are marked ready up front (contributing zeros)."""
-        position = {id(p): i for i, p in enumerate(self.params)}
-        reached: set[int] = set()
-        seen: set[Any] = set()
-        stack = []
-        for tensor in _find_tensors(output):
-            if tensor.grad_fn is not None:
-                stack.append(tensor.grad_fn)
-            elif id(tensor) in position:
-                reached.add(position[id(tensor)])
-        while stack:
-            fn = stack.pop()
-            if fn in seen:
-                continue
-            seen.add(fn)
-            variable = getattr(fn, "variable", None)  # AccumulateGrad nodes hold their leaf
-            if variable is not None and id(variable) in position:
-                reached.add(position[id(variable)])
-            stack.extend(next_fn for next_fn, _ in fn.next_functions if next_fn is not None)
-        return [i for i in range(len(self.params)) if i not in reached]
-
-    def _verify_same_model_on_every_rank(self) -> None:
-        """Compare every rank's parameters with rank 0's; on a mismatch EVERY rank raises the
-        same error (an error on one rank only would leave the others hanging)."""
-        mine = [
-            (name, tuple(p.shape), tuple(p.stride()), str(p.dtype))
-            for name, p in zip(self.param_names, self.params)
-        ]
-        # Settings that shape the sequence of collectives must agree too, or ranks would issue
-        # different all-reduces and gloo would abort or hang instead of explaining.
-        settings = {
-            "bucket_cap_mb (bytes: first, rest)": (self.first_bucket_bytes, self.bucket_bytes),
-            "find_unused_parameters": self.find_unused_parameters,
-            "broadcast_buffers": self.broadcast_buffers,
-        }
-        everyone = all_gather_object((mine, settings), group=self.process_group)
-        reference, reference_settings = everyone[0]
-        for rank, (theirs, their_settings) in enumerate(everyone[1:], start=1):
-            problem = _first_difference(reference, theirs, rank)
-            for name, value in reference_settings.items():
-                if problem is None and their_settings[name] != value:
-                    theirs = their_settings[name]
-                    problem = f"{name} is {value} on rank 0 and {theirs} on rank {rank}"
-            if problem:
-                raise ValueError(
-                    f"MiniDDP needs the same model and settings on every rank, but {problem}. "
-                    "Build it with the same code and arguments on every rank."
-                )
-
     def _broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
         """Overwrite `tensors` with rank 0's values: one flat message per (dtype, device)."""
         groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
@@ -552,44 +513,7 @@ class MiniDDP(nn.Module):
             listener(event)
 
     def _note_when_backward_starts(self, output: Any) -> None:
-        for tensor in _find_tensors(output):
+        for tensor in find_tensors(output):
             if tensor.requires_grad:
                 tensor.register_hook(lambda _: self._note("backward", "start"))
                 return
-
-
-def _first_difference(reference: list[tuple], theirs: list[tuple], rank: int) -> str | None:
-    if len(reference) != len(theirs):
-        return (
-            f"rank 0 has {len(reference)} parameters that require grad while rank {rank} "
-            f"has {len(theirs)}"
-        )
-    fields = ("name", "shape", "stride", "dtype")
-    for ours, other in zip(reference, theirs):
-        for field, a, b in zip(fields, ours, other):
-            if a != b:
-                return (
-                    f"parameter '{ours[0]}' has {field} {a} on rank 0 and {field} {b} "
-                    f"on rank {rank}"
-                )
-    return None
-
-
-def _refuse_sparse_gradients(module: nn.Module) -> None:
-    for name, sub in module.named_modules():
-        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
-            raise ValueError(
-                f"Module '{name}' produces sparse gradients (sparse=True); MiniDDP reduces dense "
-                "buckets only. Construct it with sparse=False."
-            )
-
-
-def _find_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _find_tensors(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _find_tensors(item)
