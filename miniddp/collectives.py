@@ -542,9 +542,10 @@ def _run_ring(
     Every receive is posted before the first send, and no send is waited for until the end, so
     a rank only ever waits for data: the left neighbour never waits for our "ready" notice, and
     a step's send leaves as soon as its chunk is folded. Posting early is safe because nothing
-    lands where we still look: partials go to a scratch slot per step, and a final chunk
-    arrives only after our partial of it went round the whole ring, long after we last read or
-    wrote it (the final value includes what we sent, so that send is finished).
+    lands where we still look: partials go to a scratch slot per step; in a plain all-gather a
+    chunk lands before we first forward it; and in an all-reduce a final chunk arrives only
+    after our partial of it went round the whole ring, long after we last read or wrote it (the
+    final value includes what we sent, so that send is finished).
     """
     right, left = (peers.rank + 1) % peers.size, (peers.rank - 1) % peers.size
     folds = [receive for _, receive, fold in steps if fold]
