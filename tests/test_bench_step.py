@@ -60,7 +60,7 @@ def test_targets_check_the_issues_bounds():
     assert "miniddp / naive" not in found  # only for the deep model, and naive did not run
 
 
-def test_the_interval_of_a_paired_median_widens_with_the_noise_and_narrows_with_iterations():
+def test_the_interval_of_a_paired_median_narrows_with_more_iterations():
     theirs = [1.0] * 100
     ours = [1.0 + i / 100 for i in range(100)]  # ratios 1.00 .. 1.99, median 1.495
     assert paired_ratio_interval(ours, theirs) == (pytest.approx(1.40), pytest.approx(1.59))
