@@ -246,9 +246,12 @@ def main() -> None:
             f"{model_ms:>5.1f} ms {overlap:>8.0%}"
         )
     best_ms, best_cap, _ = min(sweep)
-    if backward > beta * total_bytes:
-        # The smallest bucket whose all-reduce keeps pace with the backward that fills it.
-        best_size = alpha * total_bytes / (backward - beta * total_bytes)
+    # The smallest bucket whose all-reduce keeps pace with the backward that fills it, if any
+    # bucket up to the whole model's size does.
+    slack = backward - beta * total_bytes
+    keeps_pace = alpha * total_bytes / slack if slack > 0 else math.inf
+    if keeps_pace < total_bytes:
+        best_size = keeps_pace
         why = "where a bucket's all-reduce (alpha + beta*b) just keeps pace with the backward "
         why += "time that fills it (b * backward / total)"
     else:
