@@ -274,7 +274,7 @@ class MiniDDP(nn.Module):
         if self.gradient_as_bucket_view and grad is not None:
             self.params[index].grad = view  # the next backward accumulates in the bucket
         bucket.ready_count += 1
-        if bucket.ready_count == bucket.size:
+        if bucket.is_ready:
             self._copy_small_gradients(bucket)
             self._note("ready", f"bucket {bucket.index}")
             if self.launch_during_backward:
