@@ -1,8 +1,9 @@
 """MiniDDP: PyTorch's DistributedDataParallel, rebuilt from scratch to be read."""
 
 from miniddp.buckets import BucketInfo
-from miniddp.ddp import Event, MiniDDP
+from miniddp.ddp import MiniDDP
 from miniddp.env import DistEnv, cleanup, init_distributed
+from miniddp.events import Event
 from miniddp.sampler import DistributedSampler
 
 __all__ = [

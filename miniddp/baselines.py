@@ -15,7 +15,6 @@ bit-identical gradients.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,10 +24,11 @@ from torch import nn
 from torch.autograd import Variable
 
 from miniddp.buckets import Bucket
-from miniddp.ddp import Event, MiniDDP
+from miniddp.ddp import MiniDDP
+from miniddp.events import EventRecorder
 
 
-class AfterBackward(nn.Module):
+class AfterBackward(nn.Module, EventRecorder):
     """A wrapper with a hook per parameter and a callback at the end of each backward.
 
     Subclasses say what happens to a gradient when it is ready (`on_gradient`) and once
@@ -43,9 +43,7 @@ class AfterBackward(nn.Module):
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.all_reduce_count = 0
-        self.events: list[Event] | None = None
-        self._recording = False
-        self.event_listeners: list[Callable[[Event], None]] = []
+        self._start_event_log()
         self._backward_started = False
         with torch.no_grad():  # start equal, as every DDP does
             for tensor in [*module.parameters(), *module.buffers()]:
@@ -56,9 +54,8 @@ class AfterBackward(nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         self._note("forward", "start")
         output = self.module(*inputs, **kwargs)
-        if (self._recording or self.event_listeners) and torch.is_grad_enabled():
-            if isinstance(output, torch.Tensor) and output.requires_grad:
-                output.register_hook(lambda _: self._note("backward", "start"))
+        if self._observed and torch.is_grad_enabled():
+            self._note_when_backward_starts(output)
         self._note("forward", "end")
         return output
 
@@ -90,21 +87,6 @@ class AfterBackward(nn.Module):
         self.all_reduce_count += 1
         self._note("reduced", name)
         self._note("wait", name)
-
-    def record_events(self, enabled: bool = True) -> None:
-        """As `MiniDDP.record_events`: a fresh list when turned on, kept when turned off."""
-        if enabled:
-            self.events = []
-        self._recording = enabled
-
-    def _note(self, kind: str, name: str) -> None:
-        if not (self._recording or self.event_listeners):
-            return
-        event = Event(time.perf_counter(), kind, name)
-        if self._recording and self.events is not None:
-            self.events.append(event)
-        for listener in self.event_listeners:
-            listener(event)
 
 
 class NoCommunication(AfterBackward):
@@ -155,7 +137,7 @@ class PerParameterAsync(AfterBackward):
         self._note("launch", name)
         future = dist.all_reduce(param.grad, async_op=True).get_future()
         self.all_reduce_count += 1
-        if self._recording or self.event_listeners:
+        if self._observed:
             future.add_done_callback(lambda _, n=name: self._note("reduced", n))
         self._in_flight.append((name, future))
 

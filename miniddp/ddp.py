@@ -16,10 +16,8 @@ launch order follow torch's rules (facts in the docstrings below).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -38,9 +36,9 @@ from miniddp.buckets import (
     rebuilt_layout,
 )
 from miniddp.env import HOW_TO_LAUNCH
+from miniddp.events import EventRecorder
 from miniddp.faults import wait_for
 from miniddp.model_checks import (
-    find_tensors,
     parameters_not_reached,
     refuse_sparse_gradients,
     verify_same_model_on_every_rank,
@@ -49,16 +47,7 @@ from miniddp.model_checks import (
 CommHook = Callable[[Any, GradBucket], torch.futures.Future]
 
 
-@dataclass(frozen=True)
-class Event:
-    """One moment in a step, recorded when `record_events()` is on (tutorials draw them)."""
-
-    time: float
-    kind: str  # forward, backward, hook, ready, launch, reduced, wait, sync, rebuild
-    name: str
-
-
-class MiniDDP(nn.Module):
+class MiniDDP(nn.Module, EventRecorder):
     """Wrap `module` so that `loss.backward()` leaves gradients averaged over all ranks.
 
     Used exactly like `torch.nn.parallel.DistributedDataParallel`. Where torch is silent about a
@@ -125,10 +114,7 @@ class MiniDDP(nn.Module):
         self._broadcast_from_rank0([*module.parameters(), *self._buffers_to_sync])
 
         self.all_reduce_count = 0
-        self.events: list[Event] | None = None
-        self._recording = False
-        # Called with every Event as it happens (timeline.py uses this for profiler spans).
-        self.event_listeners: list[Callable[[Event], None]] = []
+        self._start_event_log()
         self._comm_hook: tuple[Any, CommHook] | None = None
         self.has_rebuilt_buckets = False
         self._ready_order: list[int] = []  # gradient arrival order in the first synced backward
@@ -162,7 +148,7 @@ class MiniDDP(nn.Module):
             self._broadcast_from_rank0(self._buffers_to_sync)
         self._note("forward", "start")
         output = self.module(*inputs, **kwargs)
-        if (self._recording or self.event_listeners) and torch.is_grad_enabled():
+        if self._observed and torch.is_grad_enabled():
             self._note_when_backward_starts(output)
         # Whether this forward's backward synchronizes is decided now, at forward time: that is
         # why the forward must run inside `no_sync()` for accumulation to skip communication.
@@ -314,7 +300,7 @@ class MiniDDP(nn.Module):
                 state, hook = self._comm_hook
                 bucket.future = hook(state, GradBucket(bucket, self.params, self.buckets_))
             self.all_reduce_count += 1
-            if self._recording or self.event_listeners:
+            if self._observed:
                 name = f"bucket {bucket.index}"
                 bucket.future.add_done_callback(lambda _, n=name: self._note("reduced", n))
             self._next_bucket += 1
@@ -489,31 +475,3 @@ class MiniDDP(nn.Module):
 
     def describe_buckets(self) -> str:
         return describe_layout(self.buckets)
-
-    def record_events(self, enabled: bool = True) -> None:
-        """Start recording a fresh timeline into `events`, or stop (the list is kept).
-
-        Kinds, in the order a synced step produces them: forward start/end, backward start,
-        hook (one per parameter, in gradient-ready order), ready and launch (per bucket),
-        reduced (per bucket, from the communication thread), backward end, wait (per bucket),
-        sync end. Times are `time.perf_counter()` seconds.
-        """
-        if enabled:
-            self.events = []
-        self._recording = enabled
-
-    def _note(self, kind: str, name: str) -> None:
-        if not (self._recording or self.event_listeners):
-            return  # the common case: one check, nothing allocated
-        event = Event(time.perf_counter(), kind, name)
-        events = self.events
-        if self._recording and events is not None:
-            events.append(event)
-        for listener in self.event_listeners:
-            listener(event)
-
-    def _note_when_backward_starts(self, output: Any) -> None:
-        for tensor in find_tensors(output):
-            if tensor.requires_grad:
-                tensor.register_hook(lambda _: self._note("backward", "start"))
-                return

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from miniddp.ddp import Event
+from miniddp.events import Event
 from miniddp.objects import all_gather_object
 
 COMPUTE = "compute"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from miniddp.ddp import Event
+from miniddp.events import Event
 from miniddp.timeline import (
     COMM,
     COMPUTE,
