@@ -134,7 +134,6 @@ class Bucket:
     def __init__(self, index: int, param_indices: Sequence[int], params: Sequence[torch.Tensor]):
         self.index = index
         self.param_indices = list(param_indices)
-        self.size = len(self.param_indices)
         members = [params[i] for i in self.param_indices]
         total = sum(p.numel() for p in members)
         self.flat = torch.zeros(total, dtype=members[0].dtype, device=members[0].device)
@@ -171,7 +170,7 @@ class Bucket:
 
     @property
     def is_ready(self) -> bool:
-        return self.ready_count == self.size
+        return self.ready_count == len(self)
 
     @property
     def nbytes(self) -> int:
