@@ -296,11 +296,21 @@ class _Peers:
     """
 
     def __init__(self, group: ProcessGroup | None, collective: str) -> None:
-        self.group = group
-        self.rank = dist.get_rank(group)
+        self.group = group or dist.group.WORLD
+        if self.group is None:
+            raise RuntimeError(
+                "No process group: launch with torchrun and call miniddp.init_distributed() "
+                "(or torch.distributed.init_process_group) before any collective."
+            )
+        membership = _membership.get(self.group)
+        if membership is None:
+            membership = _membership[self.group] = (
+                dist.get_rank(self.group),
+                dist.get_process_group_ranks(self.group),
+            )
+        self.rank, self.global_ranks = membership
         if self.rank < 0:
             raise ValueError("this rank is not a member of the group it called a collective on")
-        self.global_ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
         self.size = len(self.global_ranks)
         self.collective = collective
         self.log = _message_log  # captured now: the collective may run after the block ends
@@ -356,6 +366,12 @@ class _Peers:
         posted = [self.receive(src, buffer) for src, buffer in receives]
         posted += [self.send(step, dst, buffer, what) for dst, buffer, what in sends]
         _wait(*posted)
+
+
+# Each group's (our group rank, the global rank of each member): asked of torch once per group.
+# Keyed by the group object itself, which the dict keeps alive, so a destroyed group's entry can
+# never be mistaken for a new group's.
+_membership: dict[ProcessGroup, tuple[int, list[int]]] = {}
 
 
 def _wait(*works: dist.Work | None) -> None:
@@ -636,7 +652,7 @@ class _InIssueOrder:
     """
 
     def __init__(self) -> None:
-        self._turn = threading.Condition()
+        self._turn = threading.Condition(threading.Lock())
         self._issued = 0
         self._finished = 0
         self._queue: SimpleQueue[tuple[int, Callable[[], None], Work]] = SimpleQueue()
@@ -667,8 +683,9 @@ class _InIssueOrder:
             self._run_in_turn(*self._queue.get())
 
     def _run_in_turn(self, ticket: int, job: Callable[[], None], work: Work | None) -> None:
-        with self._turn:
-            self._turn.wait_for(lambda: self._finished == ticket)
+        if self._finished != ticket:  # read unlocked: only ever grows, so equal means our turn
+            with self._turn:
+                self._turn.wait_for(lambda: self._finished == ticket)
         failure = None
         try:
             with torch.no_grad():  # collectives are not differentiable, and may write into leaves
@@ -694,9 +711,10 @@ _start_lock = threading.Lock()
 
 def _submit(job: Callable[[], None], result: list[torch.Tensor], async_op: bool) -> Work | None:
     global _in_issue_order
-    with _start_lock:
-        if _in_issue_order is None:
-            _in_issue_order = _InIssueOrder()
+    if _in_issue_order is None:
+        with _start_lock:
+            if _in_issue_order is None:
+                _in_issue_order = _InIssueOrder()
     return _in_issue_order.run(job, result, async_op)
 
 

@@ -424,6 +424,12 @@ def test_bad_arguments_are_refused_before_any_message(call, message):
         call()
 
 
+def test_a_collective_without_a_process_group_says_how_to_start_one():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="init_distributed"):
+        collectives.all_reduce(torch.ones(2))
+
+
 def test_auto_follows_the_measured_crossovers():
     for world_size, choices in collectives.AUTO_CHOICES.items():
         assert choices[0][0] == 0, "every size needs an algorithm"

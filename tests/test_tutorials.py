@@ -25,12 +25,29 @@ def run(command: list[str], tmp_path: Path) -> tuple[int, str]:
     return run_in_own_session(command, child_env(tmp_path, drop=LAUNCH_VARIABLES), TIMEOUT_SECONDS)
 
 
+def torchrun(chapter: Path, nproc: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(chapter),
+    ]
+
+
 @pytest.mark.parametrize("chapter", CHAPTERS, ids=[chapter.name for chapter in CHAPTERS])
 def test_chapter_runs_on_two_ranks(chapter: Path, tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc_per_node=2", str(chapter)]
-    returncode, output = run(command, tmp_path)
+    returncode, output = run(torchrun(chapter, 2), tmp_path)
     assert returncode == 0, f"{chapter.name} exited with {returncode}:\n{tail(output)}"
+
+
+def test_collectives_chapter_runs_on_four_ranks(tmp_path: Path) -> None:
+    """Chapter 01 is written for 4 ranks: trees two levels deep, a ring of four chunks."""
+    chapter = REPO / "tutorials" / "01_collectives.py"
+    returncode, output = run(torchrun(chapter, 4), tmp_path)
+    assert returncode == 0, f"{chapter.name} exited with {returncode}:\n{tail(output)}"
+    assert "Verified on 4 ranks" in output
 
 
 def test_launch_sh_runs_chapter_02(tmp_path: Path) -> None:
