@@ -23,6 +23,7 @@ orders differ by at most 2 W u |product|.
 from __future__ import annotations
 
 import math
+import sys
 import threading
 
 import pytest
@@ -43,6 +44,7 @@ from tests.collective_tasks import (
     subgroup_collectives,
 )
 from tests.measurements import record_max
+from tests.processes import child_env, run_in_own_session, tail
 from tests.properties import property_settings
 
 WORLD_SIZES = [2, 3, 4]
@@ -422,6 +424,27 @@ def test_a_blocking_collective_inside_a_callback_is_refused():
 def test_bad_arguments_are_refused_before_any_message(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+EXIT_PROBE = """
+import atexit, sys, threading, torch, torch.distributed as dist
+# Registered first, so it runs last: after MiniDDP's own exit handler.
+atexit.register(lambda: print("alive at exit:", any(
+    t.name == "miniddp-comm" and t.is_alive() for t in threading.enumerate())))
+dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 1), rank=0, world_size=1)
+from miniddp import collectives
+collectives.all_reduce(torch.ones(3), async_op=True).wait()
+"""
+
+
+def test_the_communication_thread_has_ended_before_python_shuts_down(tmp_path):
+    """Python kills daemon threads where they stand at shutdown; killed inside torch's C++, the
+    communication thread aborted the whole process ("terminate called without an active
+    exception"), in about a third of 2-rank runs that ended right after an async collective."""
+    command = [sys.executable, "-c", EXIT_PROBE, str(tmp_path / "store")]
+    returncode, output = run_in_own_session(command, child_env(tmp_path), timeout=60)
+    assert returncode == 0, tail(output)
+    assert "alive at exit: False" in output, tail(output)
 
 
 def test_a_collective_without_a_process_group_says_how_to_start_one():
