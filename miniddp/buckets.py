@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 MiB = 1024 * 1024
 DEFAULT_BUCKET_CAP_MB = 25.0
@@ -148,7 +149,8 @@ class Bucket:
         self.small_batch_numel = 0
         # (parameter index, the .grad to fill, its view) for every gradient copied in
         self.copy_back: list[tuple[int, torch.Tensor | None, torch.Tensor]] = []
-        self.future: torch.futures.Future | None = None  # the in-flight all-reduce
+        # The in-flight all-reduce: the Work torch's returned, or the future a comm hook did
+        self.pending: dist.Work | torch.futures.Future | None = None
 
     def __len__(self) -> int:
         return len(self.param_indices)

@@ -294,15 +294,18 @@ class MiniDDP(nn.Module, EventRecorder):
             bucket = self.buckets_[self._next_bucket]
             self._note("launch", f"bucket {bucket.index}")
             if self._comm_hook is None:
-                work = dist.all_reduce(bucket.flat, group=self.process_group, async_op=True)
-                bucket.future = work.get_future()
+                bucket.pending = dist.all_reduce(
+                    bucket.flat, group=self.process_group, async_op=True
+                )
             else:
                 state, hook = self._comm_hook
-                bucket.future = hook(state, GradBucket(bucket, self.params, self.buckets_))
+                bucket.pending = hook(state, GradBucket(bucket, self.params, self.buckets_))
             self.all_reduce_count += 1
             if self._observed:
                 name = f"bucket {bucket.index}"
-                bucket.future.add_done_callback(lambda _, n=name: self._note("reduced", n))
+                pending = bucket.pending
+                future = pending.get_future() if isinstance(pending, dist.Work) else pending
+                future.add_done_callback(lambda _, n=name: self._note("reduced", n))
             self._next_bucket += 1
         if self._next_bucket == len(self.buckets_) and self.find_unused_parameters:
             if self._usage_work is None:
@@ -324,11 +327,11 @@ class MiniDDP(nn.Module, EventRecorder):
         # whole copy exposed (7 ms of a 75 ms step on the MLP). Unless usage must be known first.
         write_back_each = not missing and not self.find_unused_parameters
         for bucket in self.buckets_:
-            if bucket.future is not None:
-                # Like bucket.future.wait(), but a rank that died, stalled or stopped early is
+            if bucket.pending is not None:
+                # Like bucket.pending.wait(), but a rank that died, stalled or stopped early is
                 # named in the error instead of surfacing as a bare gloo timeout.
                 what = f"all-reduce of bucket {bucket.index} ({bucket.nbytes:,} bytes)"
-                result = wait_for(bucket.future, what, self.process_group)
+                result = wait_for(bucket.pending, what, self.process_group)
                 result = result[0] if isinstance(result, list) else result
                 if result.data_ptr() != bucket.flat.data_ptr():
                     bucket.flat.copy_(result)  # a comm hook may answer in a tensor of its own
@@ -346,8 +349,8 @@ class MiniDDP(nn.Module, EventRecorder):
                 "(requires_grad=False), or construct MiniDDP(..., find_unused_parameters=True)."
             )
         if self._usage_work is not None:
-            usage = self._usage_work.get_future()
-            wait_for(usage, "all-reduce of which parameters were used", self.process_group)
+            what = "all-reduce of which parameters were used"
+            wait_for(self._usage_work, what, self.process_group)
             globally_used = self._global_usage.tolist()
             for bucket in self.buckets_:
                 self._write_back_gradients(bucket, globally_used)
@@ -382,7 +385,7 @@ class MiniDDP(nn.Module, EventRecorder):
             bucket.small_batch = []
             bucket.small_batch_numel = 0
             bucket.copy_back = []
-            bucket.future = None
+            bucket.pending = None
 
     def _build_buckets(self, layout: list[list[int]]) -> None:
         self.buckets_ = [Bucket(i, indices, self.params) for i, indices in enumerate(layout)]
@@ -434,7 +437,7 @@ class MiniDDP(nn.Module, EventRecorder):
     def _broadcast(self, tensor: torch.Tensor, what: str) -> None:
         src = self._global_rank0()
         work = dist.broadcast(tensor, src=src, group=self.process_group, async_op=True)
-        wait_for(work.get_future(), what, self.process_group)
+        wait_for(work, what, self.process_group)
 
     def _global_rank0(self) -> int:
         if self.process_group is None:
