@@ -32,12 +32,12 @@ How long a silent rank is waited for is the process group's timeout, set where t
 There is deliberately no second knob: a shorter MiniDDP timeout would abandon gloo mid-collective
 anyway, and a longer one would never fire.
 
-While collectives finish in time the store is never touched. Given the `Work` a collective
-returned, the wait costs nothing extra: it blocks in torch's C++ for up to 0.1 s at a time, and
-gloo wakes it directly. Given only a future (a comm hook's), it waits on an event that a
-callback sets, and that callback must take Python's lock on gloo's thread before gloo moves on
-to the next collective: with chapter 04's 8 buckets, waiting that way cost 2-5% of the step
-(paired runs), hence the `Work` wherever there is one.
+While collectives finish in time the store is never touched. Given gloo's `Work`, the wait
+costs nothing extra: it blocks in torch's C++ for up to 0.1 s at a time, and gloo wakes it
+directly. Given a future (a comm hook's), or NCCL's Work (whose timed wait aborts the
+communicator when the time is up), it waits on an event that a callback sets; on gloo that
+callback must take Python's lock on gloo's thread before gloo moves on to the next collective,
+which cost 2-5% of a step that waits for 8 buckets in a row (chapter 04's model, paired runs).
 """
 
 from __future__ import annotations
@@ -77,6 +77,8 @@ class _Watch:
     rank: int
     world_size: int
     timeout: timedelta
+    # gloo's Work can be waited for 0.1 s at a time; NCCL's tears the job down on the first miss
+    timed_waits: bool
     finished: int = 0  # collectives this rank completed through wait_for
     crash: str | None = None  # the exception that is ending this process, if any
 
@@ -112,8 +114,9 @@ def wait_for(
     collectives finished is how ranks tell each other where they are.
     """
     watch = _watch(group)
-    work = pending if isinstance(pending, dist.Work) else None
-    future = pending.get_future() if work is not None else pending
+    is_work = isinstance(pending, dist.Work)
+    work = pending if is_work and watch.timed_waits else None
+    future = pending.get_future() if is_work else pending
     try:
         if not (work.is_completed() if work is not None else future.done()):
             _wait_listening_for_faults(watch, work or future, what)
@@ -135,6 +138,7 @@ def _watch(group: dist.ProcessGroup | None) -> _Watch:
             rank=dist.get_rank(group),
             world_size=dist.get_world_size(group),
             timeout=collective_timeout(group),
+            timed_waits=dist.get_backend(group) == "gloo",
         )
         atexit.register(_post_exit, watch)
         _record_crashes(watch)
