@@ -114,6 +114,8 @@ def fit_alpha_beta(small: int = 4 * 1024, large: int = 4 * 1024 * 1024) -> tuple
     medians = []
     for nbytes in (small, large):
         tensor = torch.ones(nbytes // 4)
+        for _ in range(3):  # warm-up: gloo's first calls of a new size are slow
+            dist.all_reduce(tensor)
         seconds = []
         for _ in range(15):
             dist.barrier()
@@ -208,6 +210,11 @@ def main() -> None:
         f"vs per-parameter async: {ratio(BUCKETED, 'per-parameter async')}; "
         f"vs naive: {ratio(BUCKETED, 'naive')}; "
         f"vs torch's DDP at the same cap: {ratio(BUCKETED, 'torch DDP')}.\n"
+        "torch runs the same design in C++; MiniDDP's hooks and launches are Python, tens of "
+        "microseconds each:\nsmall next to a real model's backward, but this toy's lasts a few "
+        "milliseconds, so expect MiniDDP\nsome percent behind here. Eight iterations on a shared "
+        "machine also move this ratio by up to 30%\nbetween runs: `python -m miniddp.bench step` "
+        "measures it properly, with a confidence interval.\n"
         "On this CPU machine gloo's threads share the cores with backward, so communication "
         "also slows the\ncompute it overlaps (compare the b lanes above); with GPUs and NCCL the "
         "two use separate hardware."
