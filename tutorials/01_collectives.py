@@ -310,8 +310,10 @@ def section_cost_model(world_size: int, sizes: list[int]) -> collectives.CostMod
     say(
         "On a few shared CPU cores the model is rough: it leaves out the time spent adding, and "
         "the ranks\ncompete for the cores: a loopback 'link' is memory copies by the same CPUs. "
-        "`auto` picks by size\nfrom crossovers measured with `python -m miniddp.bench "
-        "collectives`, which times many more rounds."
+        "It also leaves out\nour own Python, which gloo's C++ does not pay: on the 2-core "
+        "machine MiniDDP was written on,\nposting one message right after a barrier took 40-60 "
+        "us of interpreter time. `auto` picks by\nsize from crossovers measured with "
+        "`python -m miniddp.bench collectives`, which times many more rounds."
     )
     return model
 
