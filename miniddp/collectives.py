@@ -297,21 +297,16 @@ class _Peers:
     """
 
     def __init__(self, group: ProcessGroup | None, collective: str) -> None:
-        self.group = group or dist.group.WORLD
-        if self.group is None:
+        if not dist.is_initialized():
             raise RuntimeError(
                 "No process group: launch with torchrun and call miniddp.init_distributed() "
                 "(or torch.distributed.init_process_group) before any collective."
             )
-        membership = _membership.get(self.group)
-        if membership is None:
-            membership = _membership[self.group] = (
-                dist.get_rank(self.group),
-                dist.get_process_group_ranks(self.group),
-            )
-        self.rank, self.global_ranks = membership
+        self.group = group
+        self.rank = dist.get_rank(group)
         if self.rank < 0:
             raise ValueError("this rank is not a member of the group it called a collective on")
+        self.global_ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
         self.size = len(self.global_ranks)
         self.collective = collective
         self.log = _message_log  # captured now: the collective may run after the block ends
@@ -367,12 +362,6 @@ class _Peers:
         posted = [self.receive(src, buffer) for src, buffer in receives]
         posted += [self.send(step, dst, buffer, what) for dst, buffer, what in sends]
         _wait(*posted)
-
-
-# Each group's (our group rank, the global rank of each member): asked of torch once per group.
-# Keyed by the group object itself, which the dict keeps alive, so a destroyed group's entry can
-# never be mistaken for a new group's.
-_membership: dict[ProcessGroup, tuple[int, list[int]]] = {}
 
 
 def _wait(*works: dist.Work | None) -> None:
@@ -703,9 +692,8 @@ class _InIssueOrder:
         self.thread.join(timeout)
 
     def _run_in_turn(self, ticket: int, job: Callable[[], None], work: Work | None) -> None:
-        if self._finished != ticket:  # read unlocked: only ever grows, so equal means our turn
-            with self._turn:
-                self._turn.wait_for(lambda: self._finished == ticket)
+        with self._turn:
+            self._turn.wait_for(lambda: self._finished == ticket)
         failure = None
         try:
             with torch.no_grad():  # collectives are not differentiable, and may write into leaves
@@ -733,11 +721,10 @@ STOP_TIMEOUT_SECONDS = 10.0
 
 def _submit(job: Callable[[], None], result: list[torch.Tensor], async_op: bool) -> Work | None:
     global _in_issue_order
-    if _in_issue_order is None:
-        with _start_lock:
-            if _in_issue_order is None:
-                _in_issue_order = _InIssueOrder()
-                atexit.register(_stop_communication_thread)
+    with _start_lock:
+        if _in_issue_order is None:
+            _in_issue_order = _InIssueOrder()
+            atexit.register(_stop_communication_thread)
     return _in_issue_order.run(job, result, async_op)
 
 

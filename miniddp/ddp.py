@@ -37,7 +37,7 @@ from miniddp.buckets import (
 )
 from miniddp.env import HOW_TO_LAUNCH
 from miniddp.events import EventRecorder
-from miniddp.faults import wait_for
+from miniddp.faults import future_of, wait_for
 from miniddp.model_checks import (
     parameters_not_reached,
     refuse_sparse_gradients,
@@ -303,8 +303,7 @@ class MiniDDP(nn.Module, EventRecorder):
             self.all_reduce_count += 1
             if self._observed:
                 name = f"bucket {bucket.index}"
-                pending = bucket.pending
-                future = pending.get_future() if isinstance(pending, dist.Work) else pending
+                future = future_of(bucket.pending)
                 future.add_done_callback(lambda _, n=name: self._note("reduced", n))
             self._next_bucket += 1
         if self._next_bucket == len(self.buckets_) and self.find_unused_parameters:

@@ -114,12 +114,11 @@ def wait_for(
     collectives finished is how ranks tell each other where they are.
     """
     watch = _watch(group)
-    is_work = isinstance(pending, dist.Work)
-    work = pending if is_work and watch.timed_waits else None
-    future = pending.get_future() if is_work else pending
+    future = future_of(pending)
+    timed_wait = isinstance(pending, dist.Work) and watch.timed_waits
     try:
-        if not (work.is_completed() if work is not None else future.done()):
-            _wait_listening_for_faults(watch, work or future, what)
+        if not future.done():
+            _wait_listening_for_faults(watch, pending if timed_wait else future, what)
         result = future.wait()
     except CollectiveFailed:
         raise
@@ -127,6 +126,11 @@ def wait_for(
         raise _diagnose(watch, what, f"the collective failed: {_first_line(error)}") from error
     watch.finished += 1
     return result
+
+
+def future_of(pending: dist.Work | torch.futures.Future) -> torch.futures.Future:
+    """The future of an async collective's `Work` (or the future itself)."""
+    return pending.get_future() if isinstance(pending, dist.Work) else pending
 
 
 def _watch(group: dist.ProcessGroup | None) -> _Watch:
