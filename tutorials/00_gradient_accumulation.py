@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+import textwrap
 from collections.abc import Callable
 
 import torch
@@ -45,6 +46,26 @@ def gradient(model: nn.Module, micro_batches: list[Batch], loss_of: LossFn) -> t
 
 def max_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
+
+
+def k_times_gradient_step_errors(k: int) -> tuple[float, float]:
+    """How far one step lands when the gradient is k times too big: (SGD, Adam).
+
+    Adam's update is m / (sqrt(v) + eps); a k-times gradient makes it k m / (k sqrt(v) + eps)
+    = m / (sqrt(v) + eps / k): the same step with eps k times smaller.
+    """
+    inputs = torch.randn(8, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    errors = []
+    for optimizer_class in (torch.optim.SGD, torch.optim.Adam):
+        landed = []
+        for scale in (1, k):
+            model = make_model()
+            optimizer = optimizer_class(model.parameters(), lr=1e-2)
+            (scale * model(inputs).square().mean()).backward()
+            optimizer.step()
+            landed.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+        errors.append(max_difference(*landed))
+    return errors[0], errors[1]
 
 
 def main() -> None:
@@ -83,8 +104,19 @@ def main() -> None:
         f"undivided / big-batch, per entry: min {ratio.min().item():.12f}, "
         f"max {ratio.max().item():.12f}"
     )
-    print(f"That is k = {k}: the step is {k} times longer, as if the learning rate were {k}x.")
     assert max_difference(undivided, k * reference) < TOLERANCE
+    sgd_error, adam_error = k_times_gradient_step_errors(k)
+    print(
+        textwrap.dedent(f"""\
+        That is k = {k}. With SGD the step is {k} times longer, as if the learning rate were {k}x:
+        one SGD step from the same weights lands {sgd_error:.1e} away from the right one.
+        Adam divides by the gradient's running RMS, so a k-times gradient barely moves its
+        step: {adam_error:.1e} away. The error moves instead to what the scale still touches:
+        eps acts k times smaller, Adam's weight_decay (added to the gradient) k times weaker
+        (AdamW's, applied to the weights, is untouched), and clip_grad_norm_ sees a k-times
+        norm, so it clips as if max_norm were k times smaller.""")
+    )
+    assert adam_error < 1e-3 * sgd_error
 
     section("Claim 3: with reduction='sum', do not divide")
     reference_sum = gradient(model, whole_batch, mse_sum)
@@ -124,12 +156,28 @@ def main() -> None:
     print(f"Give each of W = {k} ranks one micro-batch instead of running them one after another.")
     print("Each rank computes its mean-loss gradient; an all-reduce averages them over the ranks.")
     print("That average is our division by k: (1/W) sum over ranks. Chapter 02 and MiniDDP do")
-    print("exactly this, and the uneven-size caveat returns when ranks get different batch sizes.")
+    print("exactly this.")
     per_rank = [gradient(model, [batch], mse_mean) for batch in micro_batches]
     averaged = torch.stack(per_rank).mean(dim=0)
     print(
         f"average of {k} per-rank gradients vs big batch: max |difference| = "
         f"{max_difference(averaged, reference):.2e}"
+    )
+    # Ranks holding the uneven micro-batches above: the all-reduce still weighs each by 1/W.
+    naive_ranks = torch.stack([gradient(model, [b], mse_mean) for b in uneven]).mean(dim=0)
+    scale = len(sizes) / batch_size  # rank r's mean loss times W n_r / N
+    weighted_ranks = torch.stack(
+        [gradient(model, [b], lambda out, y: mse_mean(out, y) * len(y) * scale) for b in uneven]
+    ).mean(dim=0)
+    naive_gap, weighted_gap = (max_difference(g, reference) for g in (naive_ranks, weighted_ranks))
+    print(
+        textwrap.dedent(f"""\
+        The uneven-size caveat comes back with ranks. Give W = {k} ranks the micro-batches of
+        sizes {sizes}: the all-reduce weighs each rank by 1/W, and the average misses the
+        big-batch gradient by {naive_gap:.1e}. Scaling each rank's mean loss by W n_r / N
+        brings that to {weighted_gap:.1e}. Chapter 02's DistributedSampler pads every rank to
+        the same count, so equal sizes are the default; where ranks count different numbers of
+        tokens, sum the loss and divide by the all-reduced total.""")
     )
 
     section("Final check")
@@ -138,10 +186,11 @@ def main() -> None:
     assert max_difference(undivided, k * reference) < TOLERANCE
     assert max_difference(accumulated_sum, reference_sum) < TOLERANCE
     assert max_difference(weighted, reference) < TOLERANCE < max_difference(naive, reference)
+    assert weighted_gap < TOLERANCE < 1e-3 * naive_gap
     print(
         "Verified: mean loss / k accumulates to the big-batch gradient; without / k it is k "
         "times larger; sum loss needs no division; uneven micro-batches need n_i / N weights; "
-        "averaging over ranks equals accumulating."
+        "averaging over ranks equals accumulating, uneven ranks need W n_r / N."
     )
 
 
