@@ -62,6 +62,10 @@ fi
 if [[ -z "$EMULATE_NODES" && ( -n "$LINK_RATE" || "$NETWORK" == loopback ) ]]; then
     fail_usage "--link-rate and --loopback go with --emulate-nodes"
 fi
+NPROC="${NPROC:-2}"
+if ! [[ "$NPROC" =~ ^[1-9][0-9]*$ ]]; then
+    fail_usage "NPROC is the number of processes per node, a positive integer (got '$NPROC')"
+fi
 
 # Check from / so the current directory, which `python -c` puts on sys.path and torchrun's
 # workers do not, cannot hide a missing install. find_spec finds miniddp without importing torch
@@ -81,7 +85,6 @@ fi
 # cores. torchrun sets 1 itself only when NPROC > 1, and with a warning; we say it up front.
 if [[ "$DEVICE" == cpu && -z "${OMP_NUM_THREADS:-}" ]]; then export OMP_NUM_THREADS=1; fi
 
-NPROC="${NPROC:-2}"
 if [[ $# -eq 0 ]]; then set -- "$REPO_DIR/tutorials/03_bucketing.py"; fi
 
 if [[ -n "$EMULATE_NODES" ]]; then
