@@ -38,7 +38,7 @@ from miniddp.env import cleanup, init_distributed
 from miniddp.objects import all_gather_object
 
 SWEEP_ROUNDS = 5  # interleaved rounds per size: enough for a first look, not a benchmark
-COUNTING_NUMEL = 2**18  # a 1 MiB float32 tensor for the byte counts
+COUNTING_NUMEL = 2**18  # about 1 MiB of float32 for the byte counts
 
 
 def parse_size(text: str) -> int:
@@ -158,7 +158,8 @@ def section_all_reduce(rank: int, numel: int, world_size: int) -> bool:
 
 def section_counting(world_size: int) -> tuple[bool, dict]:
     section("4. Steps and bytes, counted")
-    nbytes = COUNTING_NUMEL * 4
+    numel = -(-COUNTING_NUMEL // world_size) * world_size  # W equal ring chunks, at any W
+    nbytes = numel * 4
     say(
         f"Each algorithm once more on a {fmt_bytes(nbytes)} float32 tensor, W = {world_size}, "
         "with `collectives.traffic`\ncounting every byte each rank sends. 'steps carry' is "
@@ -180,7 +181,7 @@ def section_counting(world_size: int) -> tuple[bool, dict]:
     ]
     consistent, busiest = True, {}
     for collective, algorithm, run in cases:
-        tensor = torch.ones(COUNTING_NUMEL)
+        tensor = torch.ones(numel)
         collectives.traffic.reset()
         with collectives.record_messages() as log:
             run(tensor, algorithm)
@@ -201,11 +202,13 @@ def section_counting(world_size: int) -> tuple[bool, dict]:
         f"\nThe ring's busiest rank sends {fmt_bytes(ring)} = 2(W-1)/W x {fmt_bytes(nbytes)}: the "
         "least any all-reduce can send\nper rank (Patarasuk and Yuan, 2009). Each rank must "
         "ship out the (W-1)/W of its input that others\nown, and receive the (W-1)/W of the "
-        "result it does not compute itself. That this does not grow\nwith W is why NCCL and "
-        f"gloo use rings for large tensors. The busiest rank of reduce_broadcast sends\n"
-        f"{fmt_bytes(tree)}, of recursive doubling {fmt_bytes(doubling)}: log2 W whole tensors. "
-        "With W = 2 all three send the\nsame n; recursive doubling then needs a single step, "
-        "and the ring's only edge is that each rank\nadds up half the tensor instead of all of it."
+        "result it does not compute itself. That this does not grow\nwith W is why gloo and "
+        "NCCL use rings for large tensors; NCCL also runs trees, whose log W\nsteps win when "
+        "latency dominates (small tensors, many nodes). The busiest rank of\n"
+        f"reduce_broadcast sends {fmt_bytes(tree)}, of recursive doubling {fmt_bytes(doubling)}: "
+        "log2 W whole tensors.\nWith W = 2 all three send the same n; recursive doubling then "
+        "needs a single step, and the\nring's only edge is that each rank adds up half the "
+        "tensor instead of all of it."
     )
     consistent &= ring == lower_bound
     return consistent, busiest
