@@ -1,0 +1,130 @@
+"""The simulated link (miniddp/link.py): its arithmetic, its queue, and real collectives over it.
+
+The arithmetic is the alpha-beta model: a transfer of b bytes takes alpha + b / bandwidth, and
+each rank puts 2(W-1)/W n bytes on the wire for an all-reduce of n bytes. Transfers queue: one
+issued while the link is busy starts when the one before it arrives.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from miniddp.link import Link, LinkQueue, wire_bytes
+from tests import link_tasks
+from tests.pool import RankPool
+
+GBIT = 1e9 / 8  # bytes per second
+
+
+def test_parse_reads_units_as_tc_does() -> None:
+    link = Link.parse("alpha=200us,bandwidth=1gbit")
+    assert link == Link(alpha=200e-6, bandwidth=GBIT)
+    assert Link.parse(" Alpha = 1.5ms , bandwidth = 100mbit ") == Link(1.5e-3, 100e6 / 8)
+    assert str(link) == "alpha=200us,bandwidth=1gbit"
+    assert Link.parse(str(Link(3e-3, 25e6))) == Link(3e-3, 25e6)
+
+
+@pytest.mark.parametrize("bare", [None, "", "none", "NONE"])
+def test_none_is_the_bare_machine(bare: str | None) -> None:
+    assert Link.parse(bare) is None
+
+
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ("alpha=200,bandwidth=1gbit", "needs a unit"),
+        ("alpha=200us,bandwidth=1gbps", "needs a unit"),
+        ("alpha=200us", "exactly alpha and bandwidth"),
+        ("alpha=200us,bandwidth=1gbit,jitter=1ms", "exactly alpha and bandwidth"),
+        ("fast", "not name=value"),
+        ("alpha=200us,bandwidth=0gbit", "bandwidth must be > 0"),
+    ],
+)
+def test_a_bad_link_is_refused_with_examples(text: str, problem: str) -> None:
+    with pytest.raises(ValueError, match=problem) as raised:
+        Link.parse(text)
+    if "must be" not in problem:
+        assert "alpha=200us,bandwidth=1gbit" in str(raised.value)  # a valid example to copy
+
+
+def test_seconds_is_alpha_plus_bytes_over_bandwidth() -> None:
+    link = Link(alpha=200e-6, bandwidth=GBIT)
+    assert link.seconds(0) == 200e-6
+    assert math.isclose(link.seconds(125_000_000), 1.0 + 200e-6)  # 1 Gbit in one second
+    assert link.beta == 8e-9
+
+
+@given(nbytes=st.integers(0, 2**30), world_size=st.integers(1, 64))
+def test_wire_bytes_are_the_ring_algorithms(nbytes: int, world_size: int) -> None:
+    w = world_size
+    assert math.isclose(wire_bytes("all_reduce", nbytes, w), 2 * (w - 1) / w * nbytes)
+    # an all-reduce is a reduce-scatter then an all-gather, each of (W-1) chunks of n/W
+    halves = 2 * wire_bytes("all_gather", nbytes / w, w)
+    assert math.isclose(wire_bytes("all_reduce", nbytes, w), halves)
+    assert wire_bytes("broadcast", nbytes, w) == (nbytes if w > 1 else 0)
+    assert wire_bytes("reduce_scatter", nbytes, w) == (w - 1) * nbytes
+
+
+def test_two_ranks_send_the_whole_tensor_once() -> None:
+    assert wire_bytes("all_reduce", 1000, 2) == 1000
+    with pytest.raises(ValueError, match="no wire model for 'gather'"):
+        wire_bytes("gather", 1000, 2)
+
+
+def test_an_idle_link_delivers_after_its_own_time() -> None:
+    queue = LinkQueue(Link(alpha=1e-3, bandwidth=1e6))
+    assert math.isclose(queue.deliver_at(10.0, 2000), 10.0 + 1e-3 + 2e-3)
+    # issued after that one arrived: the link is idle again
+    assert math.isclose(queue.deliver_at(20.0, 0), 20.0 + 1e-3)
+
+
+def test_transfers_queue_one_at_a_time() -> None:
+    """Three 1 ms transfers issued at once arrive 1, 2 and 3 ms later; one issued while the
+    third is on the wire waits for it; one issued later finds the link idle."""
+    queue = LinkQueue(Link(alpha=0.0, bandwidth=1e6))
+    arrivals = [queue.deliver_at(0.0, 1000) for _ in range(3)]
+    assert arrivals == pytest.approx([1e-3, 2e-3, 3e-3])
+    assert queue.deliver_at(2.5e-3, 1000) == pytest.approx(4e-3)
+    assert queue.deliver_at(10e-3, 1000) == pytest.approx(11e-3)
+
+
+@given(issues=st.lists(st.tuples(st.floats(0, 1), st.integers(0, 10**6)), min_size=1, max_size=20))
+def test_the_queue_is_a_single_server_in_issue_order(issues: list[tuple[float, int]]) -> None:
+    """Whatever the issue times: arrivals keep issue order, none arrives sooner than its own
+    transfer time after it was issued, and the link is never busy with two at once."""
+    link = Link(alpha=50e-6, bandwidth=1e8)
+    queue = LinkQueue(link)
+    now, previous = 0.0, -math.inf
+    for gap, nbytes in issues:
+        now += gap * 1e-3
+        arrival = queue.deliver_at(now, nbytes)
+        assert arrival >= now + link.seconds(nbytes) - 1e-12
+        assert arrival >= previous + link.seconds(nbytes) - 1e-12
+        previous = arrival
+
+
+def test_all_reduces_over_the_link_sum_correctly_and_arrive_in_turn(pool2: RankPool) -> None:
+    """On 2 ranks: two 4 MB all-reduces at 1 Gbit/s (32 ms each on the wire) issued back to back
+    return at once, arrive no sooner than 32 and 64 ms, and sum as without the link; a blocking
+    one returns None, like torch's; leaving the block restores torch.distributed."""
+    link, numel = Link.parse("alpha=1ms,bandwidth=1gbit"), 1_000_000
+    transfer = link.seconds(wire_bytes("all_reduce", 4 * numel, 2))
+    results = pool2.run(link_tasks.all_reduces_over_the_link, str(link), numel)
+    for result in results:
+        assert result["sums"] == [1.0 + 2.0, 10.0 + 20.0, 100.0 + 200.0]
+        assert result["work_type"] == "LinkWork" and result["returned"] is None
+        assert result["issued_s"] < result["done_s"][0]
+        first, second, third = result["done_s"]
+        assert first >= transfer and second >= 2 * transfer and third >= 3 * transfer
+        assert result["restored"]
+
+
+def test_torch_ddp_through_the_hook_matches_miniddp_on_the_link(pool2: RankPool) -> None:
+    assert pool2.run(link_tasks.gradients_over_the_link, "alpha=100us,bandwidth=10gbit") == [
+        True,
+        True,
+    ]
