@@ -33,6 +33,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from miniddp import collectives
+from miniddp.collectives.comm_thread import submit
 from tests.collective_tasks import (
     DTYPES,
     Case,
@@ -390,22 +391,22 @@ def test_wait_reraises_and_the_thread_serves_on():
     def fail() -> None:
         raise ZeroDivisionError("the algorithm failed")
 
-    failed = collectives._submit(fail, [], async_op=True)
-    after = collectives._submit(lambda: None, [torch.ones(1)], async_op=True)
+    failed = submit(fail, [], async_op=True)
+    after = submit(lambda: None, [torch.ones(1)], async_op=True)
     with pytest.raises(ZeroDivisionError, match="the algorithm failed"):
         failed.wait()
     with pytest.raises(ZeroDivisionError):
         failed.get_future().value()
     assert after.wait() and after.get_future().value()[0].item() == 1
     with pytest.raises(ZeroDivisionError):
-        collectives._submit(fail, [], async_op=False)
+        submit(fail, [], async_op=False)
 
 
 def test_a_blocking_collective_inside_a_callback_is_refused():
     """Callbacks run on the communication thread, which cannot wait for itself."""
     release = threading.Event()
-    first = collectives._submit(release.wait, [], async_op=True)  # still running when...
-    chained = first.get_future().then(lambda _: collectives._submit(lambda: None, [], False))
+    first = submit(release.wait, [], async_op=True)  # still running when...
+    chained = first.get_future().then(lambda _: submit(lambda: None, [], False))
     release.set()  # ...the callback is attached, so it runs on the communication thread
     with pytest.raises(RuntimeError, match="wait for itself"):
         chained.wait()

@@ -5,7 +5,7 @@
 
 DDP needs two collectives: a *broadcast* (rank 0's weights to everyone, at construction) and an
 *all-reduce* (every rank's gradients summed, every step). torch.distributed hands them to gloo or
-NCCL; `miniddp/collectives.py` builds them, with the same arguments, from point-to-point messages
+NCCL; `miniddp/collectives/` builds them, with the same arguments, from point-to-point messages
 (`dist.isend` / `dist.irecv`) so that each step can be watched. The chapter, in order:
 
 1. broadcast: the root sends to everyone (W-1 steps), or everyone who has it sends (a tree);

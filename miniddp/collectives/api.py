@@ -1,0 +1,225 @@
+"""The collectives a user calls, with torch.distributed's names, arguments and in-place behaviour.
+
+    broadcast(tensor, src)             src's tensor everywhere
+    reduce(tensor, dst, op)            op over all ranks' tensors, into dst's tensor
+    all_reduce(tensor, op)             op over all ranks' tensors, into every rank's tensor
+    reduce_scatter(output, inputs, op) rank r gets op over everyone's inputs[r]
+    all_gather(outputs, tensor)        every rank gets every rank's tensor
+
+Chapter 01 (tutorials/01_collectives.py) calls them throughout, side by side with torch's. Each
+one checks its arguments first, so that bad input is refused before any message leaves (a rank
+that failed half-way through a collective would leave the others waiting), picks its algorithm
+(naive.py, tree.py, doubling.py, ring.py), and hands the run to the communication thread
+(comm_thread.py): `async_op=True` returns a `Work` at once, as torch.distributed's does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup, ReduceOp
+
+from miniddp.collectives import doubling, naive, ring, tree
+from miniddp.collectives.comm_thread import Work, submit
+from miniddp.collectives.cost_model import choose_all_reduce_algorithm
+from miniddp.collectives.peers import COMBINE, INTEGER_ONLY, Peers, finish_average, wait_all
+
+BROADCAST_ALGORITHMS = ("naive", "tree")
+REDUCE_ALGORITHMS = ("naive", "tree")
+ALL_REDUCE_ALGORITHMS = ("reduce_broadcast", "recursive_doubling", "ring", "auto")
+
+
+def broadcast(
+    tensor: torch.Tensor,
+    src: int,
+    group: ProcessGroup | None = None,
+    algorithm: str = "tree",
+    async_op: bool = False,
+) -> Work | None:
+    """Overwrite `tensor` on every rank with global rank `src`'s."""
+    _check_choice(algorithm, BROADCAST_ALGORITHMS)
+    peers = Peers(group, f"broadcast/{algorithm}")
+    root = peers.group_rank_of(src)
+    run = naive.broadcast if algorithm == "naive" else tree.broadcast
+    return _issue(lambda flat: run(peers, flat, root), tensor, [tensor], async_op)
+
+
+def reduce(
+    tensor: torch.Tensor,
+    dst: int,
+    op: ReduceOp.RedOpType = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    algorithm: str = "tree",
+    async_op: bool = False,
+) -> Work | None:
+    """Combine every rank's `tensor` with `op` into global rank `dst`'s `tensor`.
+
+    The other ranks' tensors are left unchanged (gloo's reduce uses them as scratch space).
+    """
+    _check_choice(algorithm, REDUCE_ALGORITHMS)
+    _check_op(op, tensor.dtype)
+    peers = Peers(group, f"reduce/{algorithm}")
+    root = peers.group_rank_of(dst)
+    run = naive.reduce if algorithm == "naive" else tree.reduce
+
+    def reduce_into_root(flat: torch.Tensor) -> None:
+        if peers.rank == root:
+            run(peers, flat, root, op)
+            finish_average(flat, op, peers.size)
+        else:
+            wait_all(run(peers, flat.clone(), root, op))
+
+    return _issue(reduce_into_root, tensor, [tensor], async_op)
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    op: ReduceOp.RedOpType = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    algorithm: str = "auto",
+    async_op: bool = False,
+) -> Work | None:
+    """Combine every rank's `tensor` with `op`; every rank ends with the same bits."""
+    _check_choice(algorithm, ALL_REDUCE_ALGORITHMS)
+    _check_op(op, tensor.dtype)
+    peers = Peers(group, "")
+    if algorithm == "auto":
+        algorithm = choose_all_reduce_algorithm(tensor.numel() * tensor.element_size(), peers.size)
+    peers.collective = f"all_reduce/{algorithm}"
+    run = {
+        "reduce_broadcast": tree.all_reduce,
+        "recursive_doubling": doubling.all_reduce,
+        "ring": ring.all_reduce,
+    }[algorithm]
+    return _issue(lambda flat: run(peers, flat, op), tensor, [tensor], async_op)
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    input_list: Sequence[torch.Tensor],
+    op: ReduceOp.RedOpType = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Group rank r's `output` becomes `op` over every rank's `input_list[r]` (ring algorithm).
+
+    The inputs are first copied into one flat buffer, which the ring reduces in place, so they
+    stay unchanged.
+    """
+    _check_op(op, output.dtype)
+    peers = Peers(group, "reduce_scatter/ring")
+    _check_pieces(input_list, output, peers.size, "input_list")
+
+    def scatter(out: torch.Tensor) -> None:
+        chunks = list(torch.cat([t.reshape(-1) for t in input_list]).tensor_split(peers.size))
+        ring.run(peers, chunks, op, ring.reduce_scatter_steps(peers))
+        out.copy_(chunks[peers.rank])
+
+    return _issue(scatter, output, [output], async_op)
+
+
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: ReduceOp.RedOpType = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """`reduce_scatter` with the inputs concatenated in one tensor of W times output's size."""
+    pieces = list(input.reshape(-1).tensor_split(dist.get_world_size(group)))
+    return reduce_scatter(output, pieces, op, group, async_op)
+
+
+def all_gather(
+    tensor_list: Sequence[torch.Tensor],
+    tensor: torch.Tensor,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """`tensor_list[r]` becomes group rank r's `tensor`, on every rank (ring algorithm)."""
+    peers = Peers(group, "all_gather/ring")
+    _check_pieces(tensor_list, tensor, peers.size, "tensor_list")
+
+    def gather() -> None:
+        chunks = [piece.contiguous().view(-1) for piece in tensor_list]
+        chunks[peers.rank].copy_(tensor.reshape(-1))
+        ring.run(peers, chunks, ReduceOp.SUM, ring.all_gather_steps(peers))
+        for piece, chunk in zip(tensor_list, chunks):
+            if chunk.data_ptr() != piece.data_ptr():  # a contiguous copy of a strided piece
+                piece.copy_(chunk.view(piece.shape))
+
+    return submit(gather, list(tensor_list), async_op)
+
+
+def all_gather_into_tensor(
+    output_tensor: torch.Tensor,
+    input_tensor: torch.Tensor,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """`all_gather` into one tensor of W times the input's size, in group rank order."""
+    peers = Peers(group, "all_gather/ring")
+    if output_tensor.numel() != peers.size * input_tensor.numel():
+        raise ValueError(
+            f"output_tensor needs {peers.size} x {input_tensor.numel()} elements, one input per "
+            f"rank; got {output_tensor.numel()}"
+        )
+
+    def gather(flat: torch.Tensor) -> None:
+        chunks = list(flat.tensor_split(peers.size))
+        chunks[peers.rank].copy_(input_tensor.reshape(-1))
+        ring.run(peers, chunks, ReduceOp.SUM, ring.all_gather_steps(peers))
+
+    return _issue(gather, output_tensor, [output_tensor], async_op)
+
+
+def _issue(
+    algorithm: Callable[[torch.Tensor], None],
+    tensor: torch.Tensor,
+    result: list[torch.Tensor],
+    async_op: bool,
+) -> Work | None:
+    """Run `algorithm` on `tensor` as one flat, contiguous 1-D tensor, updated in place."""
+
+    def job() -> None:
+        if tensor.is_contiguous():
+            algorithm(tensor.view(-1))
+        else:
+            flat = tensor.contiguous().view(-1)
+            algorithm(flat)
+            tensor.copy_(flat.view(tensor.shape))
+
+    return submit(job, result, async_op)
+
+
+def _check_choice(algorithm: str, choices: Sequence[str]) -> None:
+    if algorithm not in choices:
+        raise ValueError(f"algorithm must be one of {', '.join(choices)}; got {algorithm!r}")
+
+
+def _check_op(op: ReduceOp.RedOpType, dtype: torch.dtype) -> None:
+    if op not in COMBINE:
+        names = ", ".join(o.name for o in COMBINE)
+        raise ValueError(f"op must be one of ReduceOp.{{{names}}}; got {op!r}")
+    if op == ReduceOp.AVG and not (dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(
+            f"ReduceOp.AVG needs a floating-point tensor, got {dtype}: an integer mean would have "
+            "to round. Reduce with SUM and divide yourself."
+        )
+    if op in INTEGER_ONLY and (dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(f"ReduceOp.{op.name} works on integer or bool tensors only, got {dtype}")
+
+
+def _check_pieces(
+    pieces: Sequence[torch.Tensor], like: torch.Tensor, world_size: int, name: str
+) -> None:
+    if len(pieces) != world_size:
+        raise ValueError(f"{name} needs one tensor per rank ({world_size}), got {len(pieces)}")
+    for piece in pieces:
+        if piece.numel() != like.numel() or piece.dtype != like.dtype:
+            raise ValueError(
+                f"every tensor in {name} must have {like.numel()} elements of {like.dtype}, as "
+                f"the other argument does; got {piece.numel()} of {piece.dtype}"
+            )
