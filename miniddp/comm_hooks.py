@@ -3,8 +3,8 @@
 `ddp.register_comm_hook(state, hook)` replaces the bucket's all-reduce with
 `hook(state, bucket) -> Future[Tensor]`, torch's signature: torch's own hooks
 (`torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook`, ...) run on
-MiniDDP unchanged, and these run on torch's DDP. The bucket arrives as the plain sum of each rank's
-gradients, not yet averaged: the hook averages.
+MiniDDP unchanged, and these run on torch's DDP. The bucket arrives holding this rank's own
+gradients, not yet divided by W: the hook averages (scale by 1/W, then all-reduce with SUM).
 
     ddp.register_comm_hook(None, all_reduce_hook("ring"))   # MiniDDP over our ring all-reduce
 """
