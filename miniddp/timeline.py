@@ -324,14 +324,15 @@ def ascii_timeline(steps: Sequence[StepTimeline], width: int = 96) -> str:
         id(step): f"rank {step.rank}" + (f" step {step.step}" if several_steps else "")
         for step in steps
     }
-    indent = max(map(len, names.values())) + 9
+    lane_width = max(len(COMPUTE), len(COMM))  # lane names in full
+    indent = max(map(len, names.values())) + lane_width + 2
     lines = [f"{'':{indent}}|0 ms{f'{total * 1e3:.2f} ms':>{width - 4}}|"]
     for step in sorted(steps, key=lambda s: (s.step, s.rank)):
         for lane in (COMPUTE, COMM):
             spans = [s for s in step.spans if s.lane == lane]
             row = "".join(_cell(spans, t0 + i * cell, t0 + (i + 1) * cell) for i in range(width))
             who = names[id(step)] if lane == COMPUTE else ""
-            lines.append(f"{who:<{indent - 9}} {lane[:7]:<8}|{row}|")
+            lines.append(f"{who:<{indent - lane_width - 2}} {lane:<{lane_width}} |{row}|")
     lines.append(
         f"{'':{indent}} f forward, b backward, w wait after backward; 0-9a-z: bucket index"
     )
