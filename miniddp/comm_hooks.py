@@ -11,12 +11,14 @@ gradients, not yet divided by W: the hook averages (scale by 1/W, then all-reduc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from miniddp import collectives
+from miniddp.buckets import Bucket
 
 
 def all_reduce_hook(algorithm: str = "auto"):
@@ -42,3 +44,36 @@ def all_reduce_hook(algorithm: str = "auto"):
 
     hook.__name__ = f"{algorithm}_all_reduce_hook"
     return hook
+
+
+CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
+
+
+class GradBucket:
+    """What a communication hook receives: torch's `dist.GradBucket` interface over a Bucket.
+
+    The methods mirror torch's, so hooks written for torch's DDP run on MiniDDP unchanged.
+    """
+
+    def __init__(self, bucket: Bucket, is_last: bool) -> None:
+        self._bucket = bucket
+        self._is_last = is_last
+
+    def index(self) -> int:
+        return self._bucket.index
+
+    def buffer(self) -> torch.Tensor:
+        """The flat tensor holding every gradient of this bucket (not yet averaged)."""
+        return self._bucket.flat
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        self._bucket.flat.copy_(tensor)
+
+    def gradients(self) -> list[torch.Tensor]:
+        return list(self._bucket.views)
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self._bucket.params)
+
+    def is_last(self) -> bool:
+        return self._is_last

@@ -67,3 +67,9 @@ class EventRecorder:
             if tensor.requires_grad:
                 tensor.register_hook(lambda _: self._note("backward", "start"))
                 return
+
+    def _note_when_done(self, pending: Any, name: str) -> None:
+        """Note "reduced" when an async collective (a Work or a future) completes."""
+        if self._observed:
+            future = pending.get_future() if hasattr(pending, "get_future") else pending
+            future.add_done_callback(lambda _: self._note("reduced", name))

@@ -122,7 +122,7 @@ def grad_is_bucket_view() -> bool:
     for _ in range(3):
         ddp(torch.randn(3, 4)).sum().backward()
         model.zero_grad(set_to_none=False)
-    flats = [bucket.flat for bucket in ddp.buckets_]
+    flats = [bucket.flat for bucket in ddp._layout.buckets]
     return all(
         any(p.grad.untyped_storage().data_ptr() == f.untyped_storage().data_ptr() for f in flats)
         for p in model.parameters()

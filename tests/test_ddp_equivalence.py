@@ -77,12 +77,6 @@ def train_specs(draw, max_width: int = 12) -> TrainSpec:
         broadcast_buffers=draw(st.booleans()) if batchnorm else True,
         find_unused_parameters=unused != "none" or draw(st.integers(0, 4)) == 0,
         data_seed=draw(st.integers(0, 2**16)),
-        # Which gradients count as small (none, some, all), and batches of 1 to many elements:
-        # the bits must not depend on how the copies and the 1/W scaling are grouped.
-        small_batching=(
-            draw(st.sampled_from([0, 4, 16, 10**9])),
-            draw(st.sampled_from([1, 8, 40, 10**9])),
-        ),
     )
 
 

@@ -44,9 +44,6 @@ class TrainSpec:
     lr: float = 0.05
     comm_hook: str | None = None  # a key of comm_hooks()
     set_grads_to_none: bool = True  # False keeps .grad tensors (bucket views, with the option)
-    # MiniDDP's (small_gradient_numel, small_batch_numel): how gradients are batched into buckets.
-    # The models here are tiny, so the defaults would always take the "small, one batch" path.
-    small_batching: tuple[int, int] = (MiniDDP.small_gradient_numel, MiniDDP.small_batch_numel)
 
 
 def comm_hooks() -> dict:
@@ -138,7 +135,7 @@ def train(spec: TrainSpec, use_torch: bool) -> dict:
     """Train one replica on this rank; record gradients and state after every step."""
     rank = dist.get_rank()
     net = RandomNet(spec.model)
-    wrapper = DistributedDataParallel if use_torch else batched_miniddp(*spec.small_batching)
+    wrapper = DistributedDataParallel if use_torch else MiniDDP
     model = wrapper(
         net,
         bucket_cap_mb=spec.bucket_cap_mb,
@@ -166,14 +163,6 @@ def train(spec: TrainSpec, use_torch: bool) -> dict:
         params.append(params_of(net))
     layout = bucket_layout(model, net)
     return {"grads": grads, "states": states, "params": params, "layout": layout}
-
-
-def batched_miniddp(small_gradient_numel: int, small_batch_numel: int) -> type[MiniDDP]:
-    return type(
-        "BatchedMiniDDP",
-        (MiniDDP,),
-        {"small_gradient_numel": small_gradient_numel, "small_batch_numel": small_batch_numel},
-    )
 
 
 def bucket_layout(model: nn.Module, net: nn.Module) -> list[list[str]]:

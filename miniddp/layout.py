@@ -1,0 +1,216 @@
+"""The bucket layout: which gradients travel together, and how that is decided over time.
+
+Sending every gradient as its own all-reduce pays the network's latency once per tensor; sending
+them all at once waits for the whole backward pass. A bucket is the compromise: gradients are
+packed into flat tensors of about `bucket_cap_mb` each, and a bucket's all-reduce starts as soon
+as its last gradient is ready, while backward keeps computing the rest.
+
+The rules below are torch's DDP rules, reproduced exactly so that MiniDDP's results are
+bit-for-bit torch's (with 3+ ranks gloo's sum depends on each gradient's offset in the bucket):
+
+- walk the parameters in a given order; each (dtype, device) pair fills its own running bucket;
+- add the tensor first, *then* close the bucket if its bytes reached the cap (so a bucket can
+  overshoot by one tensor, and a tensor is never split);
+- the first bucket of each (dtype, device) may have a smaller cap (1 MiB by default) so the
+  gradients that are ready first start travelling early.
+
+And the layout's life (`BucketLayout`): one bucket per dtype until a backward pass has shown in
+which order gradients really arrive, then one rebuild from that order.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from miniddp.buckets import Bucket, BucketInfo, describe_layout
+
+MiB = 1024 * 1024
+DEFAULT_BUCKET_CAP_MB = 25.0
+DEFAULT_FIRST_BUCKET_BYTES = 1 * MiB
+
+
+def bucket_caps(bucket_cap_mb: float | None) -> tuple[int, int]:
+    """Return (first bucket's cap, every other bucket's cap) in bytes, as torch computes them.
+
+    `None` means torch's default: 25 MiB, with a 1 MiB first bucket. An explicit value applies to
+    every bucket, the first included.
+    """
+    if bucket_cap_mb is None:
+        return DEFAULT_FIRST_BUCKET_BYTES, int(DEFAULT_BUCKET_CAP_MB * MiB)
+    is_number = isinstance(bucket_cap_mb, (int, float)) and not isinstance(bucket_cap_mb, bool)
+    if not is_number or not math.isfinite(bucket_cap_mb) or bucket_cap_mb <= 0:
+        raise ValueError(
+            f"bucket_cap_mb must be a positive, finite number of MiB, got {bucket_cap_mb!r}. "
+            "Use e.g. 25 (torch's default), 1, or a tiny value such as 0.0001 to give every "
+            "parameter its own bucket; None keeps the default."
+        )
+    cap = int(bucket_cap_mb * MiB)
+    return cap, cap
+
+
+def assign_buckets(
+    tensors: Sequence[torch.Tensor], order: Sequence[int], size_limits: Sequence[int]
+) -> list[list[int]]:
+    """Group tensor indices into buckets, walking `order`.
+
+    `size_limits` are the caps of the first, second, ... bucket of each (dtype, device); the last
+    one repeats. Buckets come out in the order they closed, then the partly filled ones in the
+    order their dtypes first appeared (torch takes those from a hash map, in no promised order;
+    which bucket launches first does not change any value).
+    """
+    open_buckets: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    open_bytes: dict[tuple[torch.dtype, torch.device], int] = {}
+    buckets_closed: dict[tuple[torch.dtype, torch.device], int] = {}
+    closed: list[list[int]] = []
+    for index in order:
+        tensor = tensors[index]
+        key = (tensor.dtype, tensor.device)
+        open_buckets.setdefault(key, []).append(index)
+        open_bytes[key] = open_bytes.get(key, 0) + tensor.numel() * tensor.element_size()
+        limit = size_limits[min(buckets_closed.get(key, 0), len(size_limits) - 1)]
+        if open_bytes[key] >= limit:
+            closed.append(open_buckets.pop(key))
+            open_bytes[key] = 0
+            buckets_closed[key] = buckets_closed.get(key, 0) + 1
+    return closed + [bucket for bucket in open_buckets.values() if bucket]
+
+
+def initial_layout(
+    params: Sequence[torch.Tensor], first_cap: int, cap: int, find_unused_parameters: bool
+) -> list[list[int]]:
+    """The layout before any backward pass has been seen, in launch order.
+
+    Parameters are assumed to be used in the order they were registered, so their gradients are
+    expected in reverse: bucket 0 holds the *last* parameters. torch's default goes further: it
+    does not trust registration order at all and puts everything in one bucket per dtype for the
+    first iteration (no overlap yet), then rebuilds from the order it observed
+    (`rebuilt_layout`). With `find_unused_parameters` the graph may change every iteration, so the
+    capped layout is built now and never rebuilt.
+    """
+    if find_unused_parameters:
+        limits = [first_cap, cap] if first_cap < cap else [cap]
+    else:
+        limits = [sys.maxsize]
+    buckets = assign_buckets(params, range(len(params)), limits)
+    buckets.sort(key=min)
+    return buckets[::-1]
+
+
+def rebuilt_layout(
+    params: Sequence[torch.Tensor], ready_order: Sequence[int], first_cap: int, cap: int
+) -> list[list[int]]:
+    """The layout rebuilt from the order in which gradients actually became ready.
+
+    The first bucket gets the earliest gradients and the small cap, so communication starts as
+    early as the backward pass allows.
+    """
+    return assign_buckets(params, ready_order, [first_cap, cap])
+
+
+class BucketLayout:
+    """The buckets of one DDP model, and their life: built at construction (one per dtype,
+    unless find_unused_parameters), the gradient-ready order recorded in the first synced
+    backward, rebuilt once from rank 0's record before the next forward."""
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        bucket_cap_mb: float | None,
+        find_unused_parameters: bool,
+        gradient_as_bucket_view: bool,
+    ) -> None:
+        self.params = params
+        self.first_cap, self.cap = bucket_caps(bucket_cap_mb)
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        # With unused parameters the graph may change every iteration: no order worth recording.
+        self.has_rebuilt = find_unused_parameters
+        self.ready_order: list[int] = []  # gradient arrival order in the first synced backward
+        self.build(initial_layout(params, self.first_cap, self.cap, find_unused_parameters))
+
+    def build(self, groups: list[list[int]]) -> None:
+        self.buckets = [
+            Bucket(i, indices, self.params, self.gradient_as_bucket_view)
+            for i, indices in enumerate(groups)
+        ]
+        # Where each parameter's gradient goes: (its bucket, its position in it).
+        self.slot = {
+            index: (b, pos) for b in self.buckets for pos, index in enumerate(b.param_indices)
+        }
+        if self.gradient_as_bucket_view:
+            for bucket in self.buckets:
+                bucket.adopt_gradients()
+
+    def record_ready(self, index: int) -> None:
+        if not self.has_rebuilt:
+            self.ready_order.append(index)
+
+    @property
+    def rebuild_due(self) -> bool:
+        return bool(self.ready_order) and not self.has_rebuilt
+
+    def rebuild(self, ready_order: list[int]) -> None:
+        """Rebuild from an observed order (rank 0's, so every rank gets the same buckets)."""
+        self.build(rebuilt_layout(self.params, ready_order, self.first_cap, self.cap))
+        self.has_rebuilt = True
+        self.ready_order = []
+
+    def describe(self, names: Sequence[str]) -> list[BucketInfo]:
+        return [bucket.describe(names) for bucket in self.buckets]
+
+    def state(self, names: Sequence[str]) -> dict[str, Any]:
+        """The layout by parameter name, for checkpoints: with 3+ ranks gloo's sums depend on
+        each gradient's place in its bucket, so an exact resume restores it too."""
+        return {
+            "buckets": [list(info.param_names) for info in self.describe(names)],
+            "rebuilt": self.has_rebuilt,
+            "ready_order": [names[i] for i in self.ready_order],
+        }
+
+    def load_state(self, state: dict[str, Any], names: Sequence[str]) -> None:
+        """Adopt a layout saved by `state()` (the same on every rank)."""
+        index = {name: i for i, name in enumerate(names)}
+        saved = [name for bucket in state["buckets"] for name in bucket]
+        if sorted(saved) != sorted(names):
+            raise ValueError(
+                "The saved bucket layout names other parameters than this model has "
+                f"(saved {len(saved)}, model {len(names)}): load it into the model it was "
+                "saved from."
+            )
+        self.build([[index[name] for name in bucket] for bucket in state["buckets"]])
+        self.has_rebuilt = state["rebuilt"]
+        self.ready_order = [index[name] for name in state["ready_order"]]
+
+
+class ShowsItsBuckets:
+    """What a DDP with a `BucketLayout` (`self._layout`) shows of it: for tutorials, tests and
+    checkpoints."""
+
+    _layout: BucketLayout
+    param_names: list[str]
+
+    @property
+    def buckets(self) -> list[BucketInfo]:
+        """The current bucket layout, in launch order, described for printing."""
+        return self._layout.describe(self.param_names)
+
+    def describe_buckets(self) -> str:
+        return describe_layout(self.buckets)
+
+    @property
+    def has_rebuilt_buckets(self) -> bool:
+        return self._layout.has_rebuilt
+
+    def bucket_state(self) -> dict[str, Any]:
+        """The bucket layout by parameter name, for checkpoints (see BucketLayout.state)."""
+        return self._layout.state(self.param_names)
+
+    def load_bucket_state(self, state: dict[str, Any]) -> None:
+        """Adopt a layout saved by `bucket_state()` (the same on every rank)."""
+        self._layout.load_state(state, self.param_names)
+        for bucket in self._layout.buckets:
+            bucket.reset()
