@@ -43,7 +43,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from miniddp.ddp import MiniDDP
-from miniddp.objects import all_gather_object, broadcast_object
 
 FORMAT = "miniddp-checkpoint"
 VERSION = 1
@@ -302,13 +301,17 @@ def _gather(state: dict[str, Any]) -> list[dict[str, Any]]:
     """Every rank's `state`, indexed by rank (just ours without a process group)."""
     if not dist.is_initialized():
         return [state]
-    return all_gather_object(state)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, state)
+    return everyone
 
 
 def _from_rank0(value: Any) -> Any:
     if not dist.is_initialized():
         return value
-    return broadcast_object(value, src=0)
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
 
 
 def _bucket_layout(model: nn.Module) -> dict[str, Any] | None:

@@ -35,7 +35,6 @@ import torch
 import torch.distributed as dist
 
 from miniddp.events import Event
-from miniddp.objects import all_gather_object
 
 COMPUTE = "compute"
 COMM = "communication"
@@ -220,7 +219,8 @@ def gather(steps: list[StepTimeline]) -> list[StepTimeline]:
     """
     if not dist.is_initialized():
         return list(steps)
-    everyone = all_gather_object(steps)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, steps)
     return [step for rank_steps in everyone for step in rank_steps]
 
 

@@ -211,7 +211,6 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from miniddp.faults import CollectiveFailed
-    from miniddp.objects import all_gather_object
 
     def report(event: str, **fields) -> None:
         print(RESULT + json.dumps({"event": event, "time": time.time(), **fields}), flush=True)
@@ -247,7 +246,7 @@ def worker(args: argparse.Namespace) -> None:
             dist.barrier()
         if victim and args.fault == "fewer-steps-then-gather":
             report("fault")
-            all_gather_object("done")
+            dist.all_gather_object([None] * args.world_size, "done")
         if victim and args.fault == "fewer-steps-then-mismatch":
             report("fault")
             dist.all_reduce(torch.ones(10))

@@ -35,7 +35,6 @@ from common import fmt_bytes, say, say_all_ranks, section
 from miniddp import collectives
 from miniddp.collectives import Message
 from miniddp.env import cleanup, init_distributed
-from miniddp.objects import all_gather_object
 
 SWEEP_ROUNDS = 5  # interleaved rounds per size: enough for a first look, not a benchmark
 COUNTING_NUMEL = 2**18  # about 1 MiB of float32 for the byte counts
@@ -52,7 +51,8 @@ def plural(count: int, noun: str) -> str:
 
 def gather_messages(log: list[Message]) -> list[Message]:
     """Every rank's log of the messages it sent, merged, in step order. Every rank must call."""
-    everyone = all_gather_object(log)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, log)
     return sorted(itertools.chain(*everyone), key=lambda m: (m.step, m.src))
 
 
@@ -185,7 +185,8 @@ def section_counting(world_size: int) -> tuple[bool, dict]:
         collectives.traffic.reset()
         with collectives.record_messages() as log:
             run(tensor, algorithm)
-        sent = all_gather_object(collectives.traffic.bytes_sent)
+        sent = [None] * world_size
+        dist.all_gather_object(sent, collectives.traffic.bytes_sent)
         steps = max((m.step for m in gather_messages(log)), default=0)
         model_steps, model_bytes = collectives.schedule(collective, algorithm, nbytes, world_size)
         consistent &= steps == model_steps

@@ -34,7 +34,6 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from miniddp.env import cleanup, init_distributed
-from miniddp.objects import all_gather_object
 from miniddp.sampler import DistributedSampler
 
 MICRO_BATCH = 4  # samples per forward/backward on one rank
@@ -124,7 +123,8 @@ def main() -> None:
     micro_batches = micro_batches_of(dataset, env.rank, world_size)
     my_indices = list(micro_batches.sampler)
     say_all_ranks(f"{len(my_indices)} of {len(dataset)} samples, first: {my_indices[:8]}")
-    every_rank_indices = all_gather_object(my_indices)
+    every_rank_indices = [None] * world_size
+    dist.all_gather_object(every_rank_indices, my_indices)
     union = set().union(*every_rank_indices)
     assert sum(map(len, every_rank_indices)) == len(union) == len(dataset), "shards overlap"
     say(f"The shards are disjoint and together cover all {len(dataset)} samples.")

@@ -39,7 +39,6 @@ from torch.utils.data import DataLoader
 
 from miniddp import MiniDDP
 from miniddp.env import DistEnv, cleanup, init_distributed
-from miniddp.objects import all_gather_object
 from miniddp.sampler import DistributedSampler
 from miniddp.timeline import ascii_timeline, recording, split_steps, summarize
 
@@ -88,12 +87,14 @@ def replica_digest(model: nn.Module) -> str:
 
 
 def replicas_identical(model: nn.Module) -> bool:
-    digests = all_gather_object(replica_digest(model))
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, replica_digest(model))
     return len(set(digests)) == 1
 
 
 def show_who_is_who(env: DistEnv) -> list[dict[str, object]]:
-    everyone = all_gather_object(whereabouts(env))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, whereabouts(env))
     columns = list(everyone[0])
     widths = [max(len(c), *(len(str(row[c])) for row in everyone)) for c in columns]
     say("  ".join(f"{c:>{w}}" for c, w in zip(columns, widths)))
@@ -165,7 +166,8 @@ def train_briefly(env: DistEnv) -> MiniDDP:
         loss = nn.functional.mse_loss(model(inputs), targets)
         loss.backward()
         optimizer.step()
-        losses = all_gather_object(loss.item())
+        losses = [None] * dist.get_world_size()
+        dist.all_gather_object(losses, loss.item())
         say(f"step {step + 1}: loss on each rank's shard {', '.join(f'{x:.4f}' for x in losses)}")
     return model
 

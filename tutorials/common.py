@@ -13,8 +13,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from miniddp.objects import all_gather_object
-
 
 def make_dataset(
     n: int = 64, in_features: int = 8, seed: int = 0, dtype: torch.dtype = torch.float64
@@ -75,7 +73,8 @@ def say_all_ranks(*args) -> None:
     if not dist.is_initialized():
         print(f"[rank 0] {line}", flush=True)
         return
-    lines = all_gather_object(line)
+    lines = [None] * dist.get_world_size()
+    dist.all_gather_object(lines, line)
     for each_rank, each_line in enumerate(lines):
         say(f"[rank {each_rank}] {each_line}")
 

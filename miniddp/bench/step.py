@@ -36,7 +36,6 @@ from torch.nn.parallel import DistributedDataParallel
 from miniddp.baselines import BASELINES, DeferredMiniDDP
 from miniddp.ddp import MiniDDP
 from miniddp.env import cleanup, init_distributed
-from miniddp.objects import all_gather_object
 from miniddp.timeline import gather, recording, split_steps, summarize, write_chrome_trace
 
 
@@ -221,7 +220,8 @@ def run_workload(workload: Workload, variant_names: list[str], args: argparse.Na
     models = {name: VARIANTS[name][0](workload.build()) for name in variant_names}
     local = time_interleaved(models, workload, args.iters)
     overlap = record_overlap(models, workload, args.trace_iters, args.trace_dir)
-    everyone = all_gather_object(local)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, local)
     reference = workload.build()
     tensors = [p for p in reference.parameters() if p.requires_grad]
     del models
