@@ -1,4 +1,4 @@
-"""What MiniDDP checks about the model it wraps: before training, and before each backward.
+"""What MiniDDP checks about the model it wraps, and how it makes every replica start equal.
 
 Before training, every rank must hold the same model with the same settings: DDP sums gradients
 position by position, so a different shape, order or dtype on one rank would either hang the
@@ -8,7 +8,8 @@ find_unused_parameters), which parameters the coming backward will not reach.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -16,13 +17,27 @@ import torch.distributed as dist
 from torch import nn
 
 
-def refuse_sparse_gradients(module: nn.Module) -> None:
+def check_wrappable(module: nn.Module, trainable: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """Refuse, at construction, a model that training could only fail on later."""
+    if not trainable:
+        raise ValueError(
+            "MiniDDP got a module with no parameter that requires grad: there is nothing to "
+            "synchronize. Wrap the model you train (or unfreeze its parameters)."
+        )
     for name, sub in module.named_modules():
         if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
             raise ValueError(
                 f"Module '{name}' produces sparse gradients (sparse=True); MiniDDP reduces dense "
                 "buckets only. Construct it with sparse=False."
             )
+    on_meta = [name for name, p in module.named_parameters() if p.is_meta]
+    if on_meta:
+        raise ValueError(
+            f"Parameter '{on_meta[0]}' (and {len(on_meta) - 1} more) is on the meta device: it "
+            "has a shape but no values, so there is nothing to broadcast or train. Materialize "
+            "the model first: module.to_empty(device=...) and then initialize its weights (e.g. "
+            "reset_parameters(), or load a state dict)."
+        )
 
 
 def verify_same_model_on_every_rank(
@@ -65,6 +80,28 @@ def _first_difference(reference: list[tuple], theirs: list[tuple], rank: int) ->
     return None
 
 
+def broadcast_from_rank0(
+    tensors: Sequence[torch.Tensor],
+    what: str,
+    group: dist.ProcessGroup | None,
+    wait: Callable[[dist.Work, str], Any],
+) -> None:
+    """Overwrite `tensors` with rank 0's values, so every replica starts (and stays) equal: one
+    flat message per (dtype, device) instead of one per tensor. `wait` is the DDP's wait seam."""
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    with torch.no_grad():
+        for same_kind in by_kind.values():
+            flat = torch.cat([t.reshape(-1) for t in same_kind])
+            nbytes = flat.numel() * flat.element_size()
+            work = dist.broadcast(flat, src=src, group=group, async_op=True)
+            wait(work, f"broadcast of {what} from rank 0 ({nbytes:,} bytes)")
+            for tensor, piece in zip(same_kind, flat.split([t.numel() for t in same_kind])):
+                tensor.copy_(piece.view_as(tensor))
+
+
 def parameters_not_reached(output: Any, params: Sequence[torch.Tensor]) -> list[int]:
     """Walk the autograd graph back from the outputs; return the indices of `params` it never
     reaches. Those get no gradient in this backward, so MiniDDP marks them ready up front
@@ -90,8 +127,17 @@ def parameters_not_reached(output: Any, params: Sequence[torch.Tensor]) -> list[
     return [i for i in range(len(params)) if i not in reached]
 
 
+def when_backward_reaches(output: Any, callback: Callable[[], None]) -> None:
+    """Call `callback` each time a backward pass reaches a tensor of `output` (the first thing
+    a backward through this output does, before any parameter's gradient)."""
+    for tensor in find_tensors(output):
+        if tensor.requires_grad:
+            tensor.register_hook(lambda _: callback())
+
+
 def find_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in a (nested) output: a tensor, or lists, tuples and dicts of them."""
+    """Every tensor in a (nested) output, found where torch's DDP looks: tensors, and lists,
+    tuples (namedtuples too), dicts and dataclasses of them."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (list, tuple)):
@@ -100,3 +146,6 @@ def find_tensors(obj: Any) -> Iterator[torch.Tensor]:
     elif isinstance(obj, dict):
         for item in obj.values():
             yield from find_tensors(item)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for field in dataclasses.fields(obj):
+            yield from find_tensors(getattr(obj, field.name))
