@@ -1,0 +1,193 @@
+"""Rung 4, torch's layout: one bucket at first, then buckets in the order gradients really came.
+
+The previous rung (buckets.py) guessed that gradients arrive in reverse registration order and
+built its buckets from that guess. Here, as in torch's DDP, nothing is guessed:
+
+- iteration 0 puts every parameter of a (dtype, device) in one bucket, in registration order,
+  and notes the order in which gradients actually become ready. No overlap in that first step:
+  the one bucket launches after the last gradient.
+- before the next forward, rank 0's noted order is broadcast (ranks may have seen different
+  ones; all must launch the same buckets) and the buckets are rebuilt from it, once: the first
+  bucket gets the earliest gradients, so communication starts as early as backward allows.
+- torch's caps: by default (bucket_cap_mb=None) the first bucket of each (dtype, device) holds
+  1 MiB and the others 25 MiB; a small first bucket starts the network sooner. An explicit
+  bucket_cap_mb applies to every bucket, the first included.
+
+Why the exact layout matters: with 3 or more ranks gloo's sum of a bucket is computed in pieces,
+and which ranks' values get added first depends on each gradient's offset in the flat tensor.
+So the same gradients give other last bits in another layout. With torch's layout, order and
+offsets, and torch's 1/W scaling while copying, this rung is bitwise torch's DDP at any W.
+
+What it costs: as rung 3, B * alpha + 2 (W-1)/W * N * beta, plus one broadcast of P integers,
+once. What it lacks (MiniDDP, miniddp/ddp.py, adds it): no_sync() for gradient accumulation,
+unused parameters, communication hooks, gradient_as_bucket_view, checks of the model across
+ranks, and errors that name a rank that stopped answering.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+
+from miniddp.events import EventRecorder
+from miniddp.steps import shared
+
+
+@dataclass
+class Bucket:
+    index: int
+    params: list[int]  # indices into the wrapper's `params`, in the bucket's order
+    flat: torch.Tensor  # their gradients, end to end
+    views: list[torch.Tensor]  # views[i]: params[i]'s slice of `flat`, shaped like it
+    ready: int = 0  # gradients copied in during this backward
+    work: dist.Work | None = None  # the all-reduce in flight
+
+
+def assign_buckets(
+    params: list[torch.Tensor], order: list[int], caps: list[float]
+) -> list[list[int]]:
+    """Walk `order`; each (dtype, device) fills its own buckets, its first until it holds
+    caps[0] bytes, its second caps[1], ... (the last cap repeats). Buckets come out in the order
+    they were closed, then the partly filled ones (torch takes those from a hash map: their order
+    changes no value)."""
+    closed, filling, filled_bytes, closed_count = [], {}, {}, {}
+    for index in order:
+        key = (params[index].dtype, params[index].device)
+        filling.setdefault(key, []).append(index)
+        filled_bytes[key] = filled_bytes.get(key, 0) + params[index].nbytes
+        if filled_bytes[key] >= caps[min(closed_count.get(key, 0), len(caps) - 1)]:
+            closed.append(filling.pop(key))
+            filled_bytes[key] = 0
+            closed_count[key] = closed_count.get(key, 0) + 1
+    return closed + list(filling.values())
+
+
+class TorchLayoutDDP(nn.Module, EventRecorder):
+    """Average gradients in buckets laid out exactly as torch's DDP lays them out.
+
+    Gradients are averaged when `loss.backward()` returns: `finish_gradient_synchronization()`
+    has nothing left to do.
+    """
+
+    claims = frozenset({"batchnorm", "mixed-dtypes", "torch-layout"})
+
+    def __init__(self, module: nn.Module, *, bucket_cap_mb: float | None = None) -> None:
+        super().__init__()
+        if bucket_cap_mb is None:
+            self.caps = [shared.MiB, 25 * shared.MiB]
+        else:
+            self.caps = [shared.bucket_cap_bytes(bucket_cap_mb)]
+        self.module = module
+        self.world_size = dist.get_world_size()
+        self.param_names, self.params = shared.trainable_parameters(module, "TorchLayoutDDP")
+        self.all_reduce_count = 0
+        self._start_event_log()
+        self._arrived: set[int] = set()  # parameters whose gradient this backward produced
+        self._next_bucket = 0  # the next bucket to launch
+        self._ready_order: list[int] = []  # the order gradients arrived in, until the rebuild
+        self.has_rebuilt_buckets = False
+        # Every replica starts from rank 0's weights and buffers, whatever seed each rank used.
+        shared.broadcast_from_rank0([*module.parameters(), *module.buffers()])
+        # Iteration 0: one bucket per (dtype, device); the one whose parameters start latest in
+        # registration order launches first (torch still assumes backward runs in reverse).
+        one_each = assign_buckets(self.params, range(len(self.params)), [math.inf])
+        self._build_buckets(sorted(one_each, key=min, reverse=True))
+        for index, param in enumerate(self.params):
+            param.register_post_accumulate_grad_hook(partial(self._on_gradient_ready, index))
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self._arrived:
+            raise shared.unfinished_backward()
+        if self._ready_order and torch.is_grad_enabled():
+            self._rebuild_buckets()
+        # Each forward updates buffers (BatchNorm's statistics) locally: like torch's DDP, start
+        # every forward from rank 0's.
+        shared.broadcast_from_rank0(self.module.buffers())
+        self._note("forward", "start")
+        output = self.module(*inputs, **kwargs)
+        if self._observed and torch.is_grad_enabled():
+            self._note_when_backward_starts(output)
+        self._note("forward", "end")
+        return output
+
+    def finish_gradient_synchronization(self) -> None:
+        """Nothing to do: the end of backward already waited for every bucket."""
+
+    def _build_buckets(self, layout: list[list[int]]) -> None:
+        self.buckets: list[Bucket] = []
+        self._slot: dict[int, tuple[Bucket, torch.Tensor]] = {}  # parameter -> bucket, view
+        for number, indices in enumerate(layout):
+            members = [self.params[i] for i in indices]
+            flat = members[0].new_zeros(sum(p.numel() for p in members))  # same dtype, device
+            views = [
+                v.view_as(p) for v, p in zip(flat.split([p.numel() for p in members]), members)
+            ]
+            self.buckets.append(Bucket(number, indices, flat, views))
+            self._slot.update({i: (self.buckets[-1], view) for i, view in zip(indices, views)})
+
+    def _rebuild_buckets(self) -> None:
+        """Once, before the second synced forward: rank 0's order, torch's caps."""
+        order = torch.tensor(self._ready_order, device=self.params[0].device)
+        dist.broadcast(order, src=0)
+        self._build_buckets(assign_buckets(self.params, order.tolist(), self.caps))
+        self._ready_order, self.has_rebuilt_buckets = [], True
+        self._note("rebuild", f"{len(self.buckets)} buckets")
+
+    def _on_gradient_ready(self, index: int, param: torch.Tensor) -> None:
+        """Runs inside the autograd engine right after `param.grad` was accumulated."""
+        if not self._arrived:  # the first gradient of this backward
+            Variable._execution_engine.queue_callback(self._finish_backward)
+        self._arrived.add(index)
+        if not self.has_rebuilt_buckets:
+            self._ready_order.append(index)
+        self._note("hook", self.param_names[index])
+        bucket, view = self._slot[index]
+        torch.mul(param.grad, 1.0 / self.world_size, out=view)  # scale while copying: one pass
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self._note("ready", f"bucket {bucket.index}")
+            self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        """Launch each full bucket whose predecessors have all been launched, in index order."""
+        while self._next_bucket < len(self.buckets):
+            bucket = self.buckets[self._next_bucket]
+            if bucket.ready < len(bucket.params):
+                return
+            name = f"bucket {bucket.index}"
+            self._note("launch", name)
+            bucket.work = dist.all_reduce(bucket.flat, async_op=True)  # SUM; returns at once
+            self.all_reduce_count += 1
+            if self._observed:
+                bucket.work.get_future().add_done_callback(
+                    lambda _, n=name: self._note("reduced", n)
+                )
+            self._next_bucket += 1
+
+    def _finish_backward(self) -> None:
+        """Queued on the autograd engine: wait for each bucket and copy it back into `.grad`."""
+        self._note("backward", "end")
+        missing = [i for i in range(len(self.params)) if i not in self._arrived]
+        for index in missing:  # zeros, so every rank still launches every bucket; refused below
+            self._slot[index][1].zero_()
+            self._slot[index][0].ready += 1
+        self._launch_ready_buckets()
+        for bucket in self.buckets:
+            bucket.work.wait()
+            self._note("wait", f"bucket {bucket.index}")
+            for index, view in zip(bucket.params, bucket.views):
+                if index in self._arrived:
+                    self.params[index].grad.copy_(view)
+            bucket.ready, bucket.work = 0, None
+        self._arrived, self._next_bucket = set(), 0
+        if missing:
+            self._ready_order = []  # incomplete: learn the order again in the next backward
+            raise shared.no_gradient(self.param_names[i] for i in missing)
+        self._note("sync", "end")

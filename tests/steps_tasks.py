@@ -1,0 +1,86 @@
+"""What the pool's ranks run for tests/test_steps.py: a rung of the ladder and torch's DDP,
+trained side by side on the same awkward little model and the same data."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from miniddp import MiniDDP
+from miniddp.steps import LADDER
+
+
+class Scrambled(nn.Module):
+    """Layers registered in one order and used in another, so gradients arrive in neither
+    registration order nor its reverse; BatchNorm statistics; optionally a float64 layer."""
+
+    def __init__(self, seed: int, mixed_dtypes: bool) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.head = nn.Linear(16, 3)
+        self.first = nn.Linear(6, 16)
+        self.norm = nn.BatchNorm1d(16)
+        self.middle = nn.Linear(16, 16)
+        self.wide = nn.Linear(16, 16).double() if mixed_dtypes else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.middle(self.norm(torch.tanh(self.first(x)))))
+        if self.wide is not None:
+            hidden = torch.tanh(self.wide(hidden.double())).float()
+        return self.head(hidden)
+
+
+def train(wrap, mixed_dtypes: bool, steps: int, backwards_per_step: int) -> dict:
+    """Train one replica; gradients after each synchronized backward, state after each step.
+
+    Each rank builds its model from its own seed: the wrapper must start every rank from
+    rank 0's weights. Several backwards between optimizer steps accumulate into `.grad`.
+    """
+    rank = dist.get_rank()
+    net = Scrambled(seed=rank, mixed_dtypes=mixed_dtypes)
+    model = wrap(net)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    grads, states = [], []
+    for step in range(steps):
+        optimizer.zero_grad()
+        for micro in range(backwards_per_step):
+            data = torch.Generator().manual_seed(1000 * rank + 10 * step + micro)
+            x, y = torch.randn(5, 6, generator=data), torch.randn(5, 3, generator=data)
+            nn.functional.mse_loss(model(x), y).backward()
+            if hasattr(model, "finish_gradient_synchronization"):  # torch's DDP has none
+                model.finish_gradient_synchronization()
+            grads.append([p.grad.clone() for p in net.parameters()])
+        optimizer.step()
+        states.append([t.clone() for t in net.state_dict().values()])
+    return {"grads": grads, "states": states, "layout": bucket_layout(model, net)}
+
+
+def bucket_layout(model: nn.Module, net: nn.Module) -> list[list[str]] | None:
+    """Buckets in launch order, as parameter names; None for a rung without buckets."""
+    if isinstance(model, DistributedDataParallel):
+        name_of = {id(p): n for n, p in net.named_parameters()}
+        buckets = model.reducer._get_zeros_like_grad_buckets()
+        return [[name_of[id(p)] for p in bucket.parameters()] for bucket in buckets]
+    if isinstance(model, MiniDDP):
+        return [list(info.param_names) for info in model.buckets]
+    if hasattr(model, "buckets"):
+        return [[model.param_names[i] for i in bucket.params] for bucket in model.buckets]
+    return None
+
+
+def rung_and_torch(
+    rung: int, bucket_cap_mb: float | None, mixed_dtypes: bool = False, steps: int = 3
+) -> dict:
+    """Rung `rung` (numbered from 1) and torch's DDP, with the same cap, one after the other."""
+    cls = LADDER[rung - 1]
+    return {
+        "rung": train(lambda m: cls(m, bucket_cap_mb=bucket_cap_mb), mixed_dtypes, steps, 2),
+        "torch": train(
+            lambda m: DistributedDataParallel(m, bucket_cap_mb=bucket_cap_mb),
+            mixed_dtypes,
+            steps,
+            2,
+        ),
+    }

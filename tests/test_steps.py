@@ -1,0 +1,99 @@
+"""The ladder (miniddp/steps/): its command, and a smoke check that every rung trains like
+torch's DDP. The full property tests over `LADDER` live in tests/test_ddp_equivalence.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from miniddp.steps import CLAIMS, LADDER
+from tests import steps_tasks
+
+
+def steps_command(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "miniddp.steps", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_list_names_every_rung_in_order_with_its_file():
+    listing = steps_command("list")
+    assert listing.returncode == 0, listing.stderr
+    rows = listing.stdout.splitlines()
+    assert len(rows) == len(LADDER) == 5
+    for number, (row, cls) in enumerate(zip(rows, LADDER), start=1):
+        assert row.split()[:2] == [str(number), cls.__name__]
+    assert "miniddp/steps/naive.py" in rows[0] and "miniddp/ddp.py" in rows[4]
+
+
+def test_diff_shows_what_one_rung_adds_to_the_previous():
+    result = steps_command("diff", "2", "3")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[:2] == ["--- miniddp/steps/overlap.py", "+++ miniddp/steps/buckets.py"]
+    added = [line for line in lines if line.startswith("+") and not line.startswith("+++")]
+    removed = [line for line in lines if line.startswith("-") and not line.startswith("---")]
+    assert any("def assign_buckets" in line for line in added)
+    assert any("class OverlapDDP" in line for line in removed)
+
+
+def test_diff_four_five_compares_with_miniddp():
+    result = steps_command("diff", "4", "5")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[:2] == [
+        "--- miniddp/steps/torch_layout.py",
+        "+++ miniddp/ddp.py",
+    ]
+
+
+@pytest.mark.parametrize("args", [("diff", "0", "3"), ("show", "6"), ("diff", "1", "x")])
+def test_a_bad_rung_number_is_refused_with_the_valid_range(args):
+    result = steps_command(*args)
+    assert result.returncode != 0
+    assert "1 to 5" in result.stderr or "invalid int value" in result.stderr
+
+
+def test_show_prints_the_rungs_source():
+    result = steps_command("show", "1")
+    assert result.returncode == 0 and "class NaiveDDP" in result.stdout
+
+
+def test_every_rung_claims_a_subset_of_the_known_claims():
+    for cls in LADDER[:-1]:
+        assert {"batchnorm", "mixed-dtypes"} <= cls.claims <= CLAIMS, cls.__name__
+    assert "torch-layout" in LADDER[3].claims and "torch-layout" not in LADDER[2].claims
+
+
+def assert_same_training(results: list[dict]) -> None:
+    for rank, result in enumerate(results):
+        ours, theirs = result["rung"], result["torch"]
+        for kind in ("grads", "states"):
+            assert len(ours[kind]) == len(theirs[kind])
+            for step, (mine, reference) in enumerate(zip(ours[kind], theirs[kind])):
+                for i, (a, b) in enumerate(zip(mine, reference)):
+                    assert torch.equal(a, b), f"rank {rank}: {kind}[{step}][{i}] differs"
+
+
+@pytest.mark.parametrize("rung", range(1, len(LADDER) + 1))
+@pytest.mark.parametrize("mixed_dtypes", [False, True])
+def test_every_rung_trains_bitwise_like_torchs_ddp_on_two_ranks(rank_pools, rung, mixed_dtypes):
+    """On 2 ranks a + b = b + a: any correct rung gives torch's bits, whatever its layout."""
+    results = rank_pools(2).run(steps_tasks.rung_and_torch, rung, 0.0015, mixed_dtypes, timeout=120)
+    assert_same_training(results)
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+@pytest.mark.parametrize("bucket_cap_mb", [None, 0.0015, 0.0001])
+def test_torch_layout_is_torchs_layout_and_bits_at_three_and_four_ranks(
+    rank_pools, world_size, bucket_cap_mb
+):
+    """With 3+ ranks gloo's bits depend on each gradient's offset in its bucket."""
+    results = rank_pools(world_size).run(
+        steps_tasks.rung_and_torch, 4, bucket_cap_mb, False, timeout=120
+    )
+    for result in results:
+        assert result["rung"]["layout"] == result["torch"]["layout"]
+    assert_same_training(results)
