@@ -419,17 +419,12 @@ def write_chrome_trace(steps: Sequence[StepTimeline], path: str | Path) -> Path:
 
 
 def plot(steps: Sequence[StepTimeline], path: str | Path, title: str = "") -> Path:
-    """Save the timeline as a PNG. Needs matplotlib: `pip install 'miniddp[plot]'`."""
-    try:
-        import matplotlib
+    """Save the timeline as a PNG."""
+    import matplotlib
 
-        matplotlib.use("Agg")  # files only: no display needed
-        import matplotlib.pyplot as plt
-    except ImportError as error:
-        raise ImportError(
-            "plot() needs matplotlib, an optional extra: pip install 'miniddp[plot]' "
-            "(or use ascii_timeline / write_chrome_trace, which need nothing)."
-        ) from error
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
     t0 = min(step.start for step in steps)
     lanes = [(step, lane) for step in steps for lane in (COMPUTE, COMM)]
     figure, axes = plt.subplots(figsize=(12, 0.5 + 0.45 * len(lanes)))
