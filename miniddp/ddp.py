@@ -18,11 +18,9 @@ launch order follow torch's rules (miniddp/buckets.py).
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import Enum
-from functools import partial
 from typing import Any
 
 import torch
@@ -37,19 +35,18 @@ from miniddp.events import EventRecorder
 from miniddp.faults import wait_for
 from miniddp.layout import BucketLayout, ShowsItsBuckets
 from miniddp.model_checks import (
+    ParameterUsage,
     broadcast_from_rank0,
     check_wrappable,
+    hook_every_parameter,
     parameters_not_reached,
     verify_same_model_on_every_rank,
     when_backward_reaches,
 )
 
-# Which MiniDDP wraps a module now: a second wrapper takes the module's hooks over, as torch's does.
-_WRAPPER_OF: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
-
 
 class Phase(Enum):
-    """Where the current forward/backward pair stands; hooks act on it."""
+    """Where the current forward/backward pair stands: what a gradient hook must do."""
 
     LOCAL = "gradients only accumulate locally (inside no_sync, or no synced forward yet)"
     ARMED = "a synced forward ran: its backward will reduce"
@@ -58,19 +55,14 @@ class Phase(Enum):
 
 
 class MiniDDP(nn.Module, EventRecorder, ShowsItsBuckets):
-    """Wrap `module` so that `loss.backward()` leaves gradients averaged over all ranks.
+    """Wrap `module` so that `loss.backward()` leaves gradients averaged over all ranks, used
+    exactly like `torch.nn.parallel.DistributedDataParallel`. Where torch is silent about a
+    mistake, MiniDDP raises: a parameter that got no gradient (at the end of that backward, not
+    the next forward), a model that differs across ranks (on every rank), a second backward
+    through one synced forward (torch leaves it unsynchronized)."""
 
-    Used exactly like `torch.nn.parallel.DistributedDataParallel`. Where torch is silent about a
-    mistake, MiniDDP raises: a parameter that got no gradient is reported at the end of that
-    same backward (torch only complains at the next forward), a model that differs across
-    ranks is reported on every rank (torch's rank 0 sees "Connection closed by peer"), and a
-    second backward through one synced forward is an error (torch leaves it unsynchronized).
-    """
-
-    claims = frozenset(
-        {"batchnorm", "mixed-dtypes", "torch-layout", "no-sync", "find-unused-parameters",
-         "comm-hook", "gradient-as-bucket-view"}
-    )  # fmt: skip
+    claims = frozenset({"batchnorm", "mixed-dtypes", "torch-layout", "no-sync", "comm-hook",
+                        "find-unused-parameters", "gradient-as-bucket-view"})  # fmt: skip
     # False (the benchmark's "deferred" ablation) holds every launch until backward is over:
     # the same all-reduces, minus the overlap.
     launch_during_backward = True
@@ -86,16 +78,13 @@ class MiniDDP(nn.Module, EventRecorder, ShowsItsBuckets):
         gradient_as_bucket_view: bool = False,
     ) -> None:
         super().__init__()
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(
-                f"MiniDDP needs a running process group, and there is none. {HOW_TO_LAUNCH}"
-            )
+        if not dist.is_initialized():
+            raise RuntimeError(f"MiniDDP needs a process group, and there is none. {HOW_TO_LAUNCH}")
         self.module = module
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
-        self.gradient_as_bucket_view = gradient_as_bucket_view
         # Only parameters that require grad are reduced, and a tied weight only once: it is one
         # variable with one gradient. `named_parameters()` walks modules in registration order
         # and skips repeats, as torch's reducer does.
@@ -108,39 +97,33 @@ class MiniDDP(nn.Module, EventRecorder, ShowsItsBuckets):
         )
         # Settings that shape the sequence of collectives must agree too, or ranks would issue
         # different all-reduces and gloo would abort or hang instead of explaining.
-        settings = {
-            "bucket_cap_mb (bytes: first, rest)": (self._layout.first_cap, self._layout.cap),
-            "find_unused_parameters": find_unused_parameters,
-            "broadcast_buffers": broadcast_buffers,
-        }
+        caps_in_bytes = (self._layout.first_cap, self._layout.cap)
+        settings = {"bucket_cap_mb": caps_in_bytes, "broadcast_buffers": broadcast_buffers,
+                    "find_unused_parameters": find_unused_parameters}  # fmt: skip
         verify_same_model_on_every_rank(named, settings, process_group)
         self._buffers_to_sync = list(module.buffers())
-        self._broadcast_from_rank0([*module.parameters(), *self._buffers_to_sync])
-
+        everything = [*module.parameters(), *self._buffers_to_sync]
+        broadcast_from_rank0(everything, "parameters and buffers", process_group, self._wait)
         self.all_reduce_count = 0
         self._start_event_log()
         self._comm_hook: tuple[Any, CommHook] | None = None
         self._divide_by = self.world_size  # 1 once a comm hook does the averaging
-        self._locally_used = torch.zeros(len(self.params), dtype=torch.int32)
+        self._usage = ParameterUsage(len(self.params))
         self._require_backward_grad_sync = True  # False inside no_sync()
         self._require_forward_param_sync = True  # buffers are refreshed after a synced forward
-        self._phase = Phase.LOCAL
-        self._reset_backward()
-        self._take_over_hooks(module)
+        self._reset_backward(Phase.LOCAL)
+        self._hooks = hook_every_parameter(module, self.params, self._on_gradient_ready)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if self._hooks is None:
-            raise RuntimeError(
-                "A newer MiniDDP wraps this module now and owns its gradient hooks; this older "
-                "wrapper no longer synchronizes anything. Train through the newer one."
-            )
+        if not self._hooks:
+            raise RuntimeError("A newer MiniDDP wraps this module and owns its hooks: use it.")
         if torch.is_grad_enabled():
             if self._phase is Phase.REDUCING:
                 self._abandon_unfinished_backward()
             if self._layout.rebuild_due:
                 self._rebuild_buckets()
         if self.broadcast_buffers and self._require_forward_param_sync:
-            self._broadcast_from_rank0(self._buffers_to_sync)
+            broadcast_from_rank0(self._buffers_to_sync, "buffers", self.process_group, self._wait)
         self._note("forward", "start")
         output = self.module(*inputs, **kwargs)
         # Whether this forward's backward synchronizes is decided now, at forward time: that is
@@ -153,19 +136,16 @@ class MiniDDP(nn.Module, EventRecorder, ShowsItsBuckets):
         if synced:
             if self.find_unused_parameters:
                 self._unused_in_forward = parameters_not_reached(output, self.params)
-            # The end-of-backward callback is queued when backward reaches this output, so it
-            # belongs to the outermost backward even if a checkpointed block runs its own inner
-            # (reentrant) backward first.
+            # Queue the end-of-backward callback when backward reaches this output: it then belongs
+            # to the outermost backward, even if a checkpointed block runs an inner one first.
             when_backward_reaches(output, self._start_reducing)
         self._note("forward", "end")
         return output
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally: forwards run inside this block skip the all-reduce.
-
-        The first forward+backward outside it then reduces the whole accumulated `.grad`.
-        """
+        """Accumulate gradients locally: forwards run inside this block skip the all-reduce;
+        the first forward+backward outside it then reduces the whole accumulated `.grad`."""
         previous = self._require_backward_grad_sync
         self._require_backward_grad_sync = False
         try:
@@ -208,7 +188,7 @@ class MiniDDP(nn.Module, EventRecorder, ShowsItsBuckets):
     def _on_gradient_ready(self, index: int, param: torch.Tensor) -> None:
         """Runs inside the autograd engine right after `param.grad` was accumulated."""
         if self.find_unused_parameters:
-            self._locally_used[index] = 1  # counts in no_sync steps too, as in torch
+            self._usage.note(index)
         if self._phase is Phase.SYNCED:
             raise RuntimeError(
                 f"Gradient of '{self.param_names[index]}' arrived after this forward's "
@@ -276,25 +256,16 @@ class MiniDDP(nn.Module, EventRecorder, ShowsItsBuckets):
         for index in missing:  # reachable from the output, yet no gradient came: unused too
             self._mark_ready(index)
         self._launch_full_buckets()  # nothing left to launch, unless launch_during_backward=False
-        used = self._which_parameters_any_rank_used() if self.find_unused_parameters else None
+        used = None  # with find_unused_parameters: those unused on every rank keep their .grad
+        if self.find_unused_parameters:
+            used = self._usage.on_any_rank(self.params[0].device, self.process_group, self._wait)
         for bucket in self._layout.buckets:
             # Each bucket goes back to `.grad` as soon as it arrives, while later ones travel.
             bucket.wait(self._wait)
             self._note("wait", f"bucket {bucket.index}")
             bucket.write_back(used)
-        self._reset_backward()
-        self._phase = Phase.SYNCED
+        self._reset_backward(Phase.SYNCED)
         self._note("sync", "end")
-
-    def _which_parameters_any_rank_used(self) -> list[bool]:
-        """An all-reduce of the usage bitmap: those unused on every rank keep their `.grad`."""
-        usage = self._locally_used.to(self.params[0].device, copy=True)
-        self._wait(
-            dist.all_reduce(usage, group=self.process_group, async_op=True),
-            "all-reduce of which parameters were used",
-        )
-        self._locally_used.zero_()
-        return [bool(count) for count in usage.tolist()]
 
     def _wait(self, pending: dist.Work | torch.futures.Future, what: str) -> Any:
         """The one wait seam: like `pending.wait()`, but a rank that died, stalled or stopped
@@ -307,39 +278,22 @@ class MiniDDP(nn.Module, EventRecorder, ShowsItsBuckets):
         for bucket in self._layout.buckets[: self._next_bucket]:
             bucket.wait(self._wait)
         self._layout.ready_order.clear()
-        self._locally_used.zero_()
-        self._reset_backward()
-        self._phase = Phase.LOCAL
+        self._usage.clear()
+        self._reset_backward(Phase.LOCAL)
 
-    def _reset_backward(self) -> None:
+    def _reset_backward(self, phase: Phase) -> None:
+        self._phase = phase  # and every bucket empty, no parameter marked ready
         self._unused_in_forward: list[int] = []
         self._marked_ready = [False] * len(self.params)
         self._next_bucket = 0
         for bucket in self._layout.buckets:
             bucket.reset()
 
-    def _take_over_hooks(self, module: nn.Module) -> None:
-        """One hook per parameter, fired after its gradient is accumulated. A module wrapped
-        again (a fresh MiniDDP after training) hands its hooks to the new wrapper."""
-        previous = _WRAPPER_OF.get(module)
-        if previous is not None and previous() is not None:
-            for handle in previous()._hooks:
-                handle.remove()
-            previous()._hooks = None
-        _WRAPPER_OF[module] = weakref.ref(self)
-        self._hooks = [
-            param.register_post_accumulate_grad_hook(partial(self._on_gradient_ready, index))
-            for index, param in enumerate(self.params)
-        ]
-
     def _rebuild_buckets(self) -> None:
         """Once, before the second synced iteration's forward: rebuild from the observed order.
         Ranks could observe different orders; rank 0's wins, so all ranks keep launching the
         same buckets in the same sequence."""
         order = torch.tensor(self._layout.ready_order, device=self.params[0].device)
-        self._broadcast_from_rank0([order], "the gradient-ready order for the rebuild")
+        broadcast_from_rank0([order], "the ready order", self.process_group, self._wait)
         self._layout.rebuild(order.tolist())
         self._note("rebuild", f"{len(self._layout.buckets)} buckets")
-
-    def _broadcast_from_rank0(self, tensors: list[torch.Tensor], what: str = "state") -> None:
-        broadcast_from_rank0(tensors, what, self.process_group, self._wait)

@@ -9,7 +9,9 @@ find_unused_parameters), which parameters the coming backward will not reach.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -100,6 +102,49 @@ def broadcast_from_rank0(
             wait(work, f"broadcast of {what} from rank 0 ({nbytes:,} bytes)")
             for tensor, piece in zip(same_kind, flat.split([t.numel() for t in same_kind])):
                 tensor.copy_(piece.view_as(tensor))
+
+
+# The hooks a module carries for the DDP that wraps it now, so that a second wrapper can take over.
+_HOOKS_OF: weakref.WeakKeyDictionary[nn.Module, list] = weakref.WeakKeyDictionary()
+
+
+def hook_every_parameter(
+    module: nn.Module,
+    params: Sequence[torch.Tensor],
+    on_gradient_ready: Callable[[int, torch.Tensor], None],
+) -> list:
+    """Call `on_gradient_ready(index, param)` right after each parameter's gradient has been
+    accumulated into `.grad`. A module wrapped again (a fresh DDP after training) hands its
+    hooks over, as torch's DDP does: the previous wrapper's are removed, and its list emptied."""
+    previous = _HOOKS_OF.get(module, [])
+    for handle in previous:
+        handle.remove()
+    previous.clear()
+    _HOOKS_OF[module] = [
+        param.register_post_accumulate_grad_hook(partial(on_gradient_ready, index))
+        for index, param in enumerate(params)
+    ]
+    return _HOOKS_OF[module]
+
+
+class ParameterUsage:
+    """Which parameters got a gradient on this rank since the last synced backward (no_sync
+    steps count too, as in torch) and, after one small all-reduce, on any rank."""
+
+    def __init__(self, count: int) -> None:
+        self._here = torch.zeros(count, dtype=torch.int32)
+
+    def note(self, index: int) -> None:
+        self._here[index] = 1
+
+    def clear(self) -> None:
+        self._here.zero_()
+
+    def on_any_rank(self, device: torch.device, group: Any, wait: Callable) -> list[bool]:
+        usage = self._here.to(device, copy=True)  # NCCL moves only GPU tensors
+        wait(dist.all_reduce(usage, group=group, async_op=True), "all-reduce of parameter usage")
+        self.clear()
+        return [bool(count) for count in usage.tolist()]
 
 
 def parameters_not_reached(output: Any, params: Sequence[torch.Tensor]) -> list[int]:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from miniddp import MiniDDP
 
@@ -127,3 +131,148 @@ def grad_is_bucket_view() -> bool:
         any(p.grad.untyped_storage().data_ptr() == f.untyped_storage().data_ptr() for f in flats)
         for p in model.parameters()
     )
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def _rank_batch(rows: int = 8, features: int = 4) -> torch.Tensor:
+    return torch.randn(rows, features, generator=torch.Generator().manual_seed(dist.get_rank()))
+
+
+class LastBlockCheckpointed(nn.Module):
+    """The block whose gradients arrive first runs under reentrant checkpointing: its inner
+    backward ends before the layers below it get their gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l0, self.l1 = nn.Linear(4, 8), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.l1, torch.tanh(self.l0(x)), use_reentrant=True)
+
+
+def reentrant_checkpoint_of_the_last_block(use_torch: bool) -> list:
+    model = LastBlockCheckpointed()
+    wrapper = DistributedDataParallel if use_torch else MiniDDP
+    ddp = wrapper(model, bucket_cap_mb=0.0001)
+    steps = []
+    for _ in range(3):
+        model.zero_grad()
+        ddp(_rank_batch()).sum().backward()
+        steps.append(_grads(model))
+    return steps
+
+
+def gradients_after_wrapping(times: int, use_torch: bool) -> list:
+    """Wrap the same module `times` times, one backward under each wrapper; the gradients of
+    the last. Each wrapper is kept in a variable: torch's DDP, used as a temporary
+    (`DDP(net)(x).sum().backward()`), is garbage-collected before backward and averages nothing."""
+    wrapper = DistributedDataParallel if use_torch else MiniDDP
+    torch.manual_seed(0)
+    net = nn.Linear(4, 1)
+    for _ in range(times):
+        net.zero_grad()
+        ddp = wrapper(net)
+        ddp(_rank_batch()).sum().backward()
+    return _grads(net)
+
+
+def old_wrapper_after_a_new_one() -> None:
+    net = nn.Linear(4, 1)
+    old = MiniDDP(net)
+    MiniDDP(net)
+    old(_rank_batch())
+
+
+class StructuredOutput(nn.Module):
+    """Two heads; the loss uses only one. The other head is reachable from the output but
+    gets no gradient, which torch's find_unused_parameters treats as unused."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.kind = kind
+        self.body, self.used, self.ignored = nn.Linear(4, 4), nn.Linear(4, 1), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor):
+        h = torch.tanh(self.body(x))
+        a, b = self.used(h), self.ignored(h)
+        if self.kind == "dict":
+            return {"used": a, "ignored": b}
+        if self.kind == "tuple":
+            return (a, b)
+        if self.kind == "namedtuple":
+            return HeadPair(a, b)
+        return HeadsDataclass(a, b)
+
+
+class HeadPair(NamedTuple):
+    used: torch.Tensor
+    ignored: torch.Tensor
+
+
+@dataclasses.dataclass
+class HeadsDataclass:
+    used: torch.Tensor
+    ignored: torch.Tensor
+
+
+def structured_output_with_an_ignored_head(kind: str, use_torch: bool) -> list:
+    model = StructuredOutput(kind)
+    wrapper = DistributedDataParallel if use_torch else MiniDDP
+    ddp = wrapper(model, find_unused_parameters=True, bucket_cap_mb=0.0001)
+    steps = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        out = ddp(_rank_batch())
+        if kind == "dataclass":  # both heads: torch 2.13 fails when a dataclass's head is ignored
+            loss = out.used.sum() + out.ignored.sum()
+        else:
+            loss = (out["used"] if kind == "dict" else out[0]).sum()
+        loss.backward()
+        steps.append(_grads(model))
+    return steps
+
+
+def model_on_meta() -> None:
+    with torch.device("meta"):
+        model = nn.Linear(4, 2)
+    MiniDDP(model)
+
+
+class FailsOnce(torch.autograd.Function):
+    """Identity whose backward raises the first time: an error inside backward, on every rank."""
+
+    failed = False
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        if not FailsOnce.failed:
+            FailsOnce.failed = True
+            raise ValueError("deliberate failure inside backward")
+        return grad
+
+
+def fresh_forward_after_an_error_in_backward() -> float:
+    """A backward that raised halfway, then a normal step: it must synchronize normally."""
+    FailsOnce.failed = False
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    ddp = MiniDDP(model, bucket_cap_mb=0.0001)
+    x = torch.full((3, 4), float(dist.get_rank() + 1))
+    try:
+        FailsOnce.apply(ddp(x)).sum().backward()
+    except ValueError:
+        pass
+    model.zero_grad()
+    ddp(x).sum().backward()
+    return model[1].bias.grad.item()  # d(sum)/d(bias) = 3 samples on every rank

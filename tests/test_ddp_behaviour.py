@@ -95,3 +95,55 @@ def test_no_sync_communicates_once_per_accumulation(pool2, steps):
 
 def test_gradient_as_bucket_view_makes_grad_the_bucket(pool2):
     assert pool2.run(ddp_tasks.grad_is_bucket_view) == [True, True]
+
+
+def same_gradients(ours: list, theirs: list) -> bool:
+    return all(
+        (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+        for a, b in zip(ours, theirs, strict=True)
+    )
+
+
+def test_reentrant_checkpointing_of_the_block_whose_gradients_come_first(pool2):
+    """The end-of-backward wait belongs to the outer backward, not to the checkpoint's inner
+    one, so the earlier layers' gradients are still reduced: bitwise what torch's DDP gives."""
+    ours = pool2.run(ddp_tasks.reentrant_checkpoint_of_the_last_block, False)
+    theirs = pool2.run(ddp_tasks.reentrant_checkpoint_of_the_last_block, True)
+    for rank in range(2):
+        for step, (a, b) in enumerate(zip(ours[rank], theirs[rank])):
+            assert same_gradients(a, b), f"rank {rank} step {step} differs from torch's DDP"
+
+
+def test_a_module_wrapped_again_trains_like_torch(pool2):
+    """The newer wrapper takes the module's hooks over: its backward averages as usual."""
+    ours = pool2.run(ddp_tasks.gradients_after_wrapping, 2, False)
+    theirs = pool2.run(ddp_tasks.gradients_after_wrapping, 2, True)
+    assert all(same_gradients(a, b) for a, b in zip(ours, theirs))
+
+
+def test_the_older_wrapper_refuses_once_a_newer_one_owns_the_hooks(pool2):
+    outcomes = pool2.run_expecting_errors(ddp_tasks.old_wrapper_after_a_new_one, timeout=60)
+    every_rank_raised(outcomes, "RuntimeError", "newer MiniDDP")
+
+
+@pytest.mark.parametrize("kind", ["dict", "tuple", "namedtuple", "dataclass"])
+def test_structured_outputs_with_an_ignored_head_train_like_torch(pool2, kind):
+    """find_unused_parameters finds tensors in dicts, tuples, namedtuples and dataclasses; a head
+    reachable from the output but left out of the loss is unused: its .grad stays None. (With a
+    dataclass both heads are used: torch's DDP itself refuses an ignored one there.)"""
+    ours = pool2.run(ddp_tasks.structured_output_with_an_ignored_head, kind, False)
+    theirs = pool2.run(ddp_tasks.structured_output_with_an_ignored_head, kind, True)
+    for rank in range(2):
+        for step, (a, b) in enumerate(zip(ours[rank], theirs[rank])):
+            assert same_gradients(a, b), f"rank {rank} step {step} differs from torch's DDP"
+        if kind != "dataclass":
+            assert ours[rank][-1][-1] is None, "the ignored head should keep .grad None"
+
+
+def test_a_model_on_meta_is_refused_at_construction_with_the_fix(pool2):
+    outcomes = pool2.run_expecting_errors(ddp_tasks.model_on_meta, timeout=60)
+    every_rank_raised(outcomes, "ValueError", "meta device", "to_empty")
+
+
+def test_a_fresh_forward_works_after_an_error_inside_backward(pool2):
+    assert pool2.run(ddp_tasks.fresh_forward_after_an_error_in_backward) == [3.0, 3.0]
