@@ -1,4 +1,5 @@
-"""What the ranks run for tests/test_timeline.py: recorded steps of MiniDDP and the baselines.
+"""What the ranks run for tests/test_timeline.py: recorded steps of MiniDDP, the rungs of the
+ladder and the baselines.
 
 `python -m torch.distributed.run --nproc_per_node=2 -m tests.timeline_tasks OUT_DIR` runs
 `profile_a_step` instead, in processes of its own (see there why).
@@ -17,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from miniddp import MiniDDP
 from miniddp.baselines import BASELINES, DeferredMiniDDP
+from miniddp.steps import BucketedDDP, TorchLayoutDDP
 from miniddp.timeline import chrome_trace, gather, recording, split_steps, summarize
 
 
@@ -34,6 +36,8 @@ def step(model: nn.Module) -> None:
     for param in model.parameters():
         param.grad = None
     model(batch()).square().mean().backward()
+    if hasattr(model, "finish_gradient_synchronization"):  # the naive rung averages here
+        model.finish_gradient_synchronization()
 
 
 def recording_off_leaves_no_trace() -> dict:
@@ -75,8 +79,11 @@ def recorded_steps(cap_mb: float, steps: int = 2) -> dict:
 
 
 def every_design() -> dict:
-    """Every design on the same model and data: its averaged gradients and one recorded step."""
+    """Every design on the same model and data: its averaged gradients and one recorded step,
+    with that step's summary."""
     designs = {name: cls for name, cls in BASELINES.items() if name != "none"}
+    designs["buckets"] = lambda m: BucketedDDP(m, bucket_cap_mb=0.005)
+    designs["torch layout"] = lambda m: TorchLayoutDDP(m, bucket_cap_mb=0.005)
     designs["bucketed"] = lambda m: MiniDDP(m, bucket_cap_mb=0.005)
     designs["deferred"] = lambda m: DeferredMiniDDP(m, bucket_cap_mb=0.005)
     designs["torch"] = lambda m: DistributedDataParallel(m, bucket_cap_mb=0.005)
@@ -94,6 +101,7 @@ def every_design() -> dict:
             "grads": grads,
             "events": [(e.time, e.kind, e.name) for e in events],
             "all_reduces": getattr(model, "all_reduce_count", None),
+            "summaries": [summarize(one) for one in split_steps(events)],
         }
     return out
 

@@ -6,11 +6,12 @@ before each step; a step's time is the slowest rank's. So the variants share the
 background load, and "vs torch" is the median over iterations of (variant / torch's DDP at the
 same caps, same iteration): paired ratios, the only figures worth trusting on a shared machine.
 
-A step is: gradients set to None (what `optimizer.zero_grad()` does), forward, loss, backward;
-it ends when `backward()` returns with gradients averaged. The optimizer is left out: it costs
-every variant the same. CPU time is the process's (the training thread and gloo's), summed over
-ranks. Overlap and tail come from separate, recorded iterations after the timed ones (recording
-is cheap, but the timed steps pay nothing for it).
+A step is: gradients set to None (what `optimizer.zero_grad()` does), forward, loss, backward,
+`finish_gradient_synchronization()`; it ends with gradients averaged (the naive rung averages in
+that last call, every other design before `backward()` returns). The optimizer is left out: it
+costs every variant the same. CPU time is the process's (the training thread and gloo's), summed
+over ranks. Overlap and tail come from separate, recorded iterations after the timed ones
+(recording is cheap, but the timed steps pay nothing for it).
 
     python -m miniddp.bench step                                  # everything, ~3-5 minutes
     python -m miniddp.bench step --models mlp --variants miniddp-1,deferred-1,torch-1 --iters 20
@@ -147,7 +148,7 @@ VARIANTS: dict[str, tuple[Callable[[nn.Module], nn.Module], str]] = {
 VARIANT_HELP = {
     "none": "no communication at all: the compute floor",
     "naive": "a blocking all-reduce per gradient after backward",
-    "flat": "one flat all-reduce of every gradient after backward",
+    "flat": "one bucket for every gradient, all-reduced when the last one arrives",
     "async": "an async all-reduce per gradient, launched from its hook",
     "miniddp": "MiniDDP, torch's default caps (1 MiB first bucket, then 25 MiB)",
     "miniddp-N": "MiniDDP with bucket_cap_mb=N (1, 5, 25)",
@@ -162,6 +163,9 @@ def step(model: nn.Module, params: list[nn.Parameter], workload: Workload) -> No
     for param in params:
         param.grad = None
     workload.loss(model, workload.batch).backward()
+    finish = getattr(model, "finish_gradient_synchronization", None)  # torch's DDP has none
+    if finish is not None:
+        finish()
 
 
 def rotated(names: list[str], iteration: int) -> list[str]:
