@@ -17,10 +17,13 @@ so one copy is enough. RNG states differ per rank, so they are gathered to rank 
 list indexed by rank; on resume, rank r restores entry r, whichever process or host is rank r
 now (torchrun does not promise a worker keeps its rank across restarts).
 
-Rank 0 alone writes, atomically: into a temporary file, flushed and fsynced, then renamed over the
-old checkpoint. A crash at any moment leaves either the old checkpoint or the new one, never half
-of one. Loading uses `torch.load(weights_only=True)`, which rebuilds tensors and plain Python
-values but runs no code from the file, so a checkpoint from elsewhere cannot execute anything.
+Rank 0 alone writes the file, atomically, and every rank reads it back without running code
+from it (checkpoint_file.py). So every rank must call `save_checkpoint` (it gathers the RNG
+states), and `load_checkpoint` with a MiniDDP wrapper (the bucket layout must change on every
+rank at once, or the ranks' all-reduces stop matching). Both check, through the store, that
+every rank came (meet.py): `if rank == 0: save_checkpoint(...)`, the usual idiom with torch's
+DDP, is a `CheckpointError` within a second instead of a hang until the timeout. And a load
+checks the whole checkpoint against the model and optimizer before it changes anything.
 
 Every rank reads the file itself, so all ranks must see the same path: one node, or a shared
 filesystem across nodes.
@@ -29,10 +32,8 @@ filesystem across nodes.
 from __future__ import annotations
 
 import os
-import pickle
 import random
 import sys
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,25 +43,40 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from miniddp.checkpoint_file import (
+    FORMAT,
+    VERSION,
+    CheckpointError,
+    Progress,
+    mismatch_with,
+    read_checkpoint,
+    write_atomically,
+)
 from miniddp.ddp import MiniDDP
+from miniddp.faults import CollectiveFailed, wait_for
+from miniddp.meet import meet
 
-FORMAT = "miniddp-checkpoint"
-VERSION = 1
-REQUIRED_KEYS = {"model", "optimizer", "buckets", "progress", "world_size", "rng", "extra"}
+__all__ = [
+    "FORMAT",
+    "CheckpointError",
+    "LoadedCheckpoint",
+    "Progress",
+    "capture_rng_state",
+    "load_checkpoint",
+    "read_checkpoint",
+    "restore_rng_state",
+    "save_checkpoint",
+]
 
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or read; the message names the file."""
-
-
-@dataclass(frozen=True)
-class Progress:
-    """Where training stands: `step` optimizer steps done, `batches_done` batches of `epoch`
-    consumed. Resume by calling `sampler.set_epoch(epoch)` and skipping `batches_done` batches."""
-
-    step: int
-    epoch: int
-    batches_done: int
+EVERY_RANK_SAVES = (
+    "Call save_checkpoint on every rank, not under `if rank == 0:`: it gathers every rank's RNG "
+    "state, and rank 0 alone writes the file."
+)
+EVERY_RANK_LOADS = (
+    "Call load_checkpoint with a MiniDDP wrapper on every rank: it sets the bucket layout, which "
+    "must be the same on every rank. (Or load into the bare module before wrapping it, on one "
+    "rank if you like: MiniDDP copies rank 0's weights to the others when it is built.)"
+)
 
 
 @dataclass(frozen=True)
@@ -81,17 +97,18 @@ def save_checkpoint(
     progress: Progress,
     extra: dict[str, Any] | None = None,
 ) -> None:
-    """Save everything needed to resume exactly. Every rank must call it (it gathers RNG states).
+    """Save everything needed to resume exactly. Every rank must call it (it gathers RNG
+    states); a rank that calls it alone gets a `CheckpointError` within a second.
 
     Returns on every rank once the file is complete on disk; if rank 0 could not write it,
     every rank raises `CheckpointError`. `extra` takes tensors and plain Python values (what
     `weights_only` loading accepts), e.g. the settings the run was started with.
     """
     path = Path(path)
+    _every_rank_comes("save_checkpoint()", EVERY_RANK_SAVES)
     rng_states = _gather(capture_rng_state())
-    rank = dist.get_rank() if dist.is_initialized() else 0
     problem = None
-    if rank == 0:
+    if _rank() == 0:
         checkpoint = {
             "format": FORMAT,
             "version": VERSION,
@@ -108,12 +125,10 @@ def save_checkpoint(
             "extra": dict(extra or {}),
         }
         try:
-            _write_atomically(checkpoint, path)
+            write_atomically(checkpoint, path)
         except Exception as error:
             problem = f"{type(error).__name__}: {error}"
-    # Tell every rank how the write went: a failure seen only on rank 0 would otherwise leave the
-    # others training on as if the checkpoint existed.
-    problem = _from_rank0(problem)
+    problem = _outcome_from_rank0(problem, path)
     if problem is not None:
         raise CheckpointError(f"Rank 0 could not write the checkpoint {path}: {problem}")
 
@@ -129,9 +144,10 @@ def load_checkpoint(
     """Restore model, optimizer and this rank's RNG states from `path`; return the progress.
 
     Pass the MiniDDP wrapper as `model` (not the module inside) so that its bucket layout comes
-    back too. `map_location` defaults to the device of the model's parameters, so each rank's
-    tensors land on its own GPU rather than on the one that saved them. Each rank reads the file
-    on its own (no collective), so this also works in a single process.
+    back too; then every rank must call it. `map_location` defaults to the device of the
+    model's parameters, so each rank's tensors land on its own GPU rather than on the one that
+    saved them. Each rank reads the file on its own, so this also works in a single process.
+    A checkpoint that does not fit the model or optimizer changes nothing: all is checked first.
 
     If the world size changed, an exact resume is impossible: the sampler now splits every epoch
     differently and there is no saved RNG state for new ranks. With `allow_world_size_change`,
@@ -144,7 +160,6 @@ def load_checkpoint(
         map_location = next(_unwrap(model).parameters()).device
     checkpoint = read_checkpoint(path, map_location=map_location)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
     saved_world_size = checkpoint["world_size"]
     if saved_world_size != world_size and not allow_world_size_change:
         raise CheckpointError(
@@ -152,19 +167,24 @@ def load_checkpoint(
             "data would be split differently and RNG states are missing, so it cannot resume "
             "exactly. Relaunch with the old world size, or pass allow_world_size_change=True."
         )
+    mismatch = mismatch_with(checkpoint, _unwrap(model), optimizer)
+    if mismatch is not None:
+        raise CheckpointError(
+            f"{path} does not fit this model or optimizer: {mismatch}. Nothing was loaded."
+        )
+    if isinstance(model, MiniDDP):
+        _every_rank_comes("load_checkpoint()", EVERY_RANK_LOADS)
     try:
+        if isinstance(model, MiniDDP) and checkpoint["buckets"] is not None:
+            model.load_bucket_state(checkpoint["buckets"])  # checks the names before it changes
         _unwrap(model).load_state_dict(checkpoint["model"])
         if optimizer is not None:
             optimizer.load_state_dict(checkpoint["optimizer"])
-        if isinstance(model, MiniDDP) and checkpoint["buckets"] is not None:
-            model.load_bucket_state(checkpoint["buckets"])
-    except (RuntimeError, ValueError, KeyError) as error:
-        raise CheckpointError(
-            f"{path} does not fit this model or optimizer: {_first_line(error)}"
-        ) from None
+    except (RuntimeError, ValueError, KeyError) as error:  # what mismatch_with cannot foresee
+        raise CheckpointError(f"{path} does not fit this model or optimizer: {error}") from None
     rng_restored = saved_world_size == world_size
     if rng_restored:
-        restore_rng_state(checkpoint["rng"][rank])
+        restore_rng_state(checkpoint["rng"][_rank()])
     return LoadedCheckpoint(
         path=path,
         progress=Progress(**checkpoint["progress"]),
@@ -172,49 +192,6 @@ def load_checkpoint(
         rng_restored=rng_restored,
         extra=checkpoint["extra"],
     )
-
-
-def read_checkpoint(
-    path: str | os.PathLike, map_location: torch.device | str = "cpu"
-) -> dict[str, Any]:
-    """Read and check a checkpoint file without restoring anything (for inspecting it, or for
-    restoring only parts of it). Any problem is a `CheckpointError` naming the file."""
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"No checkpoint file at {path}.")
-    _check_archive(path)
-    try:
-        checkpoint = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as error:
-        if "weights only" not in str(error).lower():
-            raise CheckpointError(f"{path} is corrupt: {_first_line(error)}") from None
-        refused = next((line for line in str(error).splitlines() if "Unsupported" in line), "")
-        raise CheckpointError(
-            f"{path} holds Python objects other than tensors and plain values, which "
-            "weights_only loading refuses to rebuild (running their code could do anything): "
-            f"{refused.strip()} It is not a MiniDDP checkpoint; load it with weights_only=False "
-            "only if you trust where it came from."
-        ) from None
-    except Exception as error:
-        raise CheckpointError(f"{path} is corrupt: {_first_line(error)}") from None
-    if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
-        found = (
-            f"a dict with keys {sorted(map(str, checkpoint))[:6]}"
-            if isinstance(checkpoint, dict)
-            else type(checkpoint).__name__
-        )
-        raise CheckpointError(
-            f"{path} is a torch file but not a MiniDDP checkpoint: it holds {found}."
-        )
-    if checkpoint.get("version") != VERSION:
-        raise CheckpointError(
-            f"{path} has checkpoint format version {checkpoint.get('version')}; this MiniDDP "
-            f"reads version {VERSION}."
-        )
-    missing = sorted(REQUIRED_KEYS - set(checkpoint))
-    if missing:
-        raise CheckpointError(f"{path} is incomplete: it has no {', '.join(missing)}.")
-    return checkpoint
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -247,54 +224,14 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         )
 
 
-def _check_archive(path: Path) -> None:
-    """torch.save writes a zip archive with a CRC32 per record (unless someone called
-    torch.serialization.set_crc32_options(False)), but torch.load never checks them: a flipped
-    bit inside a tensor loads silently. zipfile checks every record."""
+def _every_rank_comes(point: str, advice: str) -> None:
+    """Wait until every rank reaches `point`: a CheckpointError at once if one never will."""
+    if not dist.is_initialized():
+        return
     try:
-        with zipfile.ZipFile(path) as archive:
-            damaged = archive.testzip()
-    except (zipfile.BadZipFile, OSError) as error:
-        raise CheckpointError(
-            f"{path} is truncated or was not written by torch.save (no complete zip archive): "
-            f"{_first_line(error)}"
-        ) from None
-    if damaged is not None:
-        raise CheckpointError(
-            f"{path} is corrupt: the record {damaged!r} does not match its checksum."
-        )
-
-
-def _write_atomically(obj: Any, path: Path) -> None:
-    """torch.save into a temporary file beside `path`, make it durable, then rename it over
-    `path`. rename is atomic within a filesystem: readers see the old file or the new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for leftover in path.parent.glob(f".{path.name}.*.tmp"):
-        leftover.unlink(missing_ok=True)  # from a writer that was killed mid-write
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(temporary, "wb") as file:
-            torch.save(obj, file)
-            file.flush()
-            os.fsync(file.fileno())  # the bytes are on disk before the name points at them
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    _fsync_directory(path.parent)  # and the rename itself survives a power cut
-
-
-def _fsync_directory(directory: Path) -> None:
-    try:
-        descriptor = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return  # some platforms cannot open a directory; the rename is still atomic
-    try:
-        os.fsync(descriptor)
-    except OSError:
-        pass
-    finally:
-        os.close(descriptor)
+        meet(point, advice)
+    except CollectiveFailed as failure:
+        raise CheckpointError(str(failure)) from None
 
 
 def _gather(state: dict[str, Any]) -> list[dict[str, Any]]:
@@ -306,12 +243,30 @@ def _gather(state: dict[str, Any]) -> list[dict[str, Any]]:
     return everyone
 
 
-def _from_rank0(value: Any) -> Any:
+def _outcome_from_rank0(problem: str | None, path: Path) -> str | None:
+    """Rank 0's `problem` writing `path`, on every rank: a failure seen only on rank 0 would
+    leave the others training on as if the checkpoint existed. The others wait here for as
+    long as rank 0 writes, so the wait goes through wait_for: if rank 0 dies meanwhile, they
+    get a CollectiveFailed naming it, not gloo's "Connection closed by peer"."""
     if not dist.is_initialized():
-        return value
-    holder = [value]
+        return problem
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    failed = torch.tensor([problem is not None], dtype=torch.uint8, device=device)
+    wait_for(
+        dist.broadcast(failed, src=0, async_op=True),
+        f"broadcast of whether rank 0 wrote the checkpoint {path}",
+    )
+    if not failed.item():
+        return None
+    holder = [problem]
     dist.broadcast_object_list(holder, src=0)
     return holder[0]
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _bucket_layout(model: nn.Module) -> dict[str, Any] | None:
@@ -325,8 +280,3 @@ def _unwrap(model: nn.Module) -> nn.Module:
     while isinstance(model, (MiniDDP, DistributedDataParallel)):
         model = model.module
     return model
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"

@@ -23,7 +23,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from miniddp.faults import forget_watches
+from miniddp.meet import leave_together
+from miniddp.notes import forget_boards
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -115,17 +116,21 @@ def init_distributed(
 
 
 def cleanup() -> None:
-    """Leave the process group (call at the end of a script).
+    """Leave the process group (call at the end of a script, on every rank).
 
-    A barrier first, so that no rank tears its connections down while a peer is still finishing
-    the last collective (in two-node runs here, gloo occasionally aborted a worker at exit with
-    "terminate called without an active exception" without one).
+    First every rank waits for the others to be done with their collectives, so that no rank
+    tears its connections down while a peer still finishes the last one (in two-node runs
+    here, gloo occasionally aborted a worker at exit with "terminate called without an active
+    exception" without this wait). The wait goes through the store (miniddp/meet.py), not a
+    gloo barrier: a rank that ran more or fewer steps than the others then gets a
+    `CollectiveFailed` saying so within a second, on every rank, instead of a barrier that
+    waits out the whole timeout and then blames the wrong cause.
     """
     if not dist.is_initialized():
         return
     try:
-        dist.barrier()
-    except RuntimeError:
-        pass  # a peer is gone already: nothing left to wait for
-    forget_watches()  # after a clean barrier, no rank waits for an exit note from this one
-    dist.destroy_process_group()
+        leave_together()
+    finally:
+        # This rank has no collective in flight, so the group can go even if the wait failed.
+        forget_boards()  # nobody waits for an exit note from this rank any more
+        dist.destroy_process_group()

@@ -1,9 +1,7 @@
 """A rank that dies, stalls or stops early becomes an error naming the collective and the rank.
 
-Each test starts its own ranks: plain Python processes running this very file (see `worker`
-at the bottom), joined through a FileStore, with a short process-group timeout. Not the shared
-pool: these tests kill and stall ranks on purpose. Every run has a deadline, after which all of
-its processes are killed.
+Each test starts its own ranks (tests/faulty_ranks.py): real processes, one of which
+misbehaves on purpose, with a 2 s process-group timeout.
 
 Two layers are tested with the same faults: `wait_for` around a raw async all-reduce (the
 mechanism alone), and MiniDDP training (the mechanism where users meet it). The MiniDDP cases
@@ -15,47 +13,13 @@ The time from the fault to the survivor's error is printed in the "measured" sum
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
+import re
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-PROCESS_GROUP_TIMEOUT_S = 2.0  # how long a silent rank is waited for
-RUN_DEADLINE_S = 90.0  # a whole run, process start included: beyond it, everything is killed
-STEPS = 5
-FAULT_STEP = 3  # the victim misbehaves just before this step's forward
-STALL_S = 120.0  # "alive but silent": far longer than anyone waits for it
-SLOW_S = 0.6  # "slow but fine": longer than the fault poll, much shorter than the timeout
-RESULT = "RESULT "
-MID_TRAINING_FAULTS = ("exit", "stall", "slow", "raise")
-
-
-@dataclass(frozen=True)
-class Run:
-    """What every rank printed: its RESULT records and its whole output."""
-
-    records: dict[int, list[dict]]
-    outputs: dict[int, str]
-
-    def first(self, rank: int, event: str) -> dict | None:
-        return next((r for r in self.records[rank] if r["event"] == event), None)
-
-    def raised(self, rank: int) -> dict:
-        record = self.first(rank, "raised")
-        assert record is not None, f"rank {rank} raised nothing:\n{self.outputs[rank][-3000:]}"
-        return record
-
-    def detection_s(self, rank: int, victim: int) -> float:
-        return self.raised(rank)["time"] - self.first(victim, "fault")["time"]
+from tests.faulty_ranks import PROCESS_GROUP_TIMEOUT_S, record_detection, run_ranks
 
 
 def miniddp_waits_are_watched() -> bool:
@@ -69,58 +33,6 @@ NEEDS_WIRING = pytest.mark.skipif(
     reason="miniddp/ddp.py does not yet wait through miniddp.faults.wait_for",
 )
 LAYERS = ["wait_for", pytest.param("miniddp", marks=NEEDS_WIRING)]
-
-
-def run_ranks(tmp_path: Path, fault: str, layer: str, world_size: int = 2, victim: int = 1) -> Run:
-    """Start `world_size` ranks, let `victim` commit `fault`, and collect what each reported.
-
-    Waits for every rank but a stalled victim to exit, then kills whatever is left.
-    """
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    common = [sys.executable, __file__, "--world-size", str(world_size), "--victim", str(victim)]
-    common += ["--store", str(tmp_path / "store"), "--fault", fault, "--layer", layer]
-    processes = {
-        rank: subprocess.Popen(
-            [*common, "--rank", str(rank)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,  # Ctrl-C on pytest must not reach them first; we kill them
-        )
-        for rank in range(world_size)
-    }
-    outputs: dict[int, str] = {}
-    deadline = time.monotonic() + RUN_DEADLINE_S
-    try:
-        for rank, process in processes.items():
-            if rank == victim and fault == "stall":
-                continue  # it sleeps on; killed below once the others are done
-            remaining = max(0.1, deadline - time.monotonic())
-            try:
-                outputs[rank], _ = process.communicate(timeout=remaining)
-            except subprocess.TimeoutExpired:
-                break  # killed below; the test then shows everyone's output
-    finally:
-        for process in processes.values():
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-        for rank, process in processes.items():
-            if rank not in outputs:
-                outputs[rank], _ = process.communicate()
-    records = {rank: _records(output) for rank, output in outputs.items()}
-    return Run(records, outputs)
-
-
-def _records(output: str) -> list[dict]:
-    lines = output.splitlines()
-    return [json.loads(line.removeprefix(RESULT)) for line in lines if line.startswith(RESULT)]
-
-
-def record_detection(name: str, seconds: float) -> None:
-    from tests.measurements import record_max
-
-    record_max(f"fault detection s, {name}", seconds)
 
 
 @dataclass(frozen=True)
@@ -205,96 +117,23 @@ def test_a_slow_rank_is_not_a_fault(tmp_path: Path) -> None:
         assert run.first(rank, "finished") is not None, run.outputs[rank][-3000:]
 
 
-def worker(args: argparse.Namespace) -> None:
-    """One rank: train STEPS steps; the victim commits the fault at FAULT_STEP."""
-    import torch
-    import torch.distributed as dist
-
-    from miniddp.faults import CollectiveFailed
-
-    def report(event: str, **fields) -> None:
-        print(RESULT + json.dumps({"event": event, "time": time.time(), **fields}), flush=True)
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        store=dist.FileStore(args.store, args.world_size),
-        rank=args.rank,
-        world_size=args.world_size,
-        timeout=timedelta(seconds=PROCESS_GROUP_TIMEOUT_S),
+@pytest.mark.parametrize("layer", LAYERS)
+def test_a_rank_that_stops_early_and_calls_cleanup_is_named_on_both_sides(
+    tmp_path: Path, layer: str
+) -> None:
+    """Every chapter ends with cleanup(). Once, the rank that ran a step fewer waited there,
+    in a barrier, for the whole timeout and then exited 0, while the other blamed a dead or a
+    stuck rank. Now both say what happened, well before the 2 s timeout would have."""
+    run = run_ranks(tmp_path, "fewer-steps-then-cleanup", layer)
+    training, cleaning_up = run.raised(0), run.raised(1)
+    assert training["missing"] == [1] and "all-reduce" in training["collective"]
+    assert re.search(
+        r"rank 1: it finished after \d+ collectives and called cleanup\(\)", training["message"]
     )
-    victim = args.rank == args.victim
-    steps = STEPS - 1 if victim and args.fault.startswith("fewer-steps") else STEPS
-    step = _miniddp_step() if args.layer == "miniddp" else _all_reduce_step
-    try:
-        for number in range(steps):
-            if victim and number == FAULT_STEP and args.fault in MID_TRAINING_FAULTS:
-                report("fault")
-                if args.fault == "exit":
-                    os._exit(1)  # no atexit, no goodbye: like a kill or a segfault
-                elif args.fault == "stall":
-                    time.sleep(STALL_S)
-                elif args.fault == "slow":
-                    time.sleep(SLOW_S)
-                elif args.fault == "raise":
-                    raise ValueError("a bug that only rank 1 has")
-            step(number)
-        if victim and args.fault == "fewer-steps":
-            report("fault")  # it stops here, one step early, and ends normally
-        if victim and args.fault == "fewer-steps-then-barrier":
-            report("fault")
-            dist.barrier()
-        if victim and args.fault == "fewer-steps-then-gather":
-            report("fault")
-            dist.all_gather_object([None] * args.world_size, "done")
-        if victim and args.fault == "fewer-steps-then-mismatch":
-            report("fault")
-            dist.all_reduce(torch.ones(10))
-    except CollectiveFailed as error:
-        report(
-            "raised",
-            type=type(error).__name__,
-            message=str(error),
-            collective=error.collective,
-            missing=error.missing_ranks,
-        )
-        os._exit(3)  # the group is broken: tearing it down could hang
-    report("finished")
-    dist.destroy_process_group()
-
-
-def _all_reduce_step(number: int) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from miniddp.faults import wait_for
-
-    work = dist.all_reduce(torch.ones(1024), async_op=True)
-    wait_for(work.get_future(), f"all-reduce of step {number}")
-
-
-def _miniddp_step():
-    import torch
-    from torch import nn
-
-    from miniddp import MiniDDP
-
-    torch.manual_seed(0)
-    model = MiniDDP(nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1)))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def step(number: int) -> None:
-        optimizer.zero_grad()
-        model(torch.randn(4, 8)).square().mean().backward()
-        optimizer.step()
-
-    return step
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="One rank of a test_faults.py run.")
-    for name in ("--rank", "--world-size", "--victim"):
-        parser.add_argument(name, type=int, required=True)
-    for name in ("--store", "--fault", "--layer"):
-        parser.add_argument(name, required=True)
-    worker(parser.parse_args())
+    assert cleaning_up["collective"] == "cleanup()" and cleaning_up["missing"] == [0]
+    assert re.search(r"rank 0: waited on collective #\d+, all-reduce", cleaning_up["message"])
+    for rank, error in enumerate((training, cleaning_up)):
+        assert "ran different numbers of steps" in error["message"], error["message"]
+        seconds = run.detection_s(rank, victim=1)
+        record_detection(f"rank 1 stops early and calls cleanup(): rank {rank} ({layer})", seconds)
+        assert seconds < 5 * PROCESS_GROUP_TIMEOUT_S, f"rank {rank} took {seconds:.2f} s"

@@ -1,0 +1,210 @@
+"""The checkpoint file: written whole or not at all, read without running anything, checked.
+
+Writing is atomic: into a temporary file, flushed and fsynced, then renamed over the old
+checkpoint. A crash at any moment leaves either the old checkpoint or the new one, never half of
+one. Reading uses `torch.load(weights_only=True)`, which rebuilds tensors and plain Python values
+but runs no code from the file, so a checkpoint from elsewhere cannot execute anything. Then
+every part the loader will use is checked, so that a damaged or foreign file is a
+`CheckpointError` naming the file, never a traceback from deep inside pickle or a dataclass.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import zipfile
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+FORMAT = "miniddp-checkpoint"
+VERSION = 1
+REQUIRED_KEYS = {"model", "optimizer", "buckets", "progress", "world_size", "rng", "extra"}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message names the file."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where training stands: `step` optimizer steps done, `batches_done` batches of `epoch`
+    consumed. Resume by calling `sampler.set_epoch(epoch)` and skipping `batches_done` batches."""
+
+    step: int
+    epoch: int
+    batches_done: int
+
+
+PROGRESS_KEYS = [field.name for field in fields(Progress)]
+
+
+def read_checkpoint(
+    path: str | os.PathLike, map_location: torch.device | str = "cpu"
+) -> dict[str, Any]:
+    """Read and check a checkpoint file without restoring anything (for inspecting it, or for
+    restoring only parts of it). Any problem is a `CheckpointError` naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"No checkpoint file at {path}.")
+    _check_archive(path)
+    try:
+        checkpoint = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as error:
+        if "weights only" not in str(error).lower():
+            raise CheckpointError(f"{path} is corrupt: {_first_line(error)}") from None
+        raise CheckpointError(
+            f"{path} holds Python objects other than tensors and plain values, which "
+            "weights_only loading refuses to rebuild (running their code could do anything): "
+            f"{_what_was_refused(error)}. It is not a MiniDDP checkpoint; load it with "
+            "weights_only=False only if you trust where it came from."
+        ) from None
+    except Exception as error:
+        raise CheckpointError(f"{path} is corrupt: {_first_line(error)}") from None
+    _check_contents(checkpoint, path)
+    return checkpoint
+
+
+def _check_contents(checkpoint: Any, path: Path) -> None:
+    if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
+        found = (
+            f"a dict with keys {sorted(map(str, checkpoint))[:6]}"
+            if isinstance(checkpoint, dict)
+            else type(checkpoint).__name__
+        )
+        raise CheckpointError(
+            f"{path} is a torch file but not a MiniDDP checkpoint: it holds {found}."
+        )
+    if checkpoint.get("version") != VERSION:
+        raise CheckpointError(
+            f"{path} has checkpoint format version {checkpoint.get('version')}; this MiniDDP "
+            f"reads version {VERSION}."
+        )
+    missing = sorted(REQUIRED_KEYS - set(checkpoint))
+    if missing:
+        raise CheckpointError(f"{path} is incomplete: it has no {', '.join(missing)}.")
+    progress = checkpoint["progress"]
+    if not isinstance(progress, dict) or sorted(progress) != sorted(PROGRESS_KEYS):
+        found = sorted(progress) if isinstance(progress, dict) else type(progress).__name__
+        raise CheckpointError(
+            f"{path} has a progress entry this MiniDDP does not read: {found}; it expects "
+            f"exactly {PROGRESS_KEYS}."
+        )
+    if not all(type(value) is int for value in progress.values()):
+        raise CheckpointError(f"{path} has a progress entry that is not whole numbers: {progress}")
+    world_size, rng = checkpoint["world_size"], checkpoint["rng"]
+    if type(world_size) is not int or not isinstance(rng, list) or len(rng) != world_size:
+        raise CheckpointError(
+            f"{path} is damaged: it says {world_size!r} ranks saved it but holds "
+            f"{len(rng) if isinstance(rng, list) else 'no list of'} RNG states."
+        )
+
+
+def mismatch_with(
+    checkpoint: dict[str, Any], module: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> str | None:
+    """Why `checkpoint` cannot be loaded into `module` and `optimizer`, or None if it can:
+    what `load_state_dict` would find out only halfway through loading."""
+    saved, current = checkpoint["model"], module.state_dict()
+    for key, tensor in current.items():
+        theirs = saved.get(key)
+        if isinstance(theirs, torch.Tensor) and theirs.shape != tensor.shape:
+            return (
+                f"{key!r} has shape {tuple(theirs.shape)} in the checkpoint and "
+                f"{tuple(tensor.shape)} in this model"
+            )
+    missing = [key for key in current if key not in saved]
+    if missing:
+        return f"this model has {_first_few(missing)}, which the checkpoint lacks"
+    unexpected = [key for key in saved if key not in current]
+    if unexpected:
+        return f"the checkpoint has {_first_few(unexpected)}, which this model lacks"
+    if optimizer is None:
+        return None
+    groups = checkpoint["optimizer"].get("param_groups", [])
+    if len(groups) != len(optimizer.param_groups):
+        return (
+            f"the checkpoint's optimizer has {len(groups)} parameter groups and this one "
+            f"{len(optimizer.param_groups)}"
+        )
+    for index, (theirs, ours) in enumerate(zip(groups, optimizer.param_groups)):
+        if len(theirs["params"]) != len(ours["params"]):
+            return (
+                f"the optimizer's parameter group {index} holds {len(theirs['params'])} "
+                f"parameters in the checkpoint and {len(ours['params'])} here"
+            )
+    return None
+
+
+def _first_few(keys: list[str]) -> str:
+    shown = ", ".join(map(repr, keys[:3]))
+    return shown + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+
+
+def write_atomically(obj: Any, path: Path) -> None:
+    """torch.save into a temporary file beside `path`, make it durable, then rename it over
+    `path`. rename is atomic within a filesystem: readers see the old file or the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for leftover in path.parent.glob(f".{path.name}.*.tmp"):
+        leftover.unlink(missing_ok=True)  # from a writer that was killed mid-write
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "wb") as file:
+            torch.save(obj, file)
+            file.flush()
+            os.fsync(file.fileno())  # the bytes are on disk before the name points at them
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)  # and the rename itself survives a power cut
+
+
+def _fsync_directory(directory: Path) -> None:
+    try:
+        descriptor = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return  # some platforms cannot open a directory; the rename is still atomic
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)
+
+
+def _check_archive(path: Path) -> None:
+    """torch.save writes a zip archive with a CRC32 per record (unless someone called
+    torch.serialization.set_crc32_options(False)), but torch.load never checks them: a flipped
+    bit inside a tensor loads silently. zipfile checks every record."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()
+    except (zipfile.BadZipFile, OSError) as error:
+        raise CheckpointError(
+            f"{path} is truncated or was not written by torch.save (no complete zip archive): "
+            f"{_first_line(error)}"
+        ) from None
+    if damaged is not None:
+        raise CheckpointError(
+            f"{path} is corrupt: the record {damaged!r} does not match its checksum."
+        )
+
+
+def _what_was_refused(error: BaseException) -> str:
+    """torch wraps the one useful sentence in paragraphs of advice, and words it differently
+    by case: "Unsupported global: GLOBAL __main__.Payload was not an allowed global by default",
+    "Trying to load unsupported GLOBAL posix.system whose module posix is blocked"."""
+    for line in str(error).splitlines():
+        line = line.strip().removeprefix("WeightsUnpickler error:").strip()
+        if "unsupported" in line.lower():
+            return line.split(". ", 1)[0].rstrip(".")
+    return "torch did not say which"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"

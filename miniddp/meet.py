@@ -1,0 +1,138 @@
+"""Meeting points: places in a script that every rank must reach, checked through the store.
+
+`cleanup()` at the end of a script, `save_checkpoint` and `load_checkpoint` are not collectives
+a user sees, but each needs every rank. Two classic mistakes break that: a rank that runs one
+step more or fewer than the others, and `if rank == 0: save_checkpoint(...)`. Met with a gloo
+barrier or collective, both hang until the process group's timeout (30 minutes by default),
+then fail with a message that blames the wrong thing, or with none on the rank that moved on.
+
+`meet(point)` posts "I am at `point`" in the store (notes.py) and waits until every rank has
+posted the same. Meanwhile it looks, every 20 ms, for signs that a rank never will:
+
+    it arrived at another meeting point              (one rank saves, the other cleans up)
+    it waits on a collective that this rank, being here, will never join: its collective
+      #P, where P is this rank's own position        (one rank saves, the other trains on)
+    it gave up on a collective, or it stopped        (a fault flag, a report, an exit note)
+
+A rank waiting on a collective says so within 0.1 s (faults.py), so both sides know what
+happened about a tenth of a second after the second one gets stuck, not at the timeout. A rank
+that is merely busy (computing, or in a collective MiniDDP does not watch) is waited for until
+the process group's timeout, as a barrier would.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch.distributed as dist
+
+from miniddp.faults import SAME_STEPS, UNUSABLE, CollectiveFailed, describe_exit, ranks
+from miniddp.notes import Board, Note, board_of, boards
+
+MEET_POLL_S = 0.02
+CLEANUP = "cleanup()"
+
+
+def meet(point: str, advice: str, group: dist.ProcessGroup | None = None) -> None:
+    """Wait until every rank of `group` reaches `point` (e.g. "save_checkpoint()"); raise
+    `CollectiveFailed` as soon as one is seen elsewhere, naming where, and ending with `advice`
+    (how to call `point` correctly). A failure also tells the ranks waiting on a collective,
+    through the fault flag, so that they stop waiting too."""
+    board = board_of(group)
+    try:
+        _meet(board, point, advice)
+    except CollectiveFailed:
+        if point != CLEANUP:  # a rank in cleanup() already said so in its exit note
+            board.post("report", Note(board.position, point))
+            board.raise_fault_flag()
+        raise
+
+
+def leave_together(group: dist.ProcessGroup | None = None) -> None:
+    """What `cleanup()` waits for: every rank of `group` done with its collectives.
+
+    First this rank posts its exit note (how many collectives it finished): a rank still
+    waiting on a collective from this one then learns at once that it will never come
+    (faults.py names "different numbers of steps"). Then it meets the others at "cleanup()".
+    A rank whose process already ended after as many collectives counts as arrived: nobody
+    waits for it anyway.
+    """
+    for board in boards() or [board_of(group)]:
+        board.post_exit(by_cleanup=True)
+    meet(CLEANUP, f"The ranks ran different numbers of steps: {SAME_STEPS}.", group)
+
+
+def _meet(board: Board, point: str, advice: str) -> None:
+    board.arrive(point)
+    arrived: set[int] = set()
+    deadline = time.monotonic() + board.timeout.total_seconds()
+    while True:
+        elsewhere: dict[int, str] = {}
+        for rank in board.others():
+            if rank in arrived:
+                continue
+            where = _where_is(board, rank, point)
+            if where is None:
+                arrived.add(rank)
+            elif where:
+                elsewhere[rank] = where
+        if len(arrived) == board.world_size - 1:
+            board.meetings += 1
+            return
+        flagged_by = board.fault_flagged_by()
+        timed_out = time.monotonic() > deadline
+        if elsewhere or flagged_by is not None or timed_out:
+            raise _failure(board, point, advice, arrived, elsewhere, timed_out)
+        time.sleep(MEET_POLL_S)
+
+
+def _where_is(board: Board, rank: int, point: str) -> str | None:
+    """None if `rank` arrived at `point`; where it is instead if it never will; "" if it may
+    still come."""
+    at = board.arrived_at(rank)
+    if at == point:
+        return None
+    if at is not None:
+        return f"arrived at {at} instead"
+    report = board.read("report", rank)
+    if report is not None:
+        return f"waited on collective #{report.position}, {report.what}, and gave up"
+    exit_note = board.exit_note(rank)
+    if exit_note is not None:
+        if point == CLEANUP and exit_note.finished == board.finished:
+            return None  # it ended where cleanup() would have met it
+        return describe_exit(exit_note)
+    waiting = board.read("waiting", rank)
+    if waiting is not None and waiting.position == board.position:
+        return f"waits on collective #{waiting.position}, {waiting.what}"
+    return ""  # not here yet: computing, or behind on collectives this rank has finished
+
+
+def _failure(
+    board: Board,
+    point: str,
+    advice: str,
+    arrived: set[int],
+    elsewhere: dict[int, str],
+    timed_out: bool,
+) -> CollectiveFailed:
+    missing = [rank for rank in board.others() if rank not in arrived]
+    lines = [f"{point} on rank {board.rank} cannot go on: {ranks(missing)} will not reach it."]
+    seconds = board.timeout.total_seconds()
+    for rank in missing:
+        where = elsewhere.get(rank) or (
+            f"did not arrive within the process group's timeout ({seconds:g} s), and is not "
+            "waiting on a collective that MiniDDP watches: it is busy, stuck, or in a "
+            "collective of its own"
+            if timed_out
+            else "has not arrived yet"
+        )
+        lines.append(f"  rank {rank}: {where}")
+    lines.append(
+        f"  rank {board.rank} (this one): finished {board.finished} collectives, then reached "
+        f"{point}"
+    )
+    lines.append(f"  {advice}")
+    if point != CLEANUP:  # cleanup() ends the group anyway
+        lines.append(f"  {UNUSABLE}")
+    return CollectiveFailed("\n".join(lines), point, missing)
