@@ -84,3 +84,37 @@ def rung_and_torch(
             2,
         ),
     }
+
+
+class WithExtraLayer(nn.Module):
+    """`extra` takes part in the loss only on the ranks in `used_on`."""
+
+    def __init__(self, used_on: tuple[int, ...]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.used = nn.Linear(4, 2)
+        self.extra = nn.Linear(4, 2)
+        self.use_extra = dist.get_rank() in used_on
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x) + (self.extra(x) if self.use_extra else 0)
+
+
+def backward_with_extra_layer(rung: int, used_on: tuple[int, ...]) -> str:
+    """One backward of a rung whose `extra` layer some ranks (or none) do not use."""
+    model = LADDER[rung - 1](WithExtraLayer(used_on))
+    model(torch.randn(3, 4)).sum().backward()
+    model.finish_gradient_synchronization()
+    return "synchronized"
+
+
+def construct(rung: int, case: str) -> None:
+    """Build a rung from one kind of bad input; the test expects every rank to raise."""
+    if case == "no_trainable":
+        LADDER[rung - 1](nn.Linear(2, 2).requires_grad_(False))
+    elif case == "cap_zero":
+        LADDER[rung - 1](nn.Linear(2, 2), bucket_cap_mb=0)
+    elif case == "cap_text":
+        LADDER[rung - 1](nn.Linear(2, 2), bucket_cap_mb="25")
+    else:
+        raise AssertionError(f"unknown case {case}")

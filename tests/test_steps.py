@@ -11,6 +11,7 @@ import torch
 
 from miniddp.steps import CLAIMS, LADDER
 from tests import steps_tasks
+from tests.pool import RankFailure
 
 
 def steps_command(*args: str) -> subprocess.CompletedProcess:
@@ -62,7 +63,7 @@ def test_show_prints_the_rungs_source():
 
 
 def test_every_rung_claims_a_subset_of_the_known_claims():
-    for cls in LADDER[:-1]:
+    for cls in LADDER:
         assert {"batchnorm", "mixed-dtypes"} <= cls.claims <= CLAIMS, cls.__name__
     assert "torch-layout" in LADDER[3].claims and "torch-layout" not in LADDER[2].claims
 
@@ -97,3 +98,44 @@ def test_torch_layout_is_torchs_layout_and_bits_at_three_and_four_ranks(
     for result in results:
         assert result["rung"]["layout"] == result["torch"]["layout"]
     assert_same_training(results)
+
+
+RUNGS = range(1, len(LADDER))  # the ladder's own rungs; MiniDDP has tests of its own
+
+
+@pytest.mark.parametrize("rung", RUNGS)
+def test_a_parameter_unused_on_every_rank_is_named_on_every_rank(pool2, rung):
+    outcomes = pool2.run_expecting_errors(steps_tasks.backward_with_extra_layer, rung, ())
+    for rank, outcome in enumerate(outcomes):
+        assert isinstance(outcome, RankFailure), f"rank {rank} did not raise"
+        assert outcome.type_name == "RuntimeError"
+        for phrase in ("extra.weight", "extra.bias", "find_unused_parameters=True"):
+            assert phrase in outcome.message
+    assert pool2.alive  # every rank issued the same collectives: the pool is still in step
+
+
+@pytest.mark.parametrize("rung", [1, 3, 4])
+def test_a_parameter_unused_on_one_rank_only_raises_there_without_a_hang(pool2, rung):
+    """That rank sends zeros in its place, so the ranks stay in step, then refuses. (Rung 2
+    launches in gradient-ready order and cannot stay in step: see overlap.py.)"""
+    outcomes = pool2.run_expecting_errors(steps_tasks.backward_with_extra_layer, rung, (1,))
+    assert isinstance(outcomes[0], RankFailure) and "extra.weight" in outcomes[0].message
+    assert outcomes[1] == "synchronized"
+    assert pool2.alive
+
+
+BAD_CONSTRUCTION = {
+    "no_trainable": ("ValueError", "no parameter that requires grad", RUNGS),
+    "cap_zero": ("ValueError", "bucket_cap_mb must be a positive", [3, 4]),
+    "cap_text": ("ValueError", "got '25'", [3, 4]),
+}
+
+
+@pytest.mark.parametrize(
+    "case, rung", [(case, rung) for case, (*_, rungs) in BAD_CONSTRUCTION.items() for rung in rungs]
+)
+def test_bad_construction_raises_on_every_rank(pool2, case, rung):
+    error, phrase, _ = BAD_CONSTRUCTION[case]
+    for outcome in pool2.run_expecting_errors(steps_tasks.construct, rung, case, timeout=60):
+        assert isinstance(outcome, RankFailure) and outcome.type_name == error
+        assert phrase in outcome.message

@@ -25,7 +25,6 @@ gradient sits in its bucket: only torch's exact layout gives torch's exact bits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -38,14 +37,17 @@ from miniddp.events import EventRecorder
 from miniddp.steps import shared
 
 
-@dataclass
 class Bucket:
-    index: int
-    params: list[int]  # indices into the wrapper's `params`, in the bucket's order
-    flat: torch.Tensor  # their gradients, end to end
-    views: list[torch.Tensor]  # views[i]: params[i]'s slice of `flat`, shaped like it
-    ready: int = 0  # gradients copied in during this backward
-    work: dist.Work | None = None  # the all-reduce in flight
+    """One flat tensor holding the gradients of `params` (indices into the wrapper's params)
+    end to end; `views[i]` is params[i]'s slice of it, shaped like that parameter."""
+
+    def __init__(self, index: int, params: list[int], tensors: list[torch.Tensor]) -> None:
+        self.index, self.params = index, params
+        self.flat = tensors[0].new_zeros(sum(t.numel() for t in tensors))  # same dtype, device
+        pieces = self.flat.split([t.numel() for t in tensors])
+        self.views = [piece.view_as(t) for piece, t in zip(pieces, tensors)]
+        self.ready = 0  # gradients copied in during this backward
+        self.work: dist.Work | None = None  # the all-reduce in flight
 
 
 def assign_buckets(params: list[torch.Tensor], order: list[int], cap: int) -> list[list[int]]:
@@ -63,11 +65,8 @@ def assign_buckets(params: list[torch.Tensor], order: list[int], cap: int) -> li
 
 
 class BucketedDDP(nn.Module, EventRecorder):
-    """Average gradients in buckets of about `bucket_cap_mb` MiB (default 25), laid out once.
-
-    Gradients are averaged when `loss.backward()` returns: `finish_gradient_synchronization()`
-    has nothing left to do.
-    """
+    """Average gradients, by the time `loss.backward()` returns, in buckets of about
+    `bucket_cap_mb` MiB (default 25), laid out once."""
 
     claims = frozenset({"batchnorm", "mixed-dtypes"})
 
@@ -83,17 +82,10 @@ class BucketedDDP(nn.Module, EventRecorder):
         self._next_bucket = 0  # the next bucket to launch
         # Every replica starts from rank 0's weights and buffers, whatever seed each rank used.
         shared.broadcast_from_rank0([*module.parameters(), *module.buffers()])
-        self.buckets: list[Bucket] = []
-        self._slot: dict[int, tuple[Bucket, torch.Tensor]] = {}  # parameter -> bucket, view
-        reverse = list(range(len(self.params)))[::-1]
-        for number, indices in enumerate(assign_buckets(self.params, reverse, cap)):
-            members = [self.params[i] for i in indices]
-            flat = members[0].new_zeros(sum(p.numel() for p in members))  # same dtype, device
-            views = [
-                v.view_as(p) for v, p in zip(flat.split([p.numel() for p in members]), members)
-            ]
-            self.buckets.append(Bucket(number, indices, flat, views))
-            self._slot.update({i: (self.buckets[-1], view) for i, view in zip(indices, views)})
+        layout = assign_buckets(self.params, list(range(len(self.params)))[::-1], cap)
+        self.buckets = [Bucket(n, ix, [self.params[i] for i in ix]) for n, ix in enumerate(layout)]
+        # Where each parameter's gradient goes: its bucket and its view in it.
+        self._slot = {i: (b, view) for b in self.buckets for i, view in zip(b.params, b.views)}
         for index, param in enumerate(self.params):
             param.register_post_accumulate_grad_hook(partial(self._on_gradient_ready, index))
 
@@ -135,11 +127,8 @@ class BucketedDDP(nn.Module, EventRecorder):
             name = f"bucket {bucket.index}"
             self._note("launch", name)
             bucket.work = dist.all_reduce(bucket.flat, async_op=True)  # SUM; returns at once
+            shared.note_when_reduced(self, bucket.work, name)
             self.all_reduce_count += 1
-            if self._observed:
-                bucket.work.get_future().add_done_callback(
-                    lambda _, n=name: self._note("reduced", n)
-                )
             self._next_bucket += 1
 
     def _finish_backward(self) -> None:

@@ -83,9 +83,8 @@ class OverlapDDP(nn.Module, EventRecorder):
         name = f"grad {index}"
         self._note("launch", name)
         work = dist.all_reduce(param.grad, async_op=True)  # SUM, in place; returns at once
+        shared.note_when_reduced(self, work, name)
         self.all_reduce_count += 1
-        if self._observed:
-            work.get_future().add_done_callback(lambda _, n=name: self._note("reduced", n))
         self._in_flight.append((index, work))
 
     def _finish_backward(self) -> None:

@@ -1,33 +1,27 @@
 """Rung 4, torch's layout: one bucket at first, then buckets in the order gradients really came.
 
-The previous rung (buckets.py) guessed that gradients arrive in reverse registration order and
-built its buckets from that guess. Here, as in torch's DDP, nothing is guessed:
+The previous rung (buckets.py) guessed that gradients arrive in reverse registration order.
+Here, as in torch's DDP, nothing is guessed. Iteration 0 puts all parameters of a (dtype, device)
+in one bucket, in registration order (no overlap yet), and notes the order in which gradients
+really became ready. Before the next forward the buckets are rebuilt once from rank 0's order
+(all ranks must launch the same buckets), the earliest gradients first, in a small first bucket
+(1 MiB, then 25 MiB; an explicit bucket_cap_mb caps every bucket, the first included) so that
+communication starts as early as backward allows.
 
-- iteration 0 puts every parameter of a (dtype, device) in one bucket, in registration order,
-  and notes the order in which gradients actually become ready. No overlap in that first step:
-  the one bucket launches after the last gradient.
-- before the next forward, rank 0's noted order is broadcast (ranks may have seen different
-  ones; all must launch the same buckets) and the buckets are rebuilt from it, once: the first
-  bucket gets the earliest gradients, so communication starts as early as backward allows.
-- torch's caps: by default (bucket_cap_mb=None) the first bucket of each (dtype, device) holds
-  1 MiB and the others 25 MiB; a small first bucket starts the network sooner. An explicit
-  bucket_cap_mb applies to every bucket, the first included.
-
-Why the exact layout matters: with 3 or more ranks gloo's sum of a bucket is computed in pieces,
-and which ranks' values get added first depends on each gradient's offset in the flat tensor.
-So the same gradients give other last bits in another layout. With torch's layout, order and
-offsets, and torch's 1/W scaling while copying, this rung is bitwise torch's DDP at any W.
+Why the exact layout matters: with 3 or more ranks gloo sums a bucket in pieces, and which
+ranks' values are added first depends on each gradient's offset in the flat tensor: the same
+gradients in another layout give other last bits. With torch's order, offsets and 1/W scaling
+while copying, this rung is bitwise torch's DDP at any world size.
 
 What it costs: as rung 3, B * alpha + 2 (W-1)/W * N * beta, plus one broadcast of P integers,
 once. What it lacks (MiniDDP, miniddp/ddp.py, adds it): no_sync() for gradient accumulation,
-unused parameters, communication hooks, gradient_as_bucket_view, checks of the model across
-ranks, and errors that name a rank that stopped answering.
+unused parameters, communication hooks, gradient_as_bucket_view, checks that every rank holds
+the same model, and errors that name a rank that stopped answering.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -40,50 +34,48 @@ from miniddp.events import EventRecorder
 from miniddp.steps import shared
 
 
-@dataclass
 class Bucket:
-    index: int
-    params: list[int]  # indices into the wrapper's `params`, in the bucket's order
-    flat: torch.Tensor  # their gradients, end to end
-    views: list[torch.Tensor]  # views[i]: params[i]'s slice of `flat`, shaped like it
-    ready: int = 0  # gradients copied in during this backward
-    work: dist.Work | None = None  # the all-reduce in flight
+    """One flat tensor holding the gradients of `params` (indices into the wrapper's params)
+    end to end; `views[i]` is params[i]'s slice of it, shaped like that parameter."""
+
+    def __init__(self, index: int, params: list[int], tensors: list[torch.Tensor]) -> None:
+        self.index, self.params = index, params
+        self.flat = tensors[0].new_zeros(sum(t.numel() for t in tensors))  # same dtype, device
+        pieces = self.flat.split([t.numel() for t in tensors])
+        self.views = [piece.view_as(t) for piece, t in zip(pieces, tensors)]
+        self.ready = 0  # gradients copied in during this backward
+        self.work: dist.Work | None = None  # the all-reduce in flight
 
 
 def assign_buckets(
-    params: list[torch.Tensor], order: list[int], caps: list[float]
+    params: list[torch.Tensor], order: list[int], first_cap: float, cap: float
 ) -> list[list[int]]:
     """Walk `order`; each (dtype, device) fills its own buckets, its first until it holds
-    caps[0] bytes, its second caps[1], ... (the last cap repeats). Buckets come out in the order
-    they were closed, then the partly filled ones (torch takes those from a hash map: their order
-    changes no value)."""
-    closed, filling, filled_bytes, closed_count = [], {}, {}, {}
+    `first_cap` bytes, the others `cap`. Buckets come out in the order they were closed, then the
+    partly filled ones (torch takes those from a hash map: their order changes no value)."""
+    closed, filling, filled_bytes, has_closed = [], {}, {}, set()
     for index in order:
         key = (params[index].dtype, params[index].device)
         filling.setdefault(key, []).append(index)
         filled_bytes[key] = filled_bytes.get(key, 0) + params[index].nbytes
-        if filled_bytes[key] >= caps[min(closed_count.get(key, 0), len(caps) - 1)]:
+        if filled_bytes[key] >= (cap if key in has_closed else first_cap):
             closed.append(filling.pop(key))
             filled_bytes[key] = 0
-            closed_count[key] = closed_count.get(key, 0) + 1
+            has_closed.add(key)
     return closed + list(filling.values())
 
 
 class TorchLayoutDDP(nn.Module, EventRecorder):
-    """Average gradients in buckets laid out exactly as torch's DDP lays them out.
-
-    Gradients are averaged when `loss.backward()` returns: `finish_gradient_synchronization()`
-    has nothing left to do.
-    """
+    """Average gradients, by the time `loss.backward()` returns, in torch's DDP's buckets."""
 
     claims = frozenset({"batchnorm", "mixed-dtypes", "torch-layout"})
 
     def __init__(self, module: nn.Module, *, bucket_cap_mb: float | None = None) -> None:
         super().__init__()
-        if bucket_cap_mb is None:
-            self.caps = [shared.MiB, 25 * shared.MiB]
+        if bucket_cap_mb is None:  # torch's default: a small first bucket, to start sending soon
+            self.caps = (shared.MiB, 25 * shared.MiB)
         else:
-            self.caps = [shared.bucket_cap_bytes(bucket_cap_mb)]
+            self.caps = (shared.bucket_cap_bytes(bucket_cap_mb),) * 2
         self.module = module
         self.world_size = dist.get_world_size()
         self.param_names, self.params = shared.trainable_parameters(module, "TorchLayoutDDP")
@@ -97,7 +89,7 @@ class TorchLayoutDDP(nn.Module, EventRecorder):
         shared.broadcast_from_rank0([*module.parameters(), *module.buffers()])
         # Iteration 0: one bucket per (dtype, device); the one whose parameters start latest in
         # registration order launches first (torch still assumes backward runs in reverse).
-        one_each = assign_buckets(self.params, range(len(self.params)), [math.inf])
+        one_each = assign_buckets(self.params, range(len(self.params)), math.inf, math.inf)
         self._build_buckets(sorted(one_each, key=min, reverse=True))
         for index, param in enumerate(self.params):
             param.register_post_accumulate_grad_hook(partial(self._on_gradient_ready, index))
@@ -121,22 +113,15 @@ class TorchLayoutDDP(nn.Module, EventRecorder):
         """Nothing to do: the end of backward already waited for every bucket."""
 
     def _build_buckets(self, layout: list[list[int]]) -> None:
-        self.buckets: list[Bucket] = []
-        self._slot: dict[int, tuple[Bucket, torch.Tensor]] = {}  # parameter -> bucket, view
-        for number, indices in enumerate(layout):
-            members = [self.params[i] for i in indices]
-            flat = members[0].new_zeros(sum(p.numel() for p in members))  # same dtype, device
-            views = [
-                v.view_as(p) for v, p in zip(flat.split([p.numel() for p in members]), members)
-            ]
-            self.buckets.append(Bucket(number, indices, flat, views))
-            self._slot.update({i: (self.buckets[-1], view) for i, view in zip(indices, views)})
+        self.buckets = [Bucket(n, ix, [self.params[i] for i in ix]) for n, ix in enumerate(layout)]
+        # Where each parameter's gradient goes: its bucket and its view in it.
+        self._slot = {i: (b, view) for b in self.buckets for i, view in zip(b.params, b.views)}
 
     def _rebuild_buckets(self) -> None:
         """Once, before the second synced forward: rank 0's order, torch's caps."""
         order = torch.tensor(self._ready_order, device=self.params[0].device)
         dist.broadcast(order, src=0)
-        self._build_buckets(assign_buckets(self.params, order.tolist(), self.caps))
+        self._build_buckets(assign_buckets(self.params, order.tolist(), *self.caps))
         self._ready_order, self.has_rebuilt_buckets = [], True
         self._note("rebuild", f"{len(self.buckets)} buckets")
 
@@ -164,11 +149,8 @@ class TorchLayoutDDP(nn.Module, EventRecorder):
             name = f"bucket {bucket.index}"
             self._note("launch", name)
             bucket.work = dist.all_reduce(bucket.flat, async_op=True)  # SUM; returns at once
+            shared.note_when_reduced(self, bucket.work, name)
             self.all_reduce_count += 1
-            if self._observed:
-                bucket.work.get_future().add_done_callback(
-                    lambda _, n=name: self._note("reduced", n)
-                )
             self._next_bucket += 1
 
     def _finish_backward(self) -> None:
