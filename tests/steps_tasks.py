@@ -3,6 +3,8 @@ trained side by side on the same awkward little model and the same data."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -32,7 +34,9 @@ class Scrambled(nn.Module):
         return self.head(hidden)
 
 
-def train(wrap, mixed_dtypes: bool, steps: int, backwards_per_step: int) -> dict:
+def train(
+    wrap: Callable[[nn.Module], nn.Module], mixed_dtypes: bool, steps: int, backwards_per_step: int
+) -> dict:
     """Train one replica; gradients after each synchronized backward, state after each step.
 
     Each rank builds its model from its own seed: the wrapper must start every rank from

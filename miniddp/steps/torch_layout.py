@@ -13,6 +13,11 @@ ranks' values are added first depends on each gradient's offset in the flat tens
 gradients in another layout give other last bits. With torch's order, offsets and 1/W scaling
 while copying, this rung is bitwise torch's DDP at any world size.
 
+The rest is rung 3's: a bucket is one flat tensor, each gradient is copied into its slice scaled
+by 1/W, and a full bucket goes out as one async all-reduce, strictly in index order, so every
+rank issues the same collectives. A bucket closes once it holds at least its cap (add the
+tensor, then close), so it can overshoot by one tensor; a tensor is never split.
+
 What it costs: as rung 3, B * alpha + 2 (W-1)/W * N * beta, plus one broadcast of P integers,
 once. What it lacks (MiniDDP, miniddp/ddp.py, adds it): no_sync() for gradient accumulation,
 unused parameters, communication hooks, gradient_as_bucket_view, checks that every rank holds
