@@ -6,8 +6,12 @@ model and the same data to train a single-process reference.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib
+import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -43,6 +47,11 @@ class TrainSpec:
     data_seed: int = 0
     lr: float = 0.05
     comm_hook: str | None = None  # a key of comm_hooks()
+    # Which DDP is tested, as "module:Class" or "path/to/file.py:Class" (a learner's own).
+    implementation: str = "miniddp.ddp:MiniDDP"
+    # Accumulate inside no_sync(); False synchronizes every micro-step (for a DDP without
+    # no_sync, and torch's DDP then does the same).
+    accumulate_with_no_sync: bool = True
     set_grads_to_none: bool = True  # False keeps .grad tensors (bucket views, with the option)
 
 
@@ -131,18 +140,49 @@ def params_of(model: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+def load_implementation(implementation: str) -> type[nn.Module]:
+    """The DDP class named by "module:Class" or "path/to/file.py:Class"."""
+    where, _, name = implementation.rpartition(":")
+    if where.endswith(".py"):
+        spec = importlib.util.spec_from_file_location(Path(where).stem, where)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    return getattr(module, name)
+
+
+def claims_of(implementation: str) -> frozenset[str]:
+    """What a DDP class says it supports (see miniddp.steps.CLAIMS); none if it says nothing."""
+    return getattr(load_implementation(implementation), "claims", frozenset())
+
+
+def wrap(net: nn.Module, spec: TrainSpec, use_torch: bool) -> nn.Module:
+    """torch's DDP with every option of the spec, or ours with the keywords it teaches."""
+    options = {
+        "broadcast_buffers": spec.broadcast_buffers,
+        "find_unused_parameters": spec.find_unused_parameters,
+        "gradient_as_bucket_view": spec.gradient_as_bucket_view,
+    }
+    if use_torch:
+        return DistributedDataParallel(net, bucket_cap_mb=spec.bucket_cap_mb, **options)
+    ours = load_implementation(spec.implementation)
+    claimed = getattr(ours, "claims", frozenset())
+    if "find-unused-parameters" not in claimed or "gradient-as-bucket-view" not in claimed:
+        assert not spec.find_unused_parameters and not spec.gradient_as_bucket_view
+        assert spec.broadcast_buffers, "the rungs always broadcast buffers"
+        options = {}
+    return ours(net, bucket_cap_mb=spec.bucket_cap_mb, **options)
+
+
 def train(spec: TrainSpec, use_torch: bool) -> dict:
-    """Train one replica on this rank; record gradients and state after every step."""
+    """Train one replica on this rank; record gradients and state after every step.
+
+    Ours is driven by the rung protocol: `finish_gradient_synchronization()` after each
+    synchronized backward (a no-op for DDPs whose backward already waited)."""
     rank = dist.get_rank()
     net = RandomNet(spec.model)
-    wrapper = DistributedDataParallel if use_torch else MiniDDP
-    model = wrapper(
-        net,
-        bucket_cap_mb=spec.bucket_cap_mb,
-        broadcast_buffers=spec.broadcast_buffers,
-        find_unused_parameters=spec.find_unused_parameters,
-        gradient_as_bucket_view=spec.gradient_as_bucket_view,
-    )
+    model = wrap(net, spec, use_torch)
     if spec.comm_hook is not None:
         model.register_comm_hook(None, comm_hooks()[spec.comm_hook])
     optimizer = torch.optim.SGD(net.parameters(), lr=spec.lr, momentum=0.5)
@@ -150,12 +190,13 @@ def train(spec: TrainSpec, use_torch: bool) -> dict:
     for step in range(spec.steps):
         for micro in range(spec.accumulation):
             x, y = micro_batch(spec, rank, step, micro)
-            last = micro == spec.accumulation - 1
-            context = torch.enable_grad() if last else model.no_sync()
-            with context:
+            synced = micro == spec.accumulation - 1 or not spec.accumulate_with_no_sync
+            with contextlib.nullcontext() if synced else model.no_sync():
                 out = model(x, use_extra=uses_extra(spec.model, rank))
                 loss = nn.functional.mse_loss(out, y) / spec.accumulation
                 loss.backward()
+            if synced and not use_torch:
+                model.finish_gradient_synchronization()
         grads.append(grads_of(net))
         optimizer.step()
         optimizer.zero_grad(set_to_none=spec.set_grads_to_none)
@@ -166,9 +207,15 @@ def train(spec: TrainSpec, use_torch: bool) -> dict:
 
 
 def bucket_layout(model: nn.Module, net: nn.Module) -> list[list[str]]:
-    """The bucket layout in launch order, as parameter names, for either implementation."""
-    if isinstance(model, MiniDDP):
-        return [list(info.param_names) for info in model.buckets]
+    """The bucket layout in launch order, as parameter names: torch's, MiniDDP's (BucketInfo),
+    or a rung's (buckets holding indices into its parameters); None for a DDP that claims no
+    torch layout."""
+    if not isinstance(model, DistributedDataParallel):
+        if "torch-layout" not in getattr(model, "claims", ()):
+            return None
+        if isinstance(model, MiniDDP):
+            return [list(info.param_names) for info in model.buckets]
+        return [[model.param_names[i] for i in bucket.params] for bucket in model.buckets]
     name_of = {id(p): n for n, p in net.named_parameters()}
     return [
         [name_of[id(p)] for p in bucket.parameters()]
