@@ -425,9 +425,20 @@ def plot(steps: Sequence[StepTimeline], path: str | Path, title: str = "") -> Pa
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
-    t0 = min(step.start for step in steps)
+    figure, axes = plt.subplots(figsize=(12, 0.5 + 0.9 * len(steps)))
+    draw(axes, steps)
+    axes.set_title(title)
+    figure.tight_layout()
+    path = Path(path)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def draw(axes: Any, steps: Sequence[StepTimeline], t0: float | None = None) -> None:
+    """Draw the steps' lanes on matplotlib `axes`, in ms from `t0` (default: the first start)."""
+    t0 = min(step.start for step in steps) if t0 is None else t0
     lanes = [(step, lane) for step in steps for lane in (COMPUTE, COMM)]
-    figure, axes = plt.subplots(figsize=(12, 0.5 + 0.45 * len(lanes)))
     colors = {"forward": "tab:blue", "backward": "tab:green", "wait": "tab:red"}
     for row, (step, lane) in enumerate(lanes):
         for span in (s for s in step.spans if s.lane == lane):
@@ -440,9 +451,3 @@ def plot(steps: Sequence[StepTimeline], path: str | Path, title: str = "") -> Pa
     axes.set_yticklabels([f"rank {s.rank} step {s.step} {lane}" for s, lane in lanes])
     axes.invert_yaxis()
     axes.set_xlabel("ms")
-    axes.set_title(title)
-    figure.tight_layout()
-    path = Path(path)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path

@@ -6,12 +6,17 @@ the script's own folder first on sys.path.
 
 from __future__ import annotations
 
+import argparse
+import os
 from itertools import pairwise
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import TensorDataset
+
+from miniddp.link import ENVIRONMENT_VARIABLE, Link
 
 
 def make_dataset(
@@ -91,3 +96,15 @@ def fmt_bytes(n: float) -> str:
         n /= 1024
         power += 1
     return f"{n:.0f} B" if power == 0 else f"{n:.1f} {units[power]}"
+
+
+def add_link_and_plot_options(parser: argparse.ArgumentParser, default_link: str = "none") -> None:
+    """--link (a simulated network, miniddp/link.py) and --plot (save this run's figures)."""
+    parser.add_argument(
+        "--link",
+        type=Link.parse,
+        default=Link.parse(os.environ.get(ENVIRONMENT_VARIABLE, default_link)),
+        help=f"simulated link, e.g. alpha=200us,bandwidth=1gbit; 'none' for the bare machine "
+        f"(default: ${ENVIRONMENT_VARIABLE}, else {default_link})",
+    )
+    parser.add_argument("--plot", type=Path, metavar="DIR", help="save this run's figures here")
