@@ -30,11 +30,12 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from common import fmt_bytes, say, say_all_ranks, section
+from common import add_plot_option, fmt_bytes, say, say_all_ranks, section
 
 from miniddp import collectives
 from miniddp.collectives import Message
 from miniddp.env import cleanup, init_distributed
+from miniddp.figures import draw
 
 SWEEP_ROUNDS = 5  # interleaved rounds per size: enough for a first look, not a benchmark
 COUNTING_NUMEL = 2**18  # about 1 MiB of float32 for the byte counts
@@ -62,11 +63,15 @@ def show_steps(messages: list[Message]) -> None:
         say(textwrap.fill(line, 96, initial_indent="    ", subsequent_indent=" " * 12))
 
 
+WATCHED: dict[str, list[Message]] = {}  # every watched collective's messages, in order
+
+
 def watch(collective: Callable[..., None], *args, algorithm: str, **kwargs) -> list[Message]:
     """Run one collective while logging its messages, then print them step by step."""
     with collectives.record_messages() as log:
         collective(*args, algorithm=algorithm, **kwargs)
     messages = gather_messages(log)
+    WATCHED[f"{collective.__name__}, {algorithm}"] = messages  # for --plot
     steps = max((m.step for m in messages), default=0)
     say(f"  {algorithm}: {plural(steps, 'step')}, {plural(len(messages), 'message')}")
     show_steps(messages)
@@ -328,6 +333,7 @@ def main() -> None:
     parser.add_argument(
         "--sizes", default="4K,256K,4M,16M", help="all-reduce sizes for the measured sweep"
     )
+    add_plot_option(parser)
     args = parser.parse_args()
     env = init_distributed()
     rank, world_size = env.rank, env.world_size
@@ -342,6 +348,10 @@ def main() -> None:
     checks["counted steps and bytes"], busiest = section_counting(world_size)
     checks["async in issue order"] = section_async(rank)
     model = section_cost_model(world_size, [parse_size(s) for s in args.sizes.split(",")])
+
+    if args.plot and rank == 0:
+        drawn = draw.messages(WATCHED, world_size, args.plot / "01_messages.png")
+        say(f"\nEvery watched collective, drawn: {drawn}")
 
     section("Final check")
     for name, passed in checks.items():

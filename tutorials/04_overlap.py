@@ -31,7 +31,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from common import add_link_and_plot_options, fmt_bytes, say, section
+from common import add_link_option, add_plot_option, fmt_bytes, say, section
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -137,7 +137,8 @@ def median_of(steps: list[StepTimeline], field: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description="Chapter 04: overlap, measured.")
     parser.add_argument("--iters", type=int, default=8, help="timed iterations per design")
-    add_link_and_plot_options(parser, default_link=CHAPTER_LINK)
+    add_link_option(parser, default_link=CHAPTER_LINK)
+    add_plot_option(parser)
     args = parser.parse_args()
     env = init_distributed()
     if env.world_size < 2:

@@ -98,8 +98,8 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.0f} B" if power == 0 else f"{n:.1f} {units[power]}"
 
 
-def add_link_and_plot_options(parser: argparse.ArgumentParser, default_link: str = "none") -> None:
-    """--link (a simulated network, miniddp/link.py) and --plot (save this run's figures)."""
+def add_link_option(parser: argparse.ArgumentParser, default_link: str = "none") -> None:
+    """--link: a simulated network (miniddp/link.py) for every collective, or 'none'."""
     parser.add_argument(
         "--link",
         type=Link.parse,
@@ -107,4 +107,8 @@ def add_link_and_plot_options(parser: argparse.ArgumentParser, default_link: str
         help=f"simulated link, e.g. alpha=200us,bandwidth=1gbit; 'none' for the bare machine "
         f"(default: ${ENVIRONMENT_VARIABLE}, else {default_link})",
     )
+
+
+def add_plot_option(parser: argparse.ArgumentParser) -> None:
+    """--plot DIR: save this run's figures there as PNGs (miniddp/figures/draw.py)."""
     parser.add_argument("--plot", type=Path, metavar="DIR", help="save this run's figures here")

@@ -22,11 +22,12 @@ from miniddp import MiniDDP, collectives
 
 WORLD_SIZE = 4
 JOB_TIMEOUT_S = 120
-# (title, collective, algorithm): the two shapes, tree and ring, and the all-reduces built on them
+# (title, collective, algorithm): the tree and the ring, and the all-reduces built from them
 ALGORITHMS = [
     ("broadcast, tree", "broadcast", "tree"),
     ("reduce, tree", "reduce", "tree"),
     ("all-reduce, reduce then broadcast (trees)", "all_reduce", "reduce_broadcast"),
+    ("all-reduce, recursive doubling", "all_reduce", "recursive_doubling"),
     ("all-reduce, ring (reduce-scatter, then all-gather)", "all_reduce", "ring"),
 ]
 
