@@ -125,6 +125,7 @@ def worker(args: argparse.Namespace) -> None:
         world_size=args.world_size,
         timeout=timedelta(seconds=PROCESS_GROUP_TIMEOUT_S),
     )
+    excepthook = sys.excepthook  # torch's own, installed by init_process_group
     victim = args.rank == args.victim
     steps = STEPS - 1 if victim and args.fault.startswith("fewer-steps") else STEPS
     step = _miniddp_step(args, report) if args.layer == "miniddp" else _all_reduce_step
@@ -166,7 +167,8 @@ def worker(args: argparse.Namespace) -> None:
             missing=getattr(error, "missing_ranks", None),
         )
         os._exit(3)  # the group is broken: tearing it down could hang
-    report("finished")
+    # MiniDDP names a crash from sys.last_value: it has no excepthook of its own to install.
+    report("finished", excepthook_untouched=sys.excepthook is excepthook)
 
 
 def _all_reduce_step(number: int) -> None:

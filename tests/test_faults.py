@@ -110,11 +110,14 @@ def test_every_survivor_names_the_missing_rank(tmp_path: Path) -> None:
     record_detection("rank 2 of 3 exits abruptly", max(run.detection_s(r, 2) for r in (0, 1)))
 
 
-def test_a_slow_rank_is_not_a_fault(tmp_path: Path) -> None:
-    run = run_ranks(tmp_path, "slow", "wait_for")
+@pytest.mark.parametrize("layer", LAYERS)
+def test_a_slow_rank_is_not_a_fault(tmp_path: Path, layer: str) -> None:
+    run = run_ranks(tmp_path, "slow", layer)
     for rank in (0, 1):
         assert run.first(rank, "raised") is None, run.first(rank, "raised")
-        assert run.first(rank, "finished") is not None, run.outputs[rank][-3000:]
+        finished = run.first(rank, "finished")
+        assert finished is not None, run.outputs[rank][-3000:]
+        assert finished["excepthook_untouched"], "watching collectives replaced sys.excepthook"
 
 
 @pytest.mark.parametrize("layer", LAYERS)
