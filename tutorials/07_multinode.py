@@ -2,6 +2,8 @@
 
     ./launch.sh --emulate-nodes 2 tutorials/07_multinode.py                      two "nodes" here
     ./launch.sh --emulate-nodes 2 --link-rate 100mbit tutorials/07_multinode.py  on a slow link
+    torchrun --nproc_per_node=2 tutorials/07_multinode.py --link alpha=200us,bandwidth=100mbit
+                                                  a simulated slow link: no root needed
     torchrun --nproc_per_node=2 tutorials/07_multinode.py                        one node
     NNODES=2 NODE_RANK=0 MASTER_ADDR=<node 0> ./launch.sh tutorials/07_multinode.py   real machines
                                                                   (then NODE_RANK=1 on node 1)
@@ -33,12 +35,21 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from common import fmt_bytes, make_dataset, make_model, say, say_all_ranks, section
+from common import (
+    add_link_option,
+    fmt_bytes,
+    make_dataset,
+    make_model,
+    say,
+    say_all_ranks,
+    section,
+)
 from torch import nn
 from torch.utils.data import DataLoader
 
 from miniddp import MiniDDP
 from miniddp.env import DistEnv, cleanup, init_distributed
+from miniddp.link import simulated_link
 from miniddp.sampler import DistributedSampler
 from miniddp.timeline import ascii_timeline, recording, split_steps, summarize
 
@@ -274,7 +285,9 @@ def explain_bucket_caps(results: dict[str, Timed], link_rate: str) -> None:
         say(
             "Nothing slows this link down, so communication is cheap. To feel a slow "
             "interconnect, run\n    ./launch.sh --emulate-nodes 2 --link-rate 100mbit "
-            "tutorials/07_multinode.py"
+            "tutorials/07_multinode.py\nor, without root, over a simulated link (miniddp/link.py):"
+            "\n    torchrun --nproc_per_node=2 tutorials/07_multinode.py "
+            "--link alpha=200us,bandwidth=100mbit"
         )
 
 
@@ -292,9 +305,12 @@ def main() -> None:
     # where overlap matters most: a wider model sends more, a bigger batch computes longer.
     parser.add_argument("--hidden", type=int, default=128, help="width of the timed model")
     parser.add_argument("--batch", type=int, default=4096, help="samples per rank per timed step")
+    add_link_option(parser)
     args = parser.parse_args()
     env = init_distributed()
     link_rate = os.environ.get("MINIDDP_LINK_RATE", "")
+    if args.link is not None:  # no root needed: every collective waits as this link would
+        link_rate = f"simulated {args.link}"
     say(f"Chapter 07: {env.world_size} ranks, backend {env.backend}, {env.device}")
 
     section("1. Who is who")
@@ -316,7 +332,8 @@ def main() -> None:
     )
 
     section("3. Bucket size and overlap on the link between nodes")
-    results = time_bucket_caps(env, args.hidden, args.batch)
+    with simulated_link(args.link):
+        results = time_bucket_caps(env, args.hidden, args.batch)
     timed_model = results["one bucket"].model
     nbytes = sum(p.numel() * p.element_size() for p in timed_model.parameters())
     say(
