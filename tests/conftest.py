@@ -22,6 +22,51 @@ if REPO_ROOT not in sys.path:
 from tests.pool import RankPool, RankPools
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("miniddp", "checking your own DDP class")
+    group.addoption(
+        "--ddp",
+        metavar="FILE.py:CLASS",
+        help="run tests/test_ddp_equivalence.py's checks on your own DDP class (the rung "
+        "protocol: CLASS(module, *, bucket_cap_mb=None), forward, and "
+        "finish_gradient_synchronization() after backward)",
+    )
+    group.addoption(
+        "--ddp-claims",
+        default="",
+        metavar="CLAIM,...",
+        help="stronger claims to check too, from miniddp.steps.CLAIMS: e.g. torch-layout "
+        "(bitwise torch's DDP at any W), batchnorm, mixed-dtypes, no-sync",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """With --ddp, run only the checks of your class; without it, skip them."""
+    wanted = bool(config.getoption("--ddp"))
+    keep = [item for item in items if ("your_ddp" in item.fixturenames) == wanted]
+    if len(keep) != len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = keep
+
+
+@pytest.fixture(scope="session")
+def your_ddp(request: pytest.FixtureRequest) -> tuple[str, frozenset[str]]:
+    """The class given with --ddp, as "path/to/file.py:CLASS", and the claims to check."""
+    from miniddp.steps import CLAIMS
+
+    where, _, name = request.config.getoption("--ddp").rpartition(":")
+    path = Path(where).resolve()
+    if not where.endswith(".py") or not name or not path.is_file():
+        example = "tutorials/exercises/naive.py:NaiveDDP"
+        raise pytest.UsageError(f"--ddp takes FILE.py:CLASS, e.g. {example}; got {where}:{name}")
+    claims = frozenset(c for c in request.config.getoption("--ddp-claims").split(",") if c)
+    if not claims <= CLAIMS:
+        raise pytest.UsageError(
+            f"unknown claims {sorted(claims - CLAIMS)}; choose from {sorted(CLAIMS)}"
+        )
+    return f"{path}:{name}", claims
+
+
 @pytest.fixture(scope="session")
 def rank_pools() -> Iterator[Callable[[int], RankPool]]:
     """`rank_pools(world_size)` gives a live pool, started on first use, replaced once dead.

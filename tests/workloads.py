@@ -52,6 +52,8 @@ class TrainSpec:
     # Accumulate inside no_sync(); False synchronizes every micro-step (for a DDP without
     # no_sync, and torch's DDP then does the same).
     accumulate_with_no_sync: bool = True
+    # Each rank builds its model from seed + rank: DDP's construction must copy rank 0's.
+    seed_by_rank: bool = False
     set_grads_to_none: bool = True  # False keeps .grad tensors (bucket views, with the option)
 
 
@@ -181,7 +183,8 @@ def train(spec: TrainSpec, use_torch: bool) -> dict:
     Ours is driven by the rung protocol: `finish_gradient_synchronization()` after each
     synchronized backward (a no-op for DDPs whose backward already waited)."""
     rank = dist.get_rank()
-    net = RandomNet(spec.model)
+    seed = spec.model.seed + (rank if spec.seed_by_rank else 0)
+    net = RandomNet(dataclasses.replace(spec.model, seed=seed))
     model = wrap(net, spec, use_torch)
     if spec.comm_hook is not None:
         model.register_comm_hook(None, comm_hooks()[spec.comm_hook])
@@ -203,7 +206,8 @@ def train(spec: TrainSpec, use_torch: bool) -> dict:
         states.append(state_of(net))
         params.append(params_of(net))
     layout = bucket_layout(model, net)
-    return {"grads": grads, "states": states, "params": params, "layout": layout}
+    names = [name for name, _ in net.named_parameters()]
+    return {"grads": grads, "states": states, "params": params, "layout": layout, "names": names}
 
 
 def bucket_layout(model: nn.Module, net: nn.Module) -> list[list[str]]:
