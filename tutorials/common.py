@@ -17,6 +17,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from miniddp.link import ENVIRONMENT_VARIABLE, Link
+from miniddp.steps.__main__ import diff, idea, label
+from miniddp.timeline import StepTimeline, ascii_timeline, gather, split_steps
 
 
 def make_dataset(
@@ -112,3 +114,124 @@ def add_link_option(parser: argparse.ArgumentParser, default_link: str = "none")
 def add_plot_option(parser: argparse.ArgumentParser) -> None:
     """--plot DIR: save this run's figures there as PNGs (miniddp/figures/draw.py)."""
     parser.add_argument("--plot", type=Path, metavar="DIR", help="save this run's figures here")
+
+
+def say_rung_diff(before: int, after: int) -> None:
+    """What rung `after` adds to rung `before`: `python -m miniddp.steps diff before after`."""
+    say(f"Rung {after}, {label(after)}: {idea(after).split(': ', 1)[-1]}")
+    say(f"\n$ python -m miniddp.steps diff {before} {after}\n{diff(before, after)}")
+
+
+def ladder_model() -> nn.Sequential:
+    """The model chapters 03a-03d climb the ladder with: five Linear layers, 8 -> 32 -> 32 -> 32
+    -> 32 -> 1, in float32 like most training: 10 gradient tensors, 3,489 numbers, 13.6 KiB."""
+    return make_model(seed=0, in_features=8, hidden=32, depth=5, dtype=torch.float32)
+
+
+def step_batches(
+    steps: int, batch: int, world_size: int, rank: int | None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`steps` global batches of `batch` samples per rank, float32: rank `rank`'s slice of each,
+    or with `rank=None` the whole global batch, for one process to train on alone."""
+    dataset = make_dataset(n=steps * world_size * batch, dtype=torch.float32)
+    inputs, targets = (t.view(steps, world_size, batch, -1) for t in dataset.tensors)
+    if rank is None:
+        return list(zip(inputs.flatten(1, 2), targets.flatten(1, 2)))
+    return list(zip(inputs[:, rank], targets[:, rank]))
+
+
+def train_steps(
+    model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], learning_rate: float = 0.1
+) -> list[list[torch.Tensor]]:
+    """One SGD step on the mean squared error per batch; returns each step's gradients.
+
+    `model` is a plain module, torch's DDP, MiniDDP or a rung of the ladder; the rungs want
+    `finish_gradient_synchronization()` after each backward (rung 1 averages there; the others
+    have already finished and return at once). The mean over a rank's batch, averaged over equal
+    batches on W ranks, is the mean over the global batch: what one process computes.
+    """
+    optimizer = torch.optim.SGD(model.parameters(), lr=learning_rate)
+    gradients = []
+    for inputs, targets in batches:
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(inputs), targets).backward()
+        if hasattr(model, "finish_gradient_synchronization"):
+            model.finish_gradient_synchronization()
+        gradients.append([p.grad.clone() for p in model.parameters()])
+        optimizer.step()
+    return gradients
+
+
+def compare_gradients(
+    ours: list[list[torch.Tensor]], theirs: list[list[torch.Tensor]]
+) -> tuple[bool, float]:
+    """Whether two runs' gradients are bit for bit equal on every rank, and their largest
+    difference on any rank (a collective: every rank must call it)."""
+    pairs = [(a, b) for mine, other in zip(ours, theirs, strict=True) for a, b in zip(mine, other)]
+    equal = torch.tensor(float(all(torch.equal(a, b) for a, b in pairs)))
+    gap = torch.tensor(max((a.double() - b.double()).abs().max().item() for a, b in pairs))
+    if dist.is_initialized():
+        dist.all_reduce(equal, op=dist.ReduceOp.MIN)
+        dist.all_reduce(gap, op=dist.ReduceOp.MAX)
+    return bool(equal.item()), gap.item()
+
+
+def say_claims(
+    name: str,
+    gradients: list[list[torch.Tensor]],
+    one_process: list[list[torch.Tensor]],
+    torch_ddp: list[list[torch.Tensor]],
+) -> tuple[float, bool, float]:
+    """Compare a run's gradients, step by step, with one process on the global batch and with
+    torch's DDP; say and return (gap to one process, bitwise torch's, gap to torch's)."""
+    _, one_process_gap = compare_gradients(gradients, one_process)
+    torch_equal, torch_gap = compare_gradients(gradients, torch_ddp)
+    steps = len(gradients)
+    say(f"{name}, {steps} steps: largest gradient difference to one process: {one_process_gap:.1e}")
+    say(
+        f"{name}, {steps} steps: bit for bit torch's DDP: {torch_equal} "
+        f"(largest difference {torch_gap:.1e})"
+    )
+    return one_process_gap, torch_equal, torch_gap
+
+
+def launch_counts(step: StepTimeline) -> tuple[int, int]:
+    """(all-reduces launched in this step, how many of them while backward still had gradients
+    to compute). "Still" means before the last gradient's hook; rung 1 has no hooks, and every
+    launch of it comes after backward has ended."""
+    hooks = [mark.time for mark in step.marks if mark.kind == "hook"]
+    backward = step.span("backward")
+    last_gradient = max(hooks) if hooks else backward.end if backward else step.end
+    launches = [span.start for span in step.buckets]
+    return len(launches), sum(launched < last_gradient for launched in launches)
+
+
+def say_timeline(
+    name: str, model: nn.Module, drawn: tuple[int, ...] = (-1,)
+) -> list[tuple[int, int]]:
+    """Draw the steps numbered `drawn` (default: the last) that `model` recorded
+    (`record_events()`) on every rank, and say every step's `launch_counts`; returns them, for
+    this rank. Every rank must call it."""
+    steps = split_steps(model.events, _rank())
+    for number in drawn:
+        step = steps[number]
+        say(f"{name}, step {step.step} on every rank, ms since its forward began:")
+        say(ascii_timeline(gather([step])))
+    counts = [launch_counts(step) for step in steps]
+    for step, (launched, early) in zip(steps, counts):
+        say(
+            f"{name} step {step.step}: {launched} all-reduces, {early} of them launched before "
+            "backward's last gradient was ready"
+        )
+    return counts
+
+
+def rung_layout(model: nn.Module) -> list[list[str]]:
+    """A bucketed rung's layout: each bucket's parameter names, in launch order."""
+    return [[model.param_names[i] for i in bucket.params] for bucket in model.buckets]
+
+
+def say_rung_layout(model: nn.Module) -> None:
+    say(f"{'bucket':>6}  {'bytes':>7}  parameters")
+    for bucket, names in zip(model.buckets, rung_layout(model)):
+        say(f"{bucket.index:>6}  {bucket.flat.nbytes:>7,}  {', '.join(names)}")
