@@ -231,6 +231,11 @@ _COLLECTIVES = {  # torch.distributed name -> (wire model, argument holding n by
 }
 
 
+def active_link() -> Link | None:
+    """The link `simulated_link` has installed, if any."""
+    return getattr(dist.all_reduce, "simulated_link", None)
+
+
 @contextmanager
 def simulated_link(link: Link | None) -> Iterator[Link | None]:
     """Inside the block, this process's torch.distributed collectives cross `link` (None: the
@@ -238,7 +243,7 @@ def simulated_link(link: Link | None) -> Iterator[Link | None]:
     if link is None:
         yield None
         return
-    if getattr(dist.all_reduce, "simulated_link", None) is not None:
+    if active_link() is not None:
         raise RuntimeError("a simulated link is already installed; leave its block first")
     queue, deliveries = LinkQueue(link), _Deliveries()
     atexit.register(deliveries.stop)

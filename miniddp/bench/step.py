@@ -37,6 +37,14 @@ from torch.nn.parallel import DistributedDataParallel
 from miniddp.baselines import BASELINES, DeferredMiniDDP
 from miniddp.ddp import MiniDDP
 from miniddp.env import cleanup, init_distributed
+from miniddp.link import (
+    ENVIRONMENT_VARIABLE,
+    EXAMPLE,
+    Link,
+    active_link,
+    all_reduce_hook,
+    simulated_link,
+)
 from miniddp.timeline import gather, recording, split_steps, summarize, write_chrome_trace
 
 
@@ -123,7 +131,13 @@ def _linear_tanh(width: int) -> list[nn.Module]:
 
 
 def _torch_ddp(**options) -> Callable[[nn.Module], nn.Module]:
-    return lambda module: DistributedDataParallel(module, **options)
+    def wrap(module: nn.Module) -> nn.Module:
+        ddp = DistributedDataParallel(module, **options)
+        if active_link() is not None:  # torch reduces in C++, past dist.all_reduce: route it over
+            ddp.register_comm_hook(None, all_reduce_hook)
+        return ddp
+
+    return wrap
 
 
 def _miniddp(cls: type[MiniDDP] = MiniDDP, **options) -> Callable[[nn.Module], nn.Module]:
@@ -388,6 +402,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--trace-dir", help="write a Chrome trace per model and variant here")
     parser.add_argument("--json", metavar="PATH", help="also write every figure here")
+    parser.add_argument(
+        "--link",
+        type=Link.parse,
+        default=Link.parse(os.environ.get(ENVIRONMENT_VARIABLE)),
+        help=f"a simulated link for every variant, e.g. {EXAMPLE} (default: "
+        f"${ENVIRONMENT_VARIABLE}, else none: the bare machine)",
+    )
     args = parser.parse_args(argv)
     args.models = args.models.split(",")
     args.variants = args.variants.split(",")
@@ -409,7 +430,7 @@ def main(argv: list[str]) -> None:
     say(
         f"training step, {env.world_size} ranks, backend {env.backend}, "
         f"{torch.get_num_threads()} compute thread per rank, {os.cpu_count()} cores, "
-        f"load average {load_before[0]:.2f}",
+        f"load average {load_before[0]:.2f}; link: {args.link or 'none, the bare machine'}",
         flush=True,
     )
     # Every variant is compared with torch at the same settings: add those that were left out.
@@ -417,7 +438,8 @@ def main(argv: list[str]) -> None:
     all_workloads = workloads(env.rank)
     results = []
     for model_name in args.models:
-        result = run_workload(all_workloads[model_name], variants, args)
+        with simulated_link(args.link):
+            result = run_workload(all_workloads[model_name], variants, args)
         result["rows"] = statistics_of(result)
         results.append(result)
         say(format_table(result, result["rows"]), flush=True)
@@ -441,6 +463,7 @@ def main(argv: list[str]) -> None:
             "torch": torch.__version__,
             "load_average_before": load_before,
             "load_average_after": load_after,
+            "link": str(args.link) if args.link else None,
             "results": results,
             "targets": checks,
         }
