@@ -1,10 +1,9 @@
 """A simulated network link: the same slow wire under every design, on any laptop.
 
-On one machine, "communication" is memory copies by the same cores that run backward: it is
-fast, and it steals compute, so overlap is noise. A real cluster's link is slow and runs beside
-compute. `simulated_link` gives this machine such a link. Each torch.distributed collective still
-runs for real (so the sums are right), but its completion is held back until the link would have
-delivered it:
+On one machine, "communication" is memory copies by the cores that run backward: fast, and it
+steals compute, so overlap is noise. `simulated_link` gives the machine a slow link beside
+compute instead. Each torch.distributed collective still runs for real (so the sums are right),
+but its completion is held back until the link would have delivered it:
 
     seconds = alpha + wire_bytes / bandwidth
 
@@ -18,20 +17,17 @@ collective; wire_bytes is what the best ring algorithm makes each rank send, and
 
 Each direction of the link carries one transfer at a time: a collective issued while an earlier
 one is on the wire queues behind it (`LinkQueue`). Collectives send and receive the same bytes at
-once, so the two directions are busy together and one queue describes both. With one rank there
-is no wire, and nothing is delayed.
+once, so both directions are busy together and one queue describes both. One rank: no wire.
 
-The waiting is sleeping: one thread holds the deliveries in a heap and sleeps on a condition
-until the earliest is due, so a slow link costs no CPU. A collective completes at the later of
-its real completion and the link's; on a slow link, the link's.
+A collective completes at the later of its real completion and the link's. The waiting is
+sleeping: one thread keeps the deliveries in a heap and sleeps until the earliest is due.
 
-    with simulated_link(Link.parse("alpha=200us,bandwidth=1gbit")):
+    with simulated_link(Link.parse("alpha=200us,bandwidth=1gbit")):   # or $MINIDDP_LINK
         model = MiniDDP(net)            # its broadcast and all-reduces cross the link
         torch_ddp.register_comm_hook(None, all_reduce_hook)   # so do torch's DDP's buckets
 
-It wraps the module attributes (`dist.all_reduce`, ...), which is how MiniDDP, the ladder and
-the chapters call them. torch's DDP reduces its buckets in C++, past those attributes:
-`all_reduce_hook` routes them through `dist.all_reduce`, so every design pays the same link.
+It wraps the attributes (`dist.all_reduce`, ...) that MiniDDP, the ladder and the chapters call.
+torch's DDP reduces in C++, past them: `all_reduce_hook` routes its buckets over the link too.
 """
 
 import atexit
@@ -74,11 +70,6 @@ class Link:
         if not (self.bandwidth > 0):
             raise ValueError(f"a link's bandwidth must be > 0, got {self.bandwidth}")
 
-    @property
-    def beta(self) -> float:
-        """Seconds per byte: the alpha-beta model's other number."""
-        return 1.0 / self.bandwidth
-
     def seconds(self, wire_bytes: float) -> float:
         """How long one transfer of `wire_bytes` occupies the link."""
         return self.alpha + wire_bytes / self.bandwidth
@@ -88,7 +79,12 @@ class Link:
         """ "alpha=200us,bandwidth=1gbit" -> Link; "none", "" or None -> None (the bare machine)."""
         if text is None or text.strip().lower() in ("", "none"):
             return None
-        fields = dict(_split_field(part, text) for part in text.split(","))
+        fields = {}
+        for part in text.lower().split(","):
+            name, sep, value = part.partition("=")
+            if not sep:
+                raise ValueError(_bad_link(text, f"{part.strip()!r} is not name=value"))
+            fields[name.strip()] = value.strip()
         if sorted(fields) != ["alpha", "bandwidth"]:
             raise ValueError(_bad_link(text, "give exactly alpha and bandwidth"))
         return Link(
@@ -100,13 +96,6 @@ class Link:
         bits = self.bandwidth * 8
         power = max(p for p in range(len(_BITS)) if p == 0 or bits >= 1000**p)
         return f"alpha={self.alpha * 1e6:g}us,bandwidth={bits / 1000**power:g}{_BITS[power]}"
-
-
-def _split_field(part: str, text: str) -> tuple[str, str]:
-    name, sep, value = part.partition("=")
-    if not sep:
-        raise ValueError(_bad_link(text, f"{part.strip()!r} is not name=value"))
-    return name.strip().lower(), value.strip().lower()
 
 
 def _quantity(value: str, units: dict[str, Fraction], text: str) -> float:
@@ -139,15 +128,11 @@ def wire_bytes(collective: str, nbytes: int, world_size: int) -> float:
 
 
 class LinkQueue:
-    """One rank's link: transfers go one at a time, in the order they were issued.
-
-    A transfer issued at `now` starts when the link is free (at once, or when the one before it
-    is delivered), and is delivered `link.seconds(wire_bytes)` later.
-    """
+    """One rank's link: transfers go one at a time, in issue order. One issued at `now` starts
+    when the link is free (at once, or when the one before arrives), and takes link.seconds."""
 
     def __init__(self, link: Link) -> None:
-        self.link = link
-        self.free_at = -math.inf
+        self.link, self.free_at = link, -math.inf
 
     def deliver_at(self, now: float, wire_bytes: float) -> float:
         """Put a transfer on the wire; return when it arrives."""
@@ -162,8 +147,7 @@ class LinkWork(dist.Work):
 
     def __init__(self, future: torch.futures.Future, delivered: threading.Event) -> None:
         super().__init__()
-        self._future = future
-        self._delivered = delivered
+        self._future, self._delivered = future, delivered
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         """Block until delivered (a zero timeout means no limit, as torch's); raise what the
@@ -211,15 +195,15 @@ class _Deliveries:
     def _serve(self) -> None:
         while True:
             with self._changed:
-                while not self._stopping and not self._is_due():
-                    self._changed.wait(self._due[0][0] - time.perf_counter() if self._due else None)
+                while not self._stopping:
+                    wait = self._due[0][0] - time.perf_counter() if self._due else None
+                    if wait is not None and wait <= 0:
+                        break
+                    self._changed.wait(wait)
                 if not self._due:
                     return  # stopping, with nothing held
                 _, _, deliver = heapq.heappop(self._due)
             deliver()
-
-    def _is_due(self) -> bool:
-        return bool(self._due) and self._due[0][0] <= time.perf_counter()
 
 
 _COLLECTIVES = {  # torch.distributed name -> (wire model, argument holding n bytes)
@@ -269,9 +253,8 @@ def _delayed(original: Callable, wire_model: str, sized: str, queue: LinkQueue, 
         tensor = bound.arguments[sized]
         world_size = dist.get_world_size(bound.arguments["group"])
         nbytes = tensor.numel() * tensor.element_size()
-        due = -math.inf  # one rank: no wire
-        if world_size > 1:
-            due = queue.deliver_at(time.perf_counter(), wire_bytes(wire_model, nbytes, world_size))
+        wire = wire_bytes(wire_model, nbytes, world_size)
+        due = queue.deliver_at(time.perf_counter(), wire) if world_size > 1 else -math.inf
         bound.arguments["async_op"] = True
         real = original(*bound.args, **bound.kwargs)
         if real is None:  # this rank is not in the group: nothing was sent
@@ -283,7 +266,6 @@ def _delayed(original: Callable, wire_model: str, sized: str, queue: LinkQueue, 
         return None
 
     collective_over_the_link.simulated_link = queue.link
-    collective_over_the_link.__wrapped__ = original
     return collective_over_the_link
 
 
@@ -308,14 +290,10 @@ def _deliver_when_both_done(real: torch.futures.Future, due: float, deliveries) 
 def all_reduce_hook(
     process_group: Any, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """A DDP comm hook for torch's DDP (or MiniDDP): average the bucket with `dist.all_reduce`,
-    so that it crosses the simulated link like every other design's all-reduces.
-
-    Like MiniDDP's default path, it scales by the float 1/W and then sums, so its gradients are
-    MiniDDP's bit for bit when the layouts match.
-    """
+    """A comm hook for torch's DDP (or MiniDDP): average the bucket with `dist.all_reduce`, so
+    it crosses the simulated link like every other design's all-reduces. Like MiniDDP, it scales
+    by the float 1/W and then sums: MiniDDP's bits whenever the layouts match."""
     group = process_group if isinstance(process_group, dist.ProcessGroup) else None
-    flat = bucket.buffer()
-    flat.mul_(1.0 / dist.get_world_size(group))
+    flat = bucket.buffer().mul_(1.0 / dist.get_world_size(group))
     work = dist.all_reduce(flat, group=group, async_op=True)
     return work.get_future().then(lambda done: done.value()[0])

@@ -55,7 +55,6 @@ def test_seconds_is_alpha_plus_bytes_over_bandwidth() -> None:
     link = Link(alpha=200e-6, bandwidth=GBIT)
     assert link.seconds(0) == 200e-6
     assert math.isclose(link.seconds(125_000_000), 1.0 + 200e-6)  # 1 Gbit in one second
-    assert link.beta == 8e-9
 
 
 @given(nbytes=st.integers(0, 2**30), world_size=st.integers(1, 64))
