@@ -112,18 +112,14 @@ class Bucket:
         """Put each average into the `.grad` its gradient was copied from. A parameter that had
         no gradient gets its slice; one that `used` says no rank used keeps `.grad` as it was
         (None stays None), as torch's find_unused_parameters does."""
-        to_fill, averages = [], []
         for position, grad in self.sources:
             if used is not None and not used[self.param_indices[position]]:
                 continue
             view = self.views[position]
-            if grad is None:
-                self.params[position].grad = view if self.gradient_as_bucket_view else view.clone()
+            if grad is not None:
+                grad.copy_(view)
             else:
-                to_fill.append(grad)
-                averages.append(view)
-        if to_fill:
-            torch._foreach_copy_(to_fill, averages)  # one call for the whole bucket
+                self.params[position].grad = view if self.gradient_as_bucket_view else view.clone()
 
     def adopt_gradients(self) -> None:
         """With gradient_as_bucket_view: move existing `.grad`s into this (new) bucket, so that
