@@ -25,6 +25,7 @@ that the ratios between them mean something even on a busy machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import textwrap
 import time
@@ -37,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from miniddp import MiniDDP
 from miniddp.baselines import DeferredMiniDDP, NoCommunication
-from miniddp.bench.step import Workload, paired_ratio, step, time_interleaved
+from miniddp.bench.step import Workload, paired_ratio, time_interleaved
 from miniddp.env import cleanup, init_distributed
 from miniddp.figures import draw
 from miniddp.link import all_reduce_hook, simulated_link
@@ -52,7 +53,7 @@ LAYERS, WIDTH, BATCH = 16, 160, 1024  # 32 tensors, 1.6 MiB of gradients
 LAYER_BYTES = (WIDTH * WIDTH + WIDTH) * 4  # one Linear layer's weight and bias, float32
 SWEEP_LAYERS = (0, 1, 2, 4, 8, 16)  # layers per bucket; 0: one tensor per bucket
 BUCKETED = 2  # the bucketed designs of sections 3 and 4 hold 2 layers a bucket
-RECORDED_STEPS = 3
+WARMUP = 3  # untimed steps first: the first records the gradients' order, the second rebuilds
 
 
 def cap_mb(layers: int) -> float:
@@ -95,14 +96,17 @@ DESIGNS = {
 MINIDDP = f"sweep {BUCKETED}"
 
 
-def record(model: nn.Module, workload: Workload) -> list[StepTimeline]:
-    """RECORDED_STEPS recorded steps of `model`, every rank's, gathered on every rank."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    with recording(model) as events:
-        for _ in range(RECORDED_STEPS):
-            dist.barrier()
-            step(model, params, workload)
-    return gather(split_steps(events, dist.get_rank()))
+def timed_and_recorded(models: dict[str, nn.Module], workload: Workload, iters: int):
+    """Each design's step times (`time_interleaved`) and, from the very same steps, every rank's
+    timelines (torch's DDP notes no events): the model's inputs and the measurements it is
+    compared with come from one run, not from two moments of a busy machine."""
+    recordable = [name for name in models if name != "torch DDP"]
+    with contextlib.ExitStack() as stack:
+        events = {n: stack.enter_context(recording(models[n], False)) for n in recordable}
+        times = slowest_rank(time_interleaved(models, workload, iters, warmup=WARMUP))
+    rank = dist.get_rank()
+    timed = {n: [s for s in split_steps(events[n], rank) if s.step >= WARMUP] for n in recordable}
+    return times, {name: gather(steps) for name, steps in timed.items()}
 
 
 def slowest_rank(times: dict[str, dict[str, list[float]]]) -> dict[str, list[float]]:
@@ -130,6 +134,11 @@ def fit_alpha_beta(small: int, large: int) -> tuple[float, float]:
     return max(medians[0] - beta * small, 0.0), beta
 
 
+def last_step(steps: list[StepTimeline]) -> list[StepTimeline]:
+    """Every rank's timeline of the last step recorded."""
+    return [s for s in steps if s.step == max(s.step for s in steps)]
+
+
 def median_of(steps: list[StepTimeline], field: str) -> float:
     return statistics.median(getattr(summarize(s), field) for s in steps)
 
@@ -155,10 +164,7 @@ def main() -> None:
     with simulated_link(args.link):
         models = {name: wrap(workload.build()) for name, wrap in DESIGNS.items()}
         say(f"\nTiming {len(models)} designs, {args.iters} interleaved iterations each...")
-        times = slowest_rank(time_interleaved(models, workload, args.iters))
-        steps = {
-            name: record(model, workload) for name, model in models.items() if name != "torch DDP"
-        }
+        times, steps = timed_and_recorded(models, workload, args.iters)
         grads = {name: [p.grad.clone() for p in m.parameters()] for name, m in models.items()}
         alpha, beta = fit_alpha_beta(4 * 1024, total)
     median_ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
@@ -167,7 +173,7 @@ def main() -> None:
         return paired_ratio(times[ours], times[theirs])
 
     def show(name: str) -> None:
-        one_step = [s for s in steps[name] if s.step == RECORDED_STEPS - 1]
+        one_step = last_step(steps[name])
         say(ascii_timeline(one_step))
         say(
             f"{name}: median step {median_ms[name]:.1f} ms; {len(one_step[0].buckets)} "
@@ -243,7 +249,7 @@ def main() -> None:
 
     if args.plot and env.is_main:
         rungs = ["1 naive", "2 overlap", "3 buckets", "4 torch layout", MINIDDP, "deferred launch"]
-        last = {n: [s for s in steps[n] if s.step == RECORDED_STEPS - 1] for n in rungs}
+        last = {n: last_step(steps[n]) for n in rungs}
         draw.timelines(
             {n.replace(MINIDDP, "5 MiniDDP"): s for n, s in last.items()},
             args.plot / "04_timelines.png",
