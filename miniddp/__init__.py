@@ -5,6 +5,7 @@ from miniddp.ddp import MiniDDP
 from miniddp.env import DistEnv, cleanup, init_distributed
 from miniddp.events import Event
 from miniddp.sampler import DistributedSampler
+from miniddp.sharding import ZeroRedundancyOptimizer
 
 __all__ = [
     "BucketInfo",
@@ -12,6 +13,7 @@ __all__ = [
     "DistributedSampler",
     "Event",
     "MiniDDP",
+    "ZeroRedundancyOptimizer",
     "cleanup",
     "init_distributed",
 ]

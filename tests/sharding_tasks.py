@@ -1,0 +1,135 @@
+"""What the ranks of the test pool run for tests/test_sharding*.py: one model, one data stream,
+trained with several optimizers or sharding stages in turn, so that their bits can be compared.
+
+Everything is deterministic from a `ShardSpec`, so every rank builds the same model, and each
+rank draws its own data from its rank.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from miniddp import MiniDDP, ZeroRedundancyOptimizer
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    seed: int = 0
+    widths: tuple[int, ...] = (5, 8, 3)  # input, hidden..., output
+    steps: int = 3
+    batch: int = 4
+    lr: float = 0.01
+    weight_decay: float = 0.01
+    groups: int = 1  # 2 puts the last layer in a group of its own, with half the lr
+
+
+def build_model(spec: ShardSpec) -> nn.Sequential:
+    torch.manual_seed(spec.seed)
+    layers: list[nn.Module] = []
+    for a, b in zip(spec.widths, spec.widths[1:]):
+        layers += [nn.Linear(a, b), nn.Tanh()]
+    return nn.Sequential(*layers[:-1])
+
+
+def param_groups(model: nn.Module, spec: ShardSpec) -> list[dict]:
+    params = list(model.parameters())
+    if spec.groups == 1:
+        return [{"params": params}]
+    return [{"params": params[:-2]}, {"params": params[-2:], "lr": spec.lr / 2}]
+
+
+def batch(spec: ShardSpec, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(spec.seed * 7919 + rank * 101 + step)
+    x = torch.randn(spec.batch, spec.widths[0], generator=g)
+    return x, torch.randn(spec.batch, spec.widths[-1], generator=g)
+
+
+def make_optimizer(kind: str, model: nn.Module, spec: ShardSpec) -> torch.optim.Optimizer:
+    groups = param_groups(model, spec)
+    options = {"lr": spec.lr, "weight_decay": spec.weight_decay}
+    if kind == "plain":
+        return torch.optim.AdamW(groups, **options)
+    if kind == "ours":
+        return ZeroRedundancyOptimizer(groups, torch.optim.AdamW, **options)
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero  # slow import
+
+    return TorchZero(groups, torch.optim.AdamW, **options)
+
+
+def train(
+    spec: ShardSpec, kind: str, model: nn.Module | None = None, optimizer=None, first_step: int = 0
+) -> dict:
+    """MiniDDP + the optimizer `kind` ("plain" AdamW, "ours" or "torch" ZeRO); the parameters
+    after every step. A resumed run passes its model, optimizer and first step."""
+    rank = dist.get_rank()
+    model = build_model(spec) if model is None else model
+    ddp = MiniDDP(model)
+    optimizer = make_optimizer(kind, model, spec) if optimizer is None else optimizer
+    params = []
+    for step in range(first_step, first_step + spec.steps):
+        x, y = batch(spec, rank, step)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        params.append([p.detach().clone() for p in model.parameters()])
+    return {"params": params, "model": model, "optimizer": optimizer}
+
+
+def zero1_against_torch_and_plain(spec: ShardSpec) -> dict:
+    """The parameters after every step under each optimizer, and who owns what."""
+    runs = {kind: train(spec, kind) for kind in ("plain", "ours", "torch")}
+    ours, theirs = runs["ours"]["optimizer"], runs["torch"]["optimizer"]
+    index_of = {p: i for i, p in enumerate(runs["ours"]["model"].parameters())}
+    torch_index = {p: i for i, p in enumerate(runs["torch"]["model"].parameters())}
+    return {
+        "params": {kind: run["params"] for kind, run in runs.items()},
+        "owned": sorted(index_of[p] for g in ours.optim.param_groups for p in g["params"]),
+        "torch_owned": sorted(
+            torch_index[p] for g in theirs.optim.param_groups for p in g["params"]
+        ),
+        "local_state_elements": sum(
+            t.numel() for s in ours.optim.state.values() for t in s.values() if t.dim()
+        ),
+    }
+
+
+def state_dicts_on_rank(spec: ShardSpec, to: int) -> dict:
+    """Our consolidated state dict, torch's ZeRO's and plain AdamW's, on rank `to`."""
+    dicts = {}
+    for kind in ("ours", "torch"):
+        optimizer = train(spec, kind)["optimizer"]
+        optimizer.consolidate_state_dict(to=to)
+        dicts[kind] = optimizer.state_dict() if dist.get_rank() == to else None
+    dicts["plain"] = train(spec, "plain")["optimizer"].state_dict()
+    return dicts
+
+
+def zero1_resumes_bitwise(spec: ShardSpec) -> dict:
+    """Train 2·steps straight; and train `steps`, save model and consolidated optimizer on rank
+    0, load both on every rank into a fresh model, train `steps` more."""
+    straight = train(spec.__class__(**{**spec.__dict__, "steps": 2 * spec.steps}), "ours")
+    first = train(spec, "ours")
+    first["optimizer"].consolidate_state_dict(to=0)
+    saved = [None]
+    if dist.get_rank() == 0:
+        buffer = io.BytesIO()
+        torch.save({"model": first["model"].state_dict(),
+                    "optimizer": first["optimizer"].state_dict()}, buffer)  # fmt: skip
+        saved = [buffer.getvalue()]
+    dist.broadcast_object_list(saved, src=0)
+    checkpoint = torch.load(io.BytesIO(saved[0]), weights_only=True)
+    model = build_model(spec.__class__(**{**spec.__dict__, "seed": spec.seed + 1}))
+    model.load_state_dict(checkpoint["model"])
+    optimizer = make_optimizer("ours", model, spec)
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    resumed = train(spec, "ours", model, optimizer, first_step=spec.steps)
+    return {"straight": straight["params"][-1], "resumed": resumed["params"][-1]}
+
+
+def state_dict_unconsolidated() -> None:
+    train(ShardSpec(steps=1), "ours")["optimizer"].state_dict()

@@ -1,0 +1,95 @@
+"""ZeRO-1 and ZeRO-2 (miniddp/sharding/zero.py, zero2.py) against torch's ZeroRedundancyOptimizer
+and plain AdamW under MiniDDP: the same parameters, bit for bit, after every step.
+
+Why bitwise is the right bar: Adam's update is elementwise, so which rank computes an element
+cannot change its value, and the parameters that travel afterwards are copied, not summed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from miniddp.sharding import partition
+from tests import sharding_tasks
+from tests.properties import property_settings
+from tests.sharding_tasks import ShardSpec
+
+specs = st.builds(
+    ShardSpec,
+    seed=st.integers(0, 1000),
+    widths=st.lists(st.integers(1, 9), min_size=2, max_size=4).map(tuple),
+    steps=st.integers(1, 3),
+    groups=st.sampled_from([1, 2]),
+)
+
+
+def assert_bitwise(ours: list, reference: list, what: str) -> None:
+    for step, (mine, theirs) in enumerate(zip(ours, reference, strict=True)):
+        for index, (a, b) in enumerate(zip(mine, theirs, strict=True)):
+            assert torch.equal(a, b), f"{what}: parameter {index} differs after step {step}"
+
+
+def test_the_partition_is_torchs_sorted_greedy_one():
+    sizes = [3, 10, 4, 10, 1]  # sorted: 10, 10, 4, 3, 1 -> ranks 0, 1, 0, 1, 1 at W = 2
+    params = [torch.zeros(n) for n in sizes]
+    shares = partition([{"params": params, "lr": 1.0}], world_size=2)
+    assert [[p.numel() for p in g["params"]] for [g] in shares] == [[10, 4], [10, 3, 1]]
+    assert shares[1][0]["lr"] == 1.0  # every rank's copy of a group keeps its settings
+
+
+def test_zero1_one_fixed_example_at_w2(pool2):
+    results = pool2.run(sharding_tasks.zero1_against_torch_and_plain, ShardSpec(steps=3))
+    for rank, result in enumerate(results):
+        assert_bitwise(result["params"]["ours"], result["params"]["plain"], f"rank {rank} plain")
+        assert_bitwise(result["params"]["ours"], result["params"]["torch"], f"rank {rank} torch")
+        assert result["owned"] == result["torch_owned"]
+    # each parameter's Adam state lives on exactly one rank: 2 states x Ψ over all ranks
+    psi = sum(p.numel() for p in sharding_tasks.build_model(ShardSpec()).parameters())
+    assert sum(r["local_state_elements"] for r in results) == 2 * psi
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@property_settings(max_examples=4)
+@given(spec=specs)
+def test_zero1_equals_torch_zero_and_plain_adamw(rank_pools, world_size, spec):
+    results = rank_pools(world_size).run(sharding_tasks.zero1_against_torch_and_plain, spec)
+    for rank, result in enumerate(results):
+        assert_bitwise(result["params"]["ours"], result["params"]["plain"], f"rank {rank} plain")
+        assert_bitwise(result["params"]["ours"], result["params"]["torch"], f"rank {rank} torch")
+        assert result["owned"] == result["torch_owned"], "not torch's partition"
+
+
+def test_zero1_at_w4_with_two_groups(rank_pools):
+    spec = ShardSpec(widths=(6, 7, 5, 2), groups=2)
+    for result in rank_pools(4).run(sharding_tasks.zero1_against_torch_and_plain, spec):
+        assert_bitwise(result["params"]["ours"], result["params"]["torch"], "torch at W = 4")
+        assert result["owned"] == result["torch_owned"]
+
+
+@pytest.mark.parametrize("to", [0, 1])
+def test_consolidated_state_dict_is_torchs_and_plain_adamws(pool2, to):
+    spec = ShardSpec(groups=2)
+    results = pool2.run(sharding_tasks.state_dicts_on_rank, spec, to)
+    dicts = results[to]
+    for reference in ("torch", "plain"):
+        assert dicts["ours"]["param_groups"] == dicts[reference]["param_groups"], reference
+        assert dicts["ours"]["state"].keys() == dicts[reference]["state"].keys(), reference
+        for index, state in dicts["ours"]["state"].items():
+            for key, value in state.items():
+                assert torch.equal(value, dicts[reference]["state"][index][key]), (index, key)
+
+
+def test_state_dict_before_consolidating_says_what_to_call(pool2):
+    outcomes = pool2.run_expecting_errors(sharding_tasks.state_dict_unconsolidated)
+    for outcome in outcomes:
+        assert outcome.type_name == "RuntimeError"
+        assert "consolidate_state_dict" in outcome.message
+
+
+def test_a_resumed_zero1_run_continues_bit_for_bit(pool2):
+    for result in pool2.run(sharding_tasks.zero1_resumes_bitwise, ShardSpec(steps=2)):
+        for a, b in zip(result["straight"], result["resumed"], strict=True):
+            assert torch.equal(a, b)
