@@ -25,5 +25,5 @@ def test_ci_runs_the_readmes_test_command():
 
 def test_every_chapter_is_in_the_reading_order():
     reading_order = (ROOT / "tutorials" / "README.md").read_text()
-    for chapter in sorted((ROOT / "tutorials").glob("[0-9][0-9]_*.py")):
+    for chapter in sorted((ROOT / "tutorials").glob("[0-9][0-9]*_*.py")):
         assert chapter.name in reading_order, f"{chapter.name} missing from tutorials/README.md"

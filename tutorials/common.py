@@ -220,8 +220,8 @@ def say_timeline(
     counts = [launch_counts(step) for step in steps]
     for step, (launched, early) in zip(steps, counts):
         say(
-            f"{name} step {step.step}: {launched} all-reduces, {early} of them launched before "
-            "backward's last gradient was ready"
+            f"{name} step {step.step}: {launched} all-reduce{'s' * (launched != 1)}, {early} "
+            "launched before backward's last gradient was ready"
         )
     return counts
 
@@ -232,6 +232,6 @@ def rung_layout(model: nn.Module) -> list[list[str]]:
 
 
 def say_rung_layout(model: nn.Module) -> None:
-    say(f"{'bucket':>6}  {'bytes':>7}  parameters")
+    say(f"{'bucket':>6}  {'bytes':>10}  parameters")
     for bucket, names in zip(model.buckets, rung_layout(model)):
-        say(f"{bucket.index:>6}  {bucket.flat.nbytes:>7,}  {', '.join(names)}")
+        say(f"{bucket.index:>6}  {bucket.flat.nbytes:>10,}  {', '.join(names)}")
