@@ -7,12 +7,12 @@ order gradients really came.
 Rung 3 (chapter 03b) laid its buckets out once, at construction, on a guess: gradients arrive in
 reverse registration order. TorchLayoutDDP (rung 4, miniddp/steps/torch_layout.py) does what
 torch's DistributedDataParallel does instead, and this chapter follows one model through its
-first two steps:
+first two steps, numbered from 0 as the timeline numbers them:
 
 1. at construction, one bucket holds everything;
-2. step 1 records the order in which gradients become ready;
-3. before step 2's forward, the buckets are rebuilt from rank 0's order, the first one small;
-4. in step 2, buckets launch while backward is still running;
+2. step 0 (torch's iteration 0) records the order in which gradients become ready;
+3. before step 1's forward, the buckets are rebuilt from rank 0's order, the first one small;
+4. in step 1, buckets launch while backward is still running;
 5. torch's DDP on the same model and data: the same layout and bit-identical gradients, at any
    number of ranks.
 """
@@ -111,10 +111,10 @@ def main() -> None:
         buckets launched in a guessed order could be matched with the wrong collective on
         another rank: one rank's bucket 1 summed with another's bucket 0, or with a broadcast.
         So torch sends everything as one bucket, after the whole backward, watches the order
-        gradients really arrive in, and rebuilds once. Step 1 pays for it: no overlap at all.""")
+        gradients really arrive in, and rebuilds once. Step 0 pays for it: no overlap at all.""")
     )
 
-    section("3. Step 1: gradients arrive last layer first")
+    section("3. Step 0: gradients arrive last layer first")
     model.record_events(True)
     inputs, targets = batches[0]
     all_gradients = [step(model, optimizer, model(inputs), targets)]
@@ -129,7 +129,7 @@ def main() -> None:
 
     section("4. Before the second forward: rebuild from the observed order")
     inputs, targets = batches[1]
-    say(f"has_rebuilt_buckets before step 2's forward: {model.has_rebuilt_buckets}")
+    say(f"has_rebuilt_buckets before step 1's forward: {model.has_rebuilt_buckets}")
     output = model(inputs)  # the rebuild is the first thing this forward does
     say(f"has_rebuilt_buckets after it: {model.has_rebuilt_buckets}")
     say_rung_layout(model)
@@ -143,7 +143,7 @@ def main() -> None:
         rank uses rank 0's observed order, broadcast once: the layouts must match exactly.""")
     )
 
-    section("5. Step 2: buckets launch while backward is still computing")
+    section("5. Step 1: buckets launch while backward is still computing")
     all_gradients.append(step(model, optimizer, output, targets))
     model.record_events(False)
     counts = say_timeline("TorchLayoutDDP", model, drawn=(0, 1))
@@ -180,7 +180,7 @@ def main() -> None:
     assert counts == [(1, 0), (buckets, buckets - 1)], counts
     dist.barrier()  # every rank has passed its own checks
     say(
-        f"Verified on {world_size} ranks: one bucket in step 1, then {buckets} rebuilt from the "
+        f"Verified on {world_size} ranks: one bucket in step 0, then {buckets} rebuilt from the "
         f"gradient-ready order, the same layout as torch's DDP, bit-identical gradients; "
         f"{buckets - 1} of {buckets} all-reduces launched before backward's last gradient."
     )
