@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from miniddp import MiniDDP
 from miniddp.steps import LADDER
 from tests.harness.equivalence import (
+    FIXED_SPEC,
     TOLERANCE,
     check_against_single_process,
     check_against_torch,
@@ -166,6 +167,14 @@ def test_every_rung_of_the_ladder(rank_pools, rung, world_size, spec):
 @given(spec=train_specs(max_width=6))
 def test_the_torch_layout_rung_on_four_ranks(rank_pools, spec):
     check_claims(rank_pools, "miniddp.steps.torch_layout:TorchLayoutDDP", 4, spec)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_your_ddp_on_one_fixed_example(rank_pools, your_ddp, world_size):
+    """Your own DDP class on one small, fixed example first: with -x, a mistake stops the run
+    here, in seconds, before hypothesis searches (and shrinks) random ones."""
+    implementation, claims = your_ddp
+    check_claims(rank_pools, implementation, world_size, FIXED_SPEC, claims)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -30,6 +30,17 @@ TOLERANCE = {
 }
 
 
+# One small example with every awkward part a claim can allow (the parts a DDP does not claim
+# are dropped by `fit_to_claims`): checked before the random ones, it fails fast and reads easily.
+FIXED_SPEC = TrainSpec(
+    model=ModelSpec(seed=1, widths=(6, 5), tied=True, batchnorm=True, dtype="mixed"),
+    bucket_cap_mb=1e-4,  # 104 bytes: a few parameters per bucket
+    accumulation=2,
+    steps=2,
+    seed_by_rank=True,
+)
+
+
 @st.composite
 def train_specs(draw, max_width: int = 12) -> TrainSpec:
     """A random model with the awkward parts, a bucket cap from "every parameter alone" to
