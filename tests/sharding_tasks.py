@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from miniddp import MiniDDP, ZeroRedundancyOptimizer
+from miniddp.sharding import ddp_buckets, measure_memory, reduce_scatter_hook
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ def make_optimizer(kind: str, model: nn.Module, spec: ShardSpec) -> torch.optim.
     options = {"lr": spec.lr, "weight_decay": spec.weight_decay}
     if kind == "plain":
         return torch.optim.AdamW(groups, **options)
-    if kind == "ours":
+    if kind in ("ours", "zero2"):
         return ZeroRedundancyOptimizer(groups, torch.optim.AdamW, **options)
     from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero  # slow import
 
@@ -64,20 +65,26 @@ def make_optimizer(kind: str, model: nn.Module, spec: ShardSpec) -> torch.optim.
 def train(
     spec: ShardSpec, kind: str, model: nn.Module | None = None, optimizer=None, first_step: int = 0
 ) -> dict:
-    """MiniDDP + the optimizer `kind` ("plain" AdamW, "ours" or "torch" ZeRO); the parameters
-    after every step. A resumed run passes its model, optimizer and first step."""
+    """MiniDDP + the optimizer `kind` ("plain" AdamW, "ours" or "torch" ZeRO-1, "zero2" ours
+    with the reduce-scatter hook); the gradients and parameters of every step, and the memory
+    before the last step. A resumed run passes its model, optimizer and first step."""
     rank = dist.get_rank()
     model = build_model(spec) if model is None else model
     ddp = MiniDDP(model)
     optimizer = make_optimizer(kind, model, spec) if optimizer is None else optimizer
-    params = []
+    if kind == "zero2":
+        ddp.register_comm_hook(optimizer, reduce_scatter_hook)
+    grads, params = [], []
     for step in range(first_step, first_step + spec.steps):
         x, y = batch(spec, rank, step)
         nn.functional.mse_loss(ddp(x), y).backward()
+        grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
+        memory = measure_memory(model.parameters(), optimizer, ddp_buckets(ddp))
         optimizer.step()
         optimizer.zero_grad()
         params.append([p.detach().clone() for p in model.parameters()])
-    return {"params": params, "model": model, "optimizer": optimizer}
+    return {"grads": grads, "params": params, "memory": memory, "model": model,
+            "optimizer": optimizer}  # fmt: skip
 
 
 def zero1_against_torch_and_plain(spec: ShardSpec) -> dict:
@@ -133,3 +140,27 @@ def zero1_resumes_bitwise(spec: ShardSpec) -> dict:
 
 def state_dict_unconsolidated() -> None:
     train(ShardSpec(steps=1), "ours")["optimizer"].state_dict()
+
+
+def zero2_against_plain(spec: ShardSpec) -> dict:
+    """ZeRO-2 and MiniDDP + AdamW: gradients after backward, parameters after each step; which
+    parameters this rank owns."""
+    ours, plain = train(spec, "zero2"), train(spec, "plain")
+    optimizer = ours["optimizer"]
+    owned = [optimizer.owner_of(p) == optimizer.rank for p in ours["model"].parameters()]
+    return {"ours": ours["grads"], "plain": plain["grads"], "owned": owned,
+            "ours_params": ours["params"], "plain_params": plain["params"]}  # fmt: skip
+
+
+def memory_of_each_stage(spec: ShardSpec) -> dict:
+    """Bytes before the last step, under DDP, ZeRO-1 and ZeRO-2, and what this rank owns."""
+    measured = {kind: train(spec, kind) for kind in ("plain", "ours", "zero2")}
+    optimizer = measured["ours"]["optimizer"]
+    mine = [
+        p for p in measured["ours"]["model"].parameters() if optimizer.owner_of(p) == optimizer.rank
+    ]
+    return {
+        "memory": {kind: run["memory"] for kind, run in measured.items()},
+        "owned_elements": sum(p.numel() for p in mine),
+        "owned_tensors": len(mine),
+    }

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from miniddp.sharding import partition
+from miniddp.sharding import Formula, partition
 from tests import sharding_tasks
 from tests.properties import property_settings
 from tests.sharding_tasks import ShardSpec
@@ -93,3 +93,42 @@ def test_a_resumed_zero1_run_continues_bit_for_bit(pool2):
     for result in pool2.run(sharding_tasks.zero1_resumes_bitwise, ShardSpec(steps=2)):
         for a, b in zip(result["straight"], result["resumed"], strict=True):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_zero2_keeps_only_its_own_averaged_gradients(rank_pools, world_size):
+    """Owned parameters get MiniDDP's averages (bitwise at W = 2, where a + b = b + a; within
+    1e-6 at W = 3, where the ring sums in another order than gloo); the others no gradient."""
+    spec = ShardSpec(widths=(6, 9, 7, 3), steps=3)
+    for rank, result in enumerate(
+        rank_pools(world_size).run(sharding_tasks.zero2_against_plain, spec)
+    ):
+        for step, (ours, plain) in enumerate(zip(result["ours"], result["plain"], strict=True)):
+            for index, (mine, reference, owned) in enumerate(zip(ours, plain, result["owned"])):
+                if not owned:
+                    assert mine is None, f"rank {rank} kept parameter {index}'s gradient"
+                elif world_size == 2:
+                    assert torch.equal(mine, reference), f"rank {rank} step {step} grad {index}"
+                else:
+                    torch.testing.assert_close(mine, reference, rtol=0, atol=1e-6)
+        if world_size == 2:
+            assert_bitwise(result["ours_params"], result["plain_params"], f"rank {rank} ZeRO-2")
+        for ours, plain in zip(result["ours_params"][-1], result["plain_params"][-1]):
+            torch.testing.assert_close(ours, plain, rtol=0, atol=1e-6)
+
+
+def test_memory_per_rank_matches_the_formulas(rank_pools):
+    """DDP: 4Ψ + 4Ψ + 4Ψ + 8Ψ (+ Adam's 4-byte step per tensor); ZeRO-1 shards the states,
+    ZeRO-2 the gradients too, to what this rank owns."""
+    spec = ShardSpec(widths=(6, 9, 7, 3), steps=2)
+    model = sharding_tasks.build_model(spec)
+    psi, tensors = sum(p.numel() for p in model.parameters()), len(list(model.parameters()))
+    results = rank_pools(3).run(sharding_tasks.memory_of_each_stage, spec)
+    for result in results:
+        owned, owned_tensors = result["owned_elements"], result["owned_tensors"]
+        memory = result["memory"]
+        assert memory["plain"] == Formula("ddp", psi, tensors, 3).expected()
+        for kind, stage in (("ours", "zero1"), ("zero2", "zero2")):
+            expected = Formula(stage, psi, owned_tensors, 3).expected(owned)
+            assert memory[kind] == expected, kind
+    assert sum(r["owned_elements"] for r in results) == psi

@@ -6,6 +6,7 @@ zero.py          ZeRO-1: each rank keeps and steps only its partition's optimize
 
 from miniddp.sharding.memory import Formula, MemoryPerRank, ddp_buckets, measure_memory
 from miniddp.sharding.zero import ZeroRedundancyOptimizer, partition
+from miniddp.sharding.zero2 import reduce_scatter_hook
 
 __all__ = [
     "Formula",
@@ -14,4 +15,5 @@ __all__ = [
     "ddp_buckets",
     "measure_memory",
     "partition",
+    "reduce_scatter_hook",
 ]

@@ -85,7 +85,14 @@ class ZeroRedundancyOptimizer(Optimizer):
         self.optim = optimizer_class(self.partition[self.rank], **defaults)
         _copy_hyperparameters(self.optim.param_groups, self.param_groups)
         self._all_state_dicts: dict[int, dict[str, Any]] | None = None
+        self._owner = {
+            id(p): r for r, gs in enumerate(self.partition) for g in gs for p in g["params"]
+        }
         self._initialized = True
+
+    def owner_of(self, param: torch.Tensor) -> int:
+        """The group rank that steps `param` and keeps its state."""
+        return self._owner[id(param)]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_initialized", False):
