@@ -27,7 +27,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -180,6 +180,8 @@ def step(model: nn.Module, params: list[nn.Parameter], workload: Workload) -> No
     finish = getattr(model, "finish_gradient_synchronization", None)  # torch's DDP has none
     if finish is not None:
         finish()
+    if workload.batch[0].is_cuda:
+        torch.cuda.synchronize()  # the step ends when the GPU is done, not when it was told
 
 
 def rotated(names: list[str], iteration: int) -> list[str]:
@@ -235,7 +237,8 @@ def record_overlap(
 
 
 def run_workload(workload: Workload, variant_names: list[str], args: argparse.Namespace) -> dict:
-    models = {name: VARIANTS[name][0](workload.build()) for name in variant_names}
+    models = {name: VARIANTS[name][0](workload.build().to(args.device)) for name in variant_names}
+    workload = replace(workload, batch=tuple(t.to(args.device) for t in workload.batch))
     local = time_interleaved(models, workload, args.iters)
     overlap = record_overlap(models, workload, args.trace_iters, args.trace_dir)
     everyone = [None] * dist.get_world_size()
@@ -409,7 +412,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help=f"a simulated link for every variant, e.g. {EXAMPLE} (default: "
         f"${ENVIRONMENT_VARIABLE}, else none: the bare machine)",
     )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where models and batches live (default cpu, over gloo); cuda: over NCCL when each "
+        "rank has a GPU of its own, else over gloo, ranks sharing the GPUs",
+    )
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device (torch.cuda.is_available() is False)")
     args.models = args.models.split(",")
     args.variants = args.variants.split(",")
     unknown = [m for m in args.models if m not in ("mlp", "transformer", "deep")]
@@ -419,16 +431,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def backend_for(device: str) -> str:
+    """gloo on CPU. On GPUs, NCCL needs a GPU per rank; ranks that share one use gloo, which
+    takes CUDA tensors too (it copies them through host memory)."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    enough_gpus = device == "cuda" and torch.cuda.device_count() >= local_ranks
+    return "nccl" if enough_gpus else "gloo"
+
+
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
-    env = init_distributed()
+    env = init_distributed(backend=backend_for(args.device))
+    if args.device == "cuda":
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())  # "cuda" means this one
     torch.set_num_threads(1)  # one intra-op thread per rank: the ranks share the cores
     say = print if env.is_main else (lambda *_, **__: None)
     if env.world_size < 2:
         raise SystemExit("run with at least 2 ranks: there is nothing to communicate with one")
     load_before = os.getloadavg()
     say(
-        f"training step, {env.world_size} ranks, backend {env.backend}, "
+        f"training step, {env.world_size} ranks, backend {env.backend} on {args.device}, "
         f"{torch.get_num_threads()} compute thread per rank, {os.cpu_count()} cores, "
         f"load average {load_before[0]:.2f}; link: {args.link or 'none, the bare machine'}",
         flush=True,
@@ -458,6 +480,7 @@ def main(argv: list[str]) -> None:
         report = {
             "world_size": env.world_size,
             "backend": env.backend,
+            "device": args.device,
             "machine": platform.platform(),
             "cores": os.cpu_count(),
             "torch": torch.__version__,
