@@ -16,7 +16,9 @@ the device, and starts the default process group.
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -24,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from miniddp.meet import leave_together
-from miniddp.notes import forget_boards
+from miniddp.notes import any_broken, forget_boards
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -103,6 +105,7 @@ def init_distributed(
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timeout
         )
+        atexit.register(_end_the_group_at_exit)
     return DistEnv(
         rank=dist.get_rank(),
         local_rank=local_rank,
@@ -134,3 +137,19 @@ def cleanup() -> None:
         # This rank has no collective in flight, so the group can go even if the wait failed.
         forget_boards()  # nobody waits for an exit note from this rank any more
         dist.destroy_process_group()
+
+
+def _end_the_group_at_exit() -> None:
+    """For a script that ends without cleanup(): end the group while Python is still whole.
+
+    Left running into the interpreter's shutdown, gloo's threads may release a tensor whose
+    Python object needs the interpreter that is going away; the process then aborts with
+    "terminate called without an active exception" after its work is done (pytorch#190489,
+    and the reason for pytorch#179291). Not when an exception is ending the process or a
+    collective failed here: a collective may then still be in flight, and destroying the
+    group would wait for it, up to the whole timeout.
+    """
+    if not dist.is_initialized() or getattr(sys, "last_value", None) is not None or any_broken():
+        return
+    forget_boards()  # atexit runs handlers last-registered first: the exit notes are posted
+    dist.destroy_process_group()

@@ -163,6 +163,7 @@ def _news_of_a_fault(board: Board) -> str | None:
 def _diagnose(board: Board, what: str, cause: str) -> CollectiveFailed:
     """Post where this rank is, hear from the others, and build the error every survivor raises."""
     position = board.position
+    board.broken = True
     try:
         board.post("report", Note(position, what))
         board.raise_fault_flag()

@@ -42,6 +42,7 @@ def meet(point: str, advice: str, group: dist.ProcessGroup | None = None) -> Non
     try:
         _meet(board, point, advice)
     except CollectiveFailed:
+        board.broken = True
         if point != CLEANUP:  # a rank in cleanup() already said so in its exit note
             board.post("report", Note(board.position, point))
             board.raise_fault_flag()

@@ -67,6 +67,7 @@ class Board:
     timed_waits: bool
     finished: int = 0  # collectives this rank completed through wait_for
     meetings: int = 0  # meeting points this rank passed
+    broken: bool = False  # a collective or meeting failed here: the group is unusable
 
     @property
     def position(self) -> int:
@@ -154,6 +155,11 @@ def board_of(group: dist.ProcessGroup | None) -> Board:
 
 def boards() -> list[Board]:
     return list(_BOARDS.values())
+
+
+def any_broken() -> bool:
+    """Has a collective or a meeting point failed in this process (so one may be in flight)?"""
+    return any(board.broken for board in _BOARDS.values())
 
 
 def forget_boards() -> None:

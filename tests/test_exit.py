@@ -1,0 +1,52 @@
+"""A job that ends without cleanup() still ends its process group before Python shuts down,
+so that gloo's threads cannot abort the process at exit (why: `_end_the_group_at_exit` in
+miniddp/env.py); unless an exception is ending the process.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from tests.processes import child_env, run_in_own_session, tail
+
+# The atexit handler registered first runs last: it sees what is left once MiniDDP's have run.
+SCRIPT = """
+import atexit, sys
+import torch
+import torch.distributed as dist
+from torch import nn
+
+atexit.register(lambda: print(f"group alive at the very end: {dist.is_initialized()}", flush=True))
+
+from miniddp import MiniDDP, init_distributed
+
+init_distributed()
+model = MiniDDP(nn.Linear(4, 1))
+for _ in range(3):
+    model(torch.randn(8, 4)).sum().backward()
+if sys.argv[1] == "raise":
+    raise ValueError("the script fails after training")
+"""
+
+
+def run_script(tmp_path: Path, ending: str) -> tuple[int, str]:
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc_per_node=2", str(script), ending]
+    return run_in_own_session(command, child_env(tmp_path), timeout=120)
+
+
+def test_a_script_without_cleanup_ends_its_group_at_exit(tmp_path: Path) -> None:
+    returncode, output = run_script(tmp_path, "return")
+    assert returncode == 0, tail(output)
+    assert output.count("group alive at the very end: False") == 2, tail(output)
+
+
+def test_a_failing_script_leaves_its_group_alone_and_still_ends(tmp_path: Path) -> None:
+    """With an exception on its way out, a collective may be in flight: destroying the group
+    could wait for it until the timeout, so the group is left to the interpreter."""
+    returncode, output = run_script(tmp_path, "raise")
+    assert returncode != 0 and "ValueError: the script fails after training" in output
+    assert output.count("group alive at the very end: True") == 2, tail(output)
