@@ -5,7 +5,7 @@ from miniddp.ddp import MiniDDP
 from miniddp.env import DistEnv, cleanup, init_distributed
 from miniddp.events import Event
 from miniddp.sampler import DistributedSampler
-from miniddp.sharding import ZeroRedundancyOptimizer
+from miniddp.sharding import ZeroRedundancyOptimizer, full_state_dict, fully_shard
 
 __all__ = [
     "BucketInfo",
@@ -15,5 +15,7 @@ __all__ = [
     "MiniDDP",
     "ZeroRedundancyOptimizer",
     "cleanup",
+    "full_state_dict",
+    "fully_shard",
     "init_distributed",
 ]

@@ -4,6 +4,7 @@ memory.py        where a rank's bytes go, counted from storages, and the formula
 zero.py          ZeRO-1: each rank keeps and steps only its partition's optimizer state
 """
 
+from miniddp.sharding.fully_shard import full_state_dict, fully_shard
 from miniddp.sharding.memory import Formula, MemoryPerRank, ddp_buckets, measure_memory
 from miniddp.sharding.zero import ZeroRedundancyOptimizer, partition
 from miniddp.sharding.zero2 import reduce_scatter_hook
@@ -13,6 +14,8 @@ __all__ = [
     "MemoryPerRank",
     "ZeroRedundancyOptimizer",
     "ddp_buckets",
+    "full_state_dict",
+    "fully_shard",
     "measure_memory",
     "partition",
     "reduce_scatter_hook",

@@ -55,6 +55,8 @@ def measure_memory(
         for tensor in tensors:
             if tensor is None:
                 continue
+            if hasattr(tensor, "to_local"):  # torch's FSDP2 parameters are DTensors
+                tensor = tensor.to_local()
             storage = tensor.untyped_storage()
             if storage.nbytes() and storage.data_ptr() not in seen:
                 seen.add(storage.data_ptr())

@@ -1,0 +1,137 @@
+"""What the ranks of the test pool run for tests/test_sharding_fsdp.py: one model trained with
+miniddp.fully_shard, torch's fully_shard (FSDP2) and MiniDDP, all with AdamW, on the same data.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from miniddp import MiniDDP, full_state_dict, fully_shard
+from miniddp.collectives import record_messages, traffic
+from miniddp.sharding import measure_memory
+
+
+@dataclass(frozen=True)
+class FsdpSpec:
+    seed: int = 0
+    widths: tuple[int, ...] = (5, 8, 7, 3)  # input, hidden..., output; sizes rarely divide W
+    steps: int = 3
+    batch: int = 4
+    accumulation: int = 1  # micro-steps per step; all but the last without gradient sync
+    reshard_after_forward: bool = True
+    lr: float = 0.01
+
+
+def build_model(spec: FsdpSpec) -> nn.Sequential:
+    torch.manual_seed(spec.seed)
+    layers: list[nn.Module] = []
+    for a, b in zip(spec.widths, spec.widths[1:]):
+        layers += [nn.Linear(a, b), nn.Tanh()]
+    return nn.Sequential(*layers[:-1])
+
+
+def batch(spec: FsdpSpec, rank: int, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(spec.seed * 7919 + rank * 101 + step * 13 + micro)
+    x = torch.randn(spec.batch, spec.widths[0], generator=g)
+    return x, torch.randn(spec.batch, spec.widths[-1], generator=g)
+
+
+def shard(kind: str, model: nn.Sequential, spec: FsdpSpec) -> nn.Module:
+    """Every Linear, then the root: FSDP2's usage."""
+    if kind == "ddp":
+        return MiniDDP(model)
+    if kind == "ours":
+        apply = fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard as apply  # slow import
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            apply(layer, reshard_after_forward=spec.reshard_after_forward)
+    return apply(model, reshard_after_forward=spec.reshard_after_forward)
+
+
+def full_parameters(kind: str, model: nn.Module) -> list[torch.Tensor]:
+    if kind == "ours":
+        return [t.clone() for t in full_state_dict(model).values()]
+    if kind == "torch":
+        return [p.full_tensor().detach().clone() for p in model.parameters()]
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def train(kind: str, spec: FsdpSpec, model=None, optimizer=None, first_step: int = 0) -> dict:
+    """kind: "ours", "torch" (FSDP2) or "ddp" (MiniDDP). The full parameters after every step,
+    the memory before the last step, and the bytes sent in each micro-step."""
+    rank = dist.get_rank()
+    model = shard(kind, build_model(spec), spec) if model is None else model
+    if optimizer is None:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01)
+    params, sent, collectives_run = [], [], []
+    for step in range(first_step, first_step + spec.steps):
+        for micro in range(spec.accumulation):
+            synced = micro == spec.accumulation - 1
+            if kind != "ddp":
+                model.set_requires_gradient_sync(synced)
+            traffic.reset()
+            with record_messages() as messages:
+                x, y = batch(spec, rank, step, micro)
+                context = model.no_sync() if kind == "ddp" and not synced else _nothing()
+                with context:
+                    loss = nn.functional.mse_loss(model(x), y) / spec.accumulation
+                    loss.backward()
+            sent.append(traffic.bytes_sent)
+            collectives_run.append(sorted({m.collective for m in messages}))
+        memory = measure_memory(model.parameters(), optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        params.append(full_parameters(kind, model))
+    return {"params": params, "memory": memory, "sent": sent, "collectives": collectives_run,
+            "model": model, "optimizer": optimizer}  # fmt: skip
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def against_torch_and_ddp(spec: FsdpSpec) -> dict:
+    runs = {kind: train(kind, spec) for kind in ("ours", "torch", "ddp")}
+    ours = runs["ours"]
+    return {
+        "params": {kind: run["params"] for kind, run in runs.items()},
+        "memory": ours["memory"],
+        "sent": ours["sent"],
+        "collectives": ours["collectives"],
+        "shard_elements": sum(p.numel() for p in ours["model"].parameters()),
+        "shard_tensors": len(list(ours["model"].parameters())),
+    }
+
+
+def resumes_bitwise(spec: FsdpSpec) -> dict:
+    """2·steps straight, against `steps`, a per-rank save of the sharded model and optimizer, a
+    load into a fresh sharded model, and `steps` more."""
+    straight = train("ours", replace(spec, steps=2 * spec.steps))["params"][-1]
+    first = train("ours", spec)
+    buffer = io.BytesIO()
+    torch.save({"model": first["model"].state_dict(),
+                "optimizer": first["optimizer"].state_dict()}, buffer)  # fmt: skip
+    checkpoint = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    model = shard("ours", build_model(replace(spec, seed=spec.seed + 1)), spec)
+    model.load_state_dict(checkpoint["model"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01)
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    resumed = train("ours", spec, model, optimizer, first_step=spec.steps)["params"][-1]
+    return {"straight": straight, "resumed": resumed}
+
+
+def shard_twice() -> None:
+    model = build_model(FsdpSpec())
+    fully_shard(model)
+    fully_shard(model)
