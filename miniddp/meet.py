@@ -7,7 +7,7 @@ barrier or collective, both hang until the process group's timeout (30 minutes b
 then fail with a message that blames the wrong thing, or with none on the rank that moved on.
 
 `meet(point)` posts "I am at `point`" in the store (notes.py) and waits until every rank has
-posted the same. Meanwhile it looks, every 20 ms, for signs that a rank never will:
+posted the same. Meanwhile it looks, every 0.1 s at most, for signs that a rank never will:
 
     it arrived at another meeting point              (one rank saves, the other cleans up)
     it waits on a collective that this rank, being here, will never join: its collective
@@ -26,10 +26,10 @@ import time
 
 import torch.distributed as dist
 
-from miniddp.faults import SAME_STEPS, UNUSABLE, CollectiveFailed, describe_exit, ranks
+from miniddp.faults import POLL_S, SAME_STEPS, UNUSABLE, CollectiveFailed, describe_exit, ranks
 from miniddp.notes import Board, Note, board_of, boards
 
-MEET_POLL_S = 0.02
+FIRST_POLL_S = 0.005  # ranks usually arrive together: look again soon, then less and less often
 CLEANUP = "cleanup()"
 
 
@@ -67,6 +67,7 @@ def _meet(board: Board, point: str, advice: str) -> None:
     board.arrive(point)
     arrived: set[int] = set()
     deadline = time.monotonic() + board.timeout.total_seconds()
+    pause = FIRST_POLL_S
     while True:
         elsewhere: dict[int, str] = {}
         for rank in board.others():
@@ -84,7 +85,8 @@ def _meet(board: Board, point: str, advice: str) -> None:
         timed_out = time.monotonic() > deadline
         if elsewhere or flagged_by is not None or timed_out:
             raise _failure(board, point, advice, arrived, elsewhere, timed_out)
-        time.sleep(MEET_POLL_S)
+        time.sleep(pause)
+        pause = min(2 * pause, POLL_S)
 
 
 def _where_is(board: Board, rank: int, point: str) -> str | None:
