@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import importlib
 import importlib.util
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from miniddp import MiniDDP
+from miniddp.buckets import Bucket
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,14 @@ class TrainSpec:
     accumulate_with_no_sync: bool = True
     # Each rank builds its model from seed + rank: DDP's construction must copy rank 0's.
     seed_by_rank: bool = False
+    # MiniDDP's Bucket.small_gradient_numel: below it, gradients are copied in batches. The
+    # models here are tiny, so the default would always take the batched path.
+    small_gradient_numel: int = Bucket.small_gradient_numel
     set_grads_to_none: bool = True  # False keeps .grad tensors (bucket views, with the option)
+    # One optimizer step's loop, as "module:function" (a training-loop mistake of
+    # tutorials/mistakes/), called as function(model, optimizer, micro_batches) in place of the
+    # loop below; it steps the optimizer itself. None: the loop below.
+    training_step: str | None = None
 
 
 def comm_hooks() -> dict:
@@ -182,6 +191,20 @@ def train(spec: TrainSpec, use_torch: bool) -> dict:
 
     Ours is driven by the rung protocol: `finish_gradient_synchronization()` after each
     synchronized backward (a no-op for DDPs whose backward already waited)."""
+    with small_gradients_below(spec.small_gradient_numel):
+        return _train(spec, use_torch)
+
+
+@contextlib.contextmanager
+def small_gradients_below(numel: int) -> Iterator[None]:
+    default, Bucket.small_gradient_numel = Bucket.small_gradient_numel, numel
+    try:
+        yield
+    finally:
+        Bucket.small_gradient_numel = default
+
+
+def _train(spec: TrainSpec, use_torch: bool) -> dict:
     rank = dist.get_rank()
     seed = spec.model.seed + (rank if spec.seed_by_rank else 0)
     net = RandomNet(dataclasses.replace(spec.model, seed=seed))
@@ -191,23 +214,32 @@ def train(spec: TrainSpec, use_torch: bool) -> dict:
     optimizer = torch.optim.SGD(net.parameters(), lr=spec.lr, momentum=0.5)
     grads, states, params = [], [], []
     for step in range(spec.steps):
-        for micro in range(spec.accumulation):
-            x, y = micro_batch(spec, rank, step, micro)
-            synced = micro == spec.accumulation - 1 or not spec.accumulate_with_no_sync
-            with contextlib.nullcontext() if synced else model.no_sync():
-                out = model(x, use_extra=uses_extra(spec.model, rank))
-                loss = nn.functional.mse_loss(out, y) / spec.accumulation
-                loss.backward()
-            if synced and not use_torch:
-                model.finish_gradient_synchronization()
-        grads.append(grads_of(net))
-        optimizer.step()
+        if spec.training_step is None:
+            for micro in range(spec.accumulation):
+                x, y = micro_batch(spec, rank, step, micro)
+                synced = micro == spec.accumulation - 1 or not spec.accumulate_with_no_sync
+                with contextlib.nullcontext() if synced else model.no_sync():
+                    out = model(x, use_extra=uses_extra(spec.model, rank))
+                    loss = nn.functional.mse_loss(out, y) / spec.accumulation
+                    loss.backward()
+                if synced and not use_torch:
+                    model.finish_gradient_synchronization()
+            grads.append(grads_of(net))
+            optimizer.step()
+        else:  # a training-loop mistake of tutorials/mistakes/: it steps the optimizer itself
+            batches = [micro_batch(spec, rank, step, m) for m in range(spec.accumulation)]
+            load_implementation(spec.training_step)(model, optimizer, batches)
+            grads.append(grads_of(net))  # SGD's step leaves .grad as it was
         optimizer.zero_grad(set_to_none=spec.set_grads_to_none)
         states.append(state_of(net))
         params.append(params_of(net))
     layout = bucket_layout(model, net)
     names = [name for name, _ in net.named_parameters()]
-    return {"grads": grads, "states": states, "params": params, "layout": layout, "names": names}
+    return {
+        "grads": grads, "states": states, "params": params, "layout": layout, "names": names,
+        "state_names": list(net.state_dict()), "buffer_names": [n for n, _ in net.named_buffers()],
+        "all_reduces": getattr(model, "all_reduce_count", None),  # torch's DDP does not count
+    }  # fmt: skip
 
 
 def bucket_layout(model: nn.Module, net: nn.Module) -> list[list[str]]:

@@ -79,6 +79,8 @@ def train_specs(draw, max_width: int = 12) -> TrainSpec:
         find_unused_parameters=unused != "none" or draw(st.integers(0, 4)) == 0,
         data_seed=draw(st.integers(0, 2**16)),
         seed_by_rank=draw(st.booleans()),
+        # none, some or all gradients batched: the bits must not depend on it
+        small_gradient_numel=draw(st.sampled_from([0, 4, 16, 10**9])),
     )
 
 
@@ -156,7 +158,8 @@ def check_replicas_identical(results: list[dict]) -> None:
                 assert same(a, b), (
                     f"rank {rank} differs from rank 0: {describe('gradient', step, name, b, a)}. "
                     "The gradients were not averaged across ranks: no all-reduce, one not waited "
-                    "for, or a hook that reduced the parameter instead of its gradient."
+                    "for, a hook that reduced the parameter instead of its gradient, or "
+                    "collectives launched in a different order on each rank."
                 )
             for name, a, b in zip(names, first["params"][step], result["ours"]["params"][step]):
                 assert torch.equal(a, b), (
@@ -210,8 +213,14 @@ def check_against_torch(results: list[dict], one_dtype: bool = True, layout: boo
                     "dividing by W, or after the sum, changes the last bits when W = 3."
                 )
         for step, (s_ours, s_theirs) in enumerate(zip(ours["states"], theirs["states"])):
-            for i, (a, b) in enumerate(zip(s_ours, s_theirs)):
-                assert same(a, b), f"rank {rank} step {step}: state entry {i} differs from torch's"
+            for name, a, b in zip(ours["state_names"], s_ours, s_theirs):
+                buffer = name in ours["buffer_names"]
+                assert same(a, b), f"rank {rank} step {step}: '{name}' differs from torch's" + (
+                    ". A buffer (BatchNorm's running statistics): torch's DDP overwrites every "
+                    "buffer with rank 0's before each forward; does yours broadcast them?"
+                    if buffer
+                    else ""
+                )
 
 
 def check_claims(
@@ -220,11 +229,11 @@ def check_claims(
     world_size: int,
     spec: TrainSpec,
     claims: frozenset[str] | None = None,
-) -> None:
+) -> list[dict]:
     """What every DDP of the ladder promises, for the parts of `spec` it claims (by default
     the class's own `claims`): identical replicas; one process's results up to rounding; and
     torch's bits at W = 2 (a + b = b + a: the layout cannot matter). With "torch-layout",
-    torch's bits and buckets at any W."""
+    torch's bits and buckets at any W. Returns each rank's results, for further checks."""
     claims = claims_of(implementation) if claims is None else claims
     spec = fit_to_claims(spec, implementation, claims)
     results = rank_pools(world_size).run(train_both, spec, timeout=120)
@@ -234,3 +243,4 @@ def check_claims(
     if world_size == 2 or torch_layout:
         one_dtype = spec.model.dtype != "mixed"
         check_against_torch(results, one_dtype=one_dtype, layout=torch_layout)
+    return results
