@@ -15,11 +15,10 @@ buys, on the ladder of designs (`miniddp/steps/`), each fixing the previous one'
 Then a bucket-size sweep against the alpha-beta model (`miniddp/overlap_model.py`).
 
 On one machine the "network" is memory copies by the cores that run backward: fast, and it
-steals compute, so overlap would be noise. So by default every design talks over the same
-simulated link (`miniddp/link.py`): each collective still runs, but completes only when a link
-of latency alpha and the given bandwidth would have delivered it, and waiting costs no CPU.
-`--link none` runs on the bare machine. Designs are timed interleaved, in a rotated order, so
-that the ratios between them mean something even on a busy machine.
+steals compute, so overlap would be noise. So every design talks over the same simulated link
+(`miniddp/link.py`): each collective still runs, but completes only when a link of latency
+alpha and the given bandwidth would have delivered it; waiting costs no CPU. Designs are timed
+interleaved, in a rotated order, so their ratios mean something even on a busy machine.
 """
 
 from __future__ import annotations
@@ -53,6 +52,7 @@ LAYERS, WIDTH, BATCH = 16, 160, 1024  # 32 tensors, 1.6 MiB of gradients
 LAYER_BYTES = (WIDTH * WIDTH + WIDTH) * 4  # one Linear layer's weight and bias, float32
 SWEEP_LAYERS = (0, 1, 2, 4, 8, 16)  # layers per bucket; 0: one tensor per bucket
 BUCKETED = 2  # the bucketed designs of sections 3 and 4 hold 2 layers a bucket
+TIES = 0.05  # step times this close are one on a shared machine (README: intervals of 3-5%)
 WARMUP = 3  # untimed steps first: the first records the gradients' order, the second rebuilds
 
 
@@ -103,17 +103,14 @@ def timed_and_recorded(models: dict[str, nn.Module], workload: Workload, iters: 
     recordable = [name for name in models if name != "torch DDP"]
     with contextlib.ExitStack() as stack:
         events = {n: stack.enter_context(recording(models[n], False)) for n in recordable}
-        times = slowest_rank(time_interleaved(models, workload, iters, warmup=WARMUP))
+        times = time_interleaved(models, workload, iters, warmup=WARMUP)
+    # A step ends when every rank is done: per design and iteration, the slowest rank's time.
+    table = torch.tensor([times[name]["wall"] for name in models], dtype=torch.float64)
+    dist.all_reduce(table, op=dist.ReduceOp.MAX)
     rank = dist.get_rank()
     timed = {n: [s for s in split_steps(events[n], rank) if s.step >= WARMUP] for n in recordable}
-    return times, {name: gather(steps) for name, steps in timed.items()}
-
-
-def slowest_rank(times: dict[str, dict[str, list[float]]]) -> dict[str, list[float]]:
-    """Per design and iteration, the slowest rank's time: a step ends when every rank is done."""
-    table = torch.tensor([times[name]["wall"] for name in times], dtype=torch.float64)
-    dist.all_reduce(table, op=dist.ReduceOp.MAX)
-    return {name: table[i].tolist() for i, name in enumerate(times)}
+    slowest = {name: table[i].tolist() for i, name in enumerate(models)}
+    return slowest, {name: gather(steps) for name, steps in timed.items()}
 
 
 def fit_alpha_beta(small: int, large: int) -> tuple[float, float]:
@@ -135,8 +132,20 @@ def fit_alpha_beta(small: int, large: int) -> tuple[float, float]:
 
 
 def last_step(steps: list[StepTimeline]) -> list[StepTimeline]:
-    """Every rank's timeline of the last step recorded."""
-    return [s for s in steps if s.step == max(s.step for s in steps)]
+    return [s for s in steps if s.step == max(s.step for s in steps)]  # every rank's
+
+
+def last_to_start(steps: list[StepTimeline]) -> list[StepTimeline]:
+    """Per step, the rank whose backward started last: a rank ahead of it also waits for it in
+    every all-reduce (skew, not link), which the model, ranks in lockstep, leaves out."""
+    by_step: dict[int, StepTimeline] = {}
+    for s in steps:
+        if (
+            s.step not in by_step
+            or s.span("backward").start > by_step[s.step].span("backward").start
+        ):
+            by_step[s.step] = s
+    return list(by_step.values())
 
 
 def median_of(steps: list[StepTimeline], field: str) -> float:
@@ -213,7 +222,7 @@ def main() -> None:
     )
 
     section("4. Bucket size: too small pays alpha too often, too big has nothing to hide behind")
-    backward = median_of(steps[MINIDDP], "backward_s")
+    backward = median_of(last_to_start(steps[MINIDDP]), "backward_s")
     alone = [summarize(s) for s in steps["no communication"]]
     rest = statistics.median(s.step_s - s.backward_s for s in alone)  # forward, zero_grad...
     say(
@@ -234,57 +243,53 @@ def main() -> None:
             f"{k or 'tensor':>13} {len(sizes):>7} {fmt_bytes(total / len(sizes)):>10} "
             f"{median_ms[f'sweep {k}']:>6.1f} ms {model_s * 1e3:>5.1f} ms"
         )
-    measured_best = min(sweep, key=lambda row: row[1])[0]
+    fastest = min(measured for _, measured, _ in sweep)
+    # Medians within TIES of the fastest are ties on a shared machine: any of them is "the best".
+    measured_best = [size for size, measured, _ in sweep if measured <= fastest * (1 + TIES)]
     model_best = min(sweep, key=lambda row: row[2])[0]
+    agreeing = [size for size in measured_best if 0.5 <= size / model_best <= 2]
     predicted = predict_step(buckets, backward, alpha, beta)
-    measured_overlap = median_of(steps[MINIDDP], "overlap")
+    measured_overlap = median_of(last_to_start(steps[MINIDDP]), "overlap")
     say(
         textwrap.dedent(f"""
-        Best measured: buckets of {fmt_bytes(measured_best)}; the model's best:
-        {fmt_bytes(model_best)}. At {BUCKETED} layers a bucket the model hides
-        {predicted.overlap:.0%} of the communication behind backward; measured:
-        {measured_overlap:.0%}. Smaller buckets pay alpha too often and fall behind backward;
-        bigger ones wait longer before leaving, and the last one is all exposed.""")
+        Best measured: {", ".join(fmt_bytes(size) for size in measured_best)} (within {TIES:.0%}
+        of the fastest: ties here); the model's best: {fmt_bytes(model_best)}. At {BUCKETED}
+        layers a bucket the model hides {predicted.overlap:.0%} of the communication behind
+        backward (measured, on the last rank to start: {measured_overlap:.0%}). Smaller buckets
+        pay alpha too often; bigger ones leave late, and the last one is all exposed.""")
     )
 
     if args.plot and env.is_main:
         rungs = ["1 naive", "2 overlap", "3 buckets", "4 torch layout", MINIDDP, "deferred launch"]
-        last = {n: last_step(steps[n]) for n in rungs}
-        draw.timelines(
-            {n.replace(MINIDDP, "5 MiniDDP"): s for n, s in last.items()},
-            args.plot / "04_timelines.png",
+        named = {n.replace(MINIDDP, "5 MiniDDP"): last_step(steps[n]) for n in rungs}
+
+        def even_buckets(size: float) -> float:
+            return rest + predict_step(uniform_buckets(total, size), backward, alpha, beta).sync_s
+
+        title = f"bucket size on {args.link or 'this machine'}"
+        paths = (
+            draw.timelines(named, args.plot / "04_timelines.png"),
+            draw.sweep(sweep, even_buckets, total, args.plot / "04_sweep.png", title),
         )
-        curve = [
-            (b, rest + predict_step(uniform_buckets(total, b), backward, alpha, beta).sync_s)
-            for b in (total / 2 ** (i / 4) for i in range(25))
-        ]
-        draw.sweep(
-            [(s, m) for s, m, _ in sweep],
-            curve,
-            [(s, p) for s, _, p in sweep],
-            args.plot / "04_sweep.png",
-            f"bucket size on {args.link or 'this machine'}",
-        )
-        say(f"\nFigures: {args.plot / '04_timelines.png'}, {args.plot / '04_sweep.png'}")
+        say(f"\nFigures: {', '.join(map(str, paths))}")
 
     section("Final check")
     for name, theirs in grads.items():
         if name != "no communication":
-            # W = 2: a + b = b + a, so every layout gives the same bits; more ranks may round
-            # differently in different layouts.
+            # W = 2: a + b = b + a, the same bits in any layout; more ranks may round otherwise
             same = torch.equal if env.world_size == 2 else torch.allclose
             assert all(same(a, b) for a, b in zip(theirs, grads["torch DDP"])), name
     if args.link is None:
         say("The bare machine: gradients checked; speed and model claims need --link.")
     else:
         assert ratio(MINIDDP, "1 naive") < 1 and ratio(MINIDDP, "deferred launch") < 1
-        assert 0.5 <= measured_best / model_best <= 2, (measured_best, model_best)
+        assert agreeing, (measured_best, model_best)
         assert abs(measured_overlap - predicted.overlap) <= 0.1, (measured_overlap, predicted)
         say(
             textwrap.dedent(f"""\
             Verified on {env.world_size} ranks over {args.link}: every design averages to
-            torch's gradients; buckets beat naive and deferred launch; the best bucket size is
-            within 2x of the model's, and the overlap within 0.1 of it.""")
+            torch's gradients; buckets beat naive and deferred launch; the best bucket size (up
+            to ties) is within 2x of the model's, and the overlap within 0.1 of it.""")
         )
     dist.barrier()
     cleanup()

@@ -26,10 +26,12 @@ from miniddp.figures import draw, record
 REPO = Path(__file__).resolve().parents[2]
 CHAPTER_04 = REPO / "tutorials" / "04_overlap.py"
 CHAPTER_04_TIMEOUT_S = 300
+CHAPTER_04_FIGURES = ("04_timelines.png", "04_sweep.png")
 
 
 def run_chapter_04(out: Path, iters: int) -> None:
-    """Chapter 04 under torchrun on 2 ranks; it saves its own timelines and sweep with --plot."""
+    """Chapter 04 under torchrun on 2 ranks; it saves its own timelines and sweep with --plot.
+    Its claims are its own test's business (tests/test_tutorials.py): here, the pictures."""
     if not CHAPTER_04.exists():
         raise FileNotFoundError(f"{CHAPTER_04} not found: run from a checkout of the repository")
     command = [
@@ -37,12 +39,18 @@ def run_chapter_04(out: Path, iters: int) -> None:
         *(str(CHAPTER_04), "--iters", str(iters), "--plot", str(out)),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    for name in CHAPTER_04_FIGURES:
+        (out / name).unlink(missing_ok=True)  # what exists afterwards is this run's
     done = subprocess.run(
         command, env=env, capture_output=True, text=True, timeout=CHAPTER_04_TIMEOUT_S
     )
-    if done.returncode != 0:
+    drew = all((out / name).exists() for name in CHAPTER_04_FIGURES)
+    if done.returncode != 0 and not drew:
         output = (done.stdout + done.stderr)[-4000:]
-        raise RuntimeError(f"chapter 04 failed (exit {done.returncode}):\n{output}")
+        raise RuntimeError(f"chapter 04 drew nothing (exit {done.returncode}):\n{output}")
+    if done.returncode != 0:  # it draws before its final check: the pictures are this run's
+        print(f"note: chapter 04 drew its figures, but its final check failed on this run "
+              f"(exit {done.returncode}); run it alone to see why", file=sys.stderr)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -74,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     if "04" in chosen:
         run_chapter_04(args.out, args.iters)
-        written += [args.out / "04_timelines.png", args.out / "04_sweep.png"]
+        written += [args.out / name for name in CHAPTER_04_FIGURES]
     for path in written:
         print(path)
 

@@ -6,7 +6,7 @@ points) and write one PNG each; gathering the data is the caller's job.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import matplotlib
@@ -111,35 +111,23 @@ def timelines(designs: dict[str, Sequence[timeline.StepTimeline]], path: str | P
 
 
 def sweep(
-    measured: Sequence[tuple[float, float]],
-    model_curve: Sequence[tuple[float, float]],
-    model_points: Sequence[tuple[float, float]],
+    rows: Sequence[tuple[float, float, float]],
+    model: Callable[[float], float],
+    total: int,
     path: str | Path,
     title: str,
 ) -> Path:
-    """Step time against bucket size: measured (bytes, seconds) points, the alpha-beta model as
-    a curve over even buckets and at the measured layouts."""
+    """Step time against bucket size: (mean bucket bytes, measured s, model s) per layout, and
+    `model(bucket bytes)` over even buckets from 1/64 of `total` to all of it."""
     figure, axes = plt.subplots(figsize=(8, 4.5))
-    curve_x, curve_y = zip(*model_curve)
-    axes.plot(
-        [x / 1024 for x in curve_x],
-        [y * 1e3 for y in curve_y],
-        color="gray",
-        label="alpha-beta model, even buckets",
-    )
-    for points, style, label in (
-        (model_points, {"marker": "x", "color": "black"}, "model, these layouts"),
-        (measured, {"marker": "o", "color": "C1"}, "measured (median step)"),
-    ):
-        xs, ys = zip(*points)
-        axes.plot(
-            [x / 1024 for x in xs],
-            [y * 1e3 for y in ys],
-            linestyle="none",
-            label=label,
-            markersize=8,
-            **style,
-        )
+    sizes = [total / 2 ** (i / 4) for i in range(25)]
+    axes.plot([b / 1024 for b in sizes], [model(b) * 1e3 for b in sizes], color="gray",
+              label="alpha-beta model, even buckets")  # fmt: skip
+    kib = [size / 1024 for size, _, _ in rows]
+    axes.plot(kib, [m * 1e3 for _, _, m in rows], "x", color="black", markersize=8,
+              label="model, these layouts")  # fmt: skip
+    axes.plot(kib, [m * 1e3 for _, m, _ in rows], "o", color="C1", markersize=8,
+              label="measured (median step)")  # fmt: skip
     axes.set_xscale("log", base=2)
     axes.set_xlabel("mean bucket size (KiB)")
     axes.set_ylabel("step (ms)")
