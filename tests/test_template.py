@@ -1,0 +1,50 @@
+"""Chapter 09's template resumes from its checkpoint as if it had never stopped.
+
+(That it runs at all on 2 ranks is tests/test_tutorials.py's, like every chapter.) Here: train
+one epoch, stop, run again asking for two: the second run must say it resumed, train only the
+second epoch, and end with the same weights and optimizer state, bit for bit, as a run that
+trained both epochs at once. The template saves at epoch ends and its model has no randomness,
+so nothing but a broken resume (a lost optimizer state, a sampler that forgot its epoch) can
+make them differ.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from tests.processes import child_env, run_in_own_session, tail
+
+REPO = Path(__file__).resolve().parents[1]
+TEMPLATE = REPO / "tutorials" / "09_template.py"
+TIMEOUT_S = 120
+
+
+def train(epochs: int, checkpoint: Path, tmp_path: Path) -> str:
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        str(TEMPLATE), f"--epochs={epochs}", f"--checkpoint={checkpoint}",
+    ]  # fmt: skip
+    returncode, output = run_in_own_session(command, child_env(tmp_path), TIMEOUT_S)
+    assert returncode == 0, f"the template exited with {returncode}:\n{tail(output)}"
+    return output
+
+
+def test_template_resumes_bit_identical_to_an_uninterrupted_run(tmp_path: Path) -> None:
+    stopped, uninterrupted = tmp_path / "stopped.pt", tmp_path / "uninterrupted.pt"
+    first = train(1, stopped, tmp_path)
+    assert "fresh" in first and "epoch 1/1" in first
+    resumed = train(2, stopped, tmp_path)
+    assert f"resumed after epoch 1 from {stopped}" in resumed
+    assert "epoch 1/2" not in resumed and "epoch 2/2" in resumed
+    train(2, uninterrupted, tmp_path)
+
+    ours, reference = (torch.load(p, weights_only=True) for p in (stopped, uninterrupted))
+    assert ours["epochs_done"] == reference["epochs_done"] == 2
+    for name, tensor in reference["model"].items():
+        assert torch.equal(ours["model"][name], tensor), name
+    for index, moments in reference["optimizer"]["state"].items():
+        for key, tensor in moments.items():
+            assert torch.equal(ours["optimizer"]["state"][index][key], tensor), (index, key)
