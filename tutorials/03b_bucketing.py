@@ -25,6 +25,7 @@ import textwrap
 
 import torch.distributed as dist
 from common import (
+    check_claims,
     ladder_model,
     say,
     say_claims,
@@ -120,12 +121,8 @@ def main() -> None:
 
     assert all(c == (parameters, parameters - 1) for c in counts[OverlapDDP]), counts[OverlapDDP]
     assert all(c == (buckets, buckets - 1) for c in counts[BucketedDDP]), counts[BucketedDDP]
-    assert one_process_gap <= TOLERANCE, one_process_gap
-    assert torch_gap <= TOLERANCE, torch_gap
-    if world_size == 2:
-        assert torch_equal, "not bitwise torch's DDP at W = 2"
+    exact = check_claims(one_process_gap, torch_equal, torch_gap, world_size, TOLERANCE)
     dist.barrier()  # every rank has passed its own checks
-    exact = "bit for bit" if world_size == 2 else f"within {TOLERANCE:.0e} of"
     say(
         f"Verified on {world_size} ranks: BucketedDDP sends {buckets} all-reduces per step "
         f"instead of {parameters}, {buckets - 1} of them launched before backward's last "

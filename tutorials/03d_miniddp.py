@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from common import (
+    check_claims,
     ladder_model,
     say,
     say_all_ranks,
@@ -184,12 +185,8 @@ def main() -> None:
     dist.all_reduce(promised, op=dist.ReduceOp.MIN)
     assert promised.item() == 1, "some bucket's ring sent other messages than the ring promises"
     assert ddp.all_reduce_count == 1 + (STEPS - 1) * len(buckets), ddp.all_reduce_count
-    assert one_process_gap <= TOLERANCE, one_process_gap
-    assert torch_gap <= TOLERANCE, torch_gap
-    if world_size == 2:
-        assert torch_equal, "not bitwise torch's DDP at W = 2"
+    exact = check_claims(one_process_gap, torch_equal, torch_gap, world_size, TOLERANCE)
     dist.barrier()  # every rank has passed its own checks
-    exact = "bit for bit" if world_size == 2 else f"within {TOLERANCE:.0e} of"
     say(
         f"Verified on {world_size} ranks: MiniDDP's {len(buckets)} buckets went over chapter "
         f"01's ring, {2 * (world_size - 1)} messages each, the bytes of its formula; gradients "

@@ -195,6 +195,18 @@ def say_claims(
     return one_process_gap, torch_equal, torch_gap
 
 
+def check_claims(
+    one_process_gap: float, torch_equal: bool, torch_gap: float, world_size: int, tolerance: float
+) -> str:
+    """The claim every rung makes: one process's gradients up to rounding, and torch's DDP's
+    bit for bit at W = 2 (a + b = b + a), within rounding beyond. Returns how exact it was."""
+    assert one_process_gap <= tolerance, one_process_gap
+    assert torch_gap <= tolerance, torch_gap
+    if world_size == 2:
+        assert torch_equal, "not bitwise torch's DDP at W = 2"
+    return "bit for bit" if world_size == 2 else f"within {tolerance:.0e} of"
+
+
 def launch_counts(step: StepTimeline) -> tuple[int, int]:
     """(all-reduces launched in this step, how many of them while backward still had gradients
     to compute). "Still" means before the last gradient's hook; rung 1 has no hooks, and every
