@@ -4,8 +4,8 @@
         [--link alpha=5ms,bandwidth=250mbit] the default: a slow network, simulated
         [--link none]                        the bare machine
 
-Chapter 03 showed buckets launching while backward still runs. This chapter measures what that
-buys, on the ladder of designs (`miniddp/steps/`), each fixing the previous one's problem:
+Chapters 03a-03d showed buckets launching while backward still runs. This chapter measures what
+that buys, on the ladder of designs (`miniddp/steps/`), each fixing the previous one's problem:
 
 1. naive: after backward, one blocking all-reduce per gradient. Nothing overlaps.
 2. overlap: each gradient's all-reduce starts from its hook, during backward; but there are
