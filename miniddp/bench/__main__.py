@@ -10,7 +10,9 @@ from miniddp.bench import relaunch_under_torchrun, should_relaunch
 COMMANDS = {
     "collectives": "our send/recv collectives against gloo's, with the alpha-beta cost model",
     "step": "a training step: MiniDDP's variants against torch's DDP, with overlap",
+    "sharding": "memory, traffic and step time of DDP and ZeRO-1/2/3, against torch's",
 }
+RANKS = {"sharding": 4}  # groups of 1, 2 and 4 ranks in one run
 
 
 def main(argv: list[str]) -> None:
@@ -20,7 +22,7 @@ def main(argv: list[str]) -> None:
             print(f"  {name:<12} {what}")
         sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
     if should_relaunch() and "--help" not in argv and "-h" not in argv:
-        relaunch_under_torchrun(argv)
+        relaunch_under_torchrun(argv, RANKS.get(argv[0], 2))
     importlib.import_module(f"miniddp.bench.{argv[0]}").main(argv[1:])
 
 
