@@ -92,9 +92,12 @@ def main() -> None:
     print(f"big-batch gradient, first 3 entries:   {reference[:3].tolist()}")
     print(f"accumulated gradient, first 3 entries: {accumulated[:3].tolist()}")
     print(f"max |difference| = {gap:.2e} (tolerance {TOLERANCE:.0e}).")
-    print("Not exactly zero: the same terms are summed in a different order, and floating-point")
-    print("addition is not associative. The big batch's mean is (1/12) sum of 12 losses; each")
-    print("micro-batch gives (1/4) sum of 4, and dividing by k=3 turns 1/4 into 1/12.")
+    print(
+        textwrap.dedent("""\
+        Not exactly zero: the same terms are summed in a different order, and floating-point
+        addition is not associative. The big batch's mean is (1/12) sum of 12 losses; each
+        micro-batch gives (1/4) sum of 4, and dividing by k=3 turns 1/4 into 1/12.""")
+    )
     assert gap < TOLERANCE
 
     section("Claim 2: forget the division and the gradient is k times too big")
@@ -130,9 +133,12 @@ def main() -> None:
         f"Sum gradient / mean gradient = {(reference_sum / reference).mean().item():.6f}"
         f" = batch size {batch_size}."
     )
-    print("Mean keeps the gradient's size (and a good learning rate) independent of the batch")
-    print("size; sum weights every sample the same however the samples are grouped, which is")
-    print("what you want when you normalise once at the end, e.g. by a token count.")
+    print(
+        textwrap.dedent("""\
+        Mean keeps the gradient's size (and a good learning rate) independent of the batch
+        size; sum weights every sample the same however the samples are grouped, which is
+        what you want when you normalise once at the end, e.g. by a token count.""")
+    )
     assert max_difference(accumulated_sum, reference_sum) < TOLERANCE
     assert max_difference(reference_sum, batch_size * reference) < TOLERANCE
 
@@ -141,8 +147,11 @@ def main() -> None:
     uneven = list(zip(inputs.split(sizes), targets.split(sizes), strict=True))
     naive = gradient(model, uneven, lambda out, y: mse_mean(out, y) / len(sizes))
     weighted = gradient(model, uneven, lambda out, y: mse_mean(out, y) * len(y) / batch_size)
-    print(f"sizes {sizes}: each mean loss / {len(sizes)} gives every micro-batch the same weight,")
-    print("so the 2 samples of the last one count as much as the 6 of the first.")
+    print(
+        textwrap.dedent(f"""\
+        sizes {sizes}: each mean loss / {len(sizes)} gives every micro-batch the same weight,
+        so the 2 samples of the last one count as much as the 6 of the first.""")
+    )
     print(f"max |naive - big batch|    = {max_difference(naive, reference):.2e}  (wrong)")
     print(
         f"max |weighted - big batch| = {max_difference(weighted, reference):.2e}  "
@@ -153,10 +162,13 @@ def main() -> None:
     assert max_difference(weighted, reference) < TOLERANCE
 
     section("Looking ahead: data parallelism is the same sum")
-    print(f"Give each of W = {k} ranks one micro-batch instead of running them one after another.")
-    print("Each rank computes its mean-loss gradient; an all-reduce averages them over the ranks.")
-    print("That average is our division by k: (1/W) sum over ranks. Chapter 02 and MiniDDP do")
-    print("exactly this.")
+    print(
+        textwrap.dedent(f"""\
+        Give each of W = {k} ranks one micro-batch instead of running them one after another.
+        Each rank computes its mean-loss gradient; an all-reduce averages them over the ranks.
+        That average is our division by k: (1/W) sum over ranks. Chapter 02 and MiniDDP do
+        exactly this.""")
+    )
     per_rank = [gradient(model, [batch], mse_mean) for batch in micro_batches]
     averaged = torch.stack(per_rank).mean(dim=0)
     print(
