@@ -1,0 +1,224 @@
+"""Chapter 08: beyond DDP. Measure a rank's memory, then shard it: ZeRO-1, ZeRO-2, ZeRO-3.
+
+    torchrun --nproc_per_node=2 tutorials/08_sharding.py [--plot DIR]
+
+DDP keeps W identical copies of everything. This chapter counts the copies on one rank, from the
+tensors' storages, then removes them one kind at a time, each stage on MiniDDP's own collectives
+(chapter 01) and each checked against plain DDP training:
+
+    1. the memory problem   DDP + AdamW against 4Ψ + 4Ψ + 4Ψ + 8Ψ bytes
+    2. ZeRO-1               the optimizer state sharded
+    3. ZeRO-2               the averaged gradients sharded too
+    4. ZeRO-3               the parameters themselves: miniddp.fully_shard
+    5. the price            bytes each rank sends per step, against theory
+
+The benchmark `python -m miniddp.bench sharding` measures the same at W = 1, 2 and 4, and the
+step time against torch's ZeroRedundancyOptimizer and fully_shard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+
+import torch
+import torch.distributed as dist
+from common import add_plot_option, fmt_bytes, say, section
+from torch import nn
+
+from miniddp import MiniDDP, ZeroRedundancyOptimizer, full_state_dict, fully_shard
+from miniddp.collectives import traffic
+from miniddp.comm_hooks import all_reduce_hook
+from miniddp.env import cleanup, init_distributed
+from miniddp.sharding import Formula, ddp_buckets, measure_memory, reduce_scatter_hook
+
+STEPS = 3
+WIDTHS = (64, 129, 128, 65, 8)  # sizes the world size rarely divides: ZeRO-3 pads
+KINDS = ("parameters", "gradients", "buckets", "optimizer_state")
+
+
+def build_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for a, b in zip(WIDTHS, WIDTHS[1:]):
+        layers += [nn.Linear(a, b), nn.Tanh()]
+    return nn.Sequential(*layers[:-1])
+
+
+def train(stage: str, bucket_view: bool = False) -> dict:
+    """Train STEPS AdamW steps under one design; the memory before the last optimizer step, the
+    bytes this rank sent in that step, and the full parameters at the end."""
+    model = build_model()
+    options = {"lr": 1e-3, "weight_decay": 0.01}
+    if stage == "zero3":
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)  # the submodules first, then the root: FSDP2's usage
+        module, optimizer = fully_shard(model), torch.optim.AdamW(model.parameters(), **options)
+    else:
+        module = MiniDDP(model, gradient_as_bucket_view=bucket_view)
+        if stage == "ddp":
+            optimizer = torch.optim.AdamW(model.parameters(), **options)
+            module.register_comm_hook(None, all_reduce_hook("ring"))  # our ring: bytes counted
+        else:
+            optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **options)
+            hook = reduce_scatter_hook if stage == "zero2" else all_reduce_hook("ring")
+            module.register_comm_hook(optimizer if stage == "zero2" else None, hook)
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(STEPS):
+        traffic.reset()
+        x = torch.randn(16, WIDTHS[0], generator=generator)
+        module(x).pow(2).mean().backward()
+        memory = measure_memory(model.parameters(), optimizer, ddp_buckets(module))
+        optimizer.step()
+        sent = traffic.bytes_sent
+        optimizer.zero_grad()
+    params = full_state_dict(model) if stage == "zero3" else model.state_dict()
+    owned = sum(p.numel() for p in model.parameters())
+    owned_tensors = len(list(model.parameters()))
+    if stage in ("zero1", "zero2"):
+        mine = [p for p in model.parameters() if optimizer.owner_of(p) == optimizer.rank]
+        owned, owned_tensors = sum(p.numel() for p in mine), len(mine)
+    return {"memory": memory, "sent": sent, "params": list(params.values()),
+            "owned": owned, "owned_tensors": owned_tensors}  # fmt: skip
+
+
+def say_memory(stage: str, run: dict, psi: int, world: int) -> bool:
+    """Print this rank's bytes by kind next to the formula's; whether they are equal."""
+    expected = Formula(stage, psi, run["owned_tensors"], world).expected(run["owned"])
+    for kind in KINDS:
+        measured, formula = getattr(run["memory"], kind), getattr(expected, kind)
+        say(f"  {kind:<16} {fmt_bytes(measured):>10}   formula {fmt_bytes(formula):>10}")
+    say(f"  {'total':<16} {fmt_bytes(run['memory'].total):>10}   (DDP's / this: "
+        f"{RUNS['ddp']['memory'].total / run['memory'].total:.2f})")  # fmt: skip
+    return run["memory"] == expected
+
+
+def same_training(run: dict, world: int) -> float:
+    """Largest difference from DDP's final parameters (0.0 means bit for bit)."""
+    return max((a - b).abs().max().item() for a, b in zip(run["params"], RUNS["ddp"]["params"]))
+
+
+def draw(path, world: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4))
+    bottoms = [0.0] * len(RUNS)
+    for kind in KINDS:
+        heights = [getattr(run["memory"], kind) / 1024 for run in RUNS.values()]
+        axes.bar(list(RUNS), heights, bottom=bottoms, label=kind.replace("_", " "))
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    axes.set_ylabel("KiB on rank 0")
+    axes.set_title(f"Memory per rank, AdamW, fp32, W = {world}")
+    axes.legend()
+    path.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path / "08_memory.png", dpi=120, bbox_inches="tight")
+    say(f"wrote {path / '08_memory.png'}")
+
+
+RUNS: dict[str, dict] = {}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Chapter 08: sharding, ZeRO-1 to ZeRO-3.")
+    add_plot_option(parser)
+    args = parser.parse_args()
+    env = init_distributed()
+    world = env.world_size
+    psi = sum(p.numel() for p in build_model().parameters())
+    for stage in ("ddp", "zero1", "zero2", "zero3"):
+        RUNS[stage] = train(stage)
+    say(f"Chapter 08: sharding on {world} ranks; a {len(WIDTHS) - 1}-layer MLP, Ψ = {psi:,} "
+        "fp32 elements, AdamW")  # fmt: skip
+
+    section("1. The memory problem")
+    say(
+        textwrap.dedent("""\
+        Every rank of DDP holds the parameters (4 bytes an element), their gradients (4), the
+        buckets the gradients travel in (4; 0 with gradient_as_bucket_view, where .grad is a
+        view into its bucket) and AdamW's two running averages (8): 20 bytes an element, the
+        same on every rank. Counted from the storages on rank 0, before the optimizer step:""")
+    )
+    exact = {"ddp": say_memory("ddp", RUNS["ddp"], psi, world)}
+    view = train("ddp", bucket_view=True)["memory"]
+    expected = Formula("ddp", psi, len(list(build_model().parameters())), world, bucket_view=True)
+    exact["ddp, gradient_as_bucket_view"] = view == expected.expected()
+    say(f"  with gradient_as_bucket_view=True: buckets {fmt_bytes(view.buckets)}, total "
+        f"{fmt_bytes(view.total)}: the 4Ψ DDP can save without sharding anything")  # fmt: skip
+
+    section("2. ZeRO-1: each rank keeps the optimizer state of its share")
+    say(
+        textwrap.dedent("""\
+        Every rank computes the same update from the same averaged gradients. So split it:
+        miniddp.ZeroRedundancyOptimizer gives each parameter to one rank (torch's partition:
+        largest first, to the rank with the fewest elements so far), that rank alone steps it
+        and keeps its Adam state, then one all-gather sends every rank's updated share to all.
+        Adam's update is elementwise, so who computes an element cannot change its bits.""")
+    )
+    exact["zero1"] = say_memory("zero1", RUNS["zero1"], psi, world)
+
+    section("3. ZeRO-2: each rank keeps only its share's averaged gradients")
+    say(
+        textwrap.dedent("""\
+        ZeRO-1 still receives every averaged gradient, though it steps only its share. An
+        all-reduce is a reduce-scatter then an all-gather (chapter 01): reduce_scatter_hook
+        keeps the first half, per bucket, onto each gradient's owner, and drops the gradients
+        of parameters other ranks own. The buckets stay: DDP keeps them for the whole run.""")
+    )
+    exact["zero2"] = say_memory("zero2", RUNS["zero2"], psi, world)
+
+    section("4. ZeRO-3: the parameters themselves, sharded (miniddp.fully_shard)")
+    say(
+        textwrap.dedent("""\
+        Each parameter is flattened and cut into W equal chunks, the last padded with zeros; a
+        rank stores one chunk, its gradient and its Adam state. A full parameter exists only
+        while its module computes: all-gathered before the forward, freed after it, gathered
+        again before the backward, and its gradient reduce-scattered after it.""")
+    )
+    exact["zero3"] = say_memory("zero3", RUNS["zero3"], psi, world)
+    padding = RUNS["zero3"]["owned"] * world - psi
+    say(f"  padding: {padding} elements over all ranks, {fmt_bytes(4 * padding * 4 / world)} "
+        "per rank across parameters, gradients and Adam")  # fmt: skip
+
+    section("5. The price, in bytes sent per step")
+    say(
+        textwrap.dedent("""\
+        A ring all-reduce sends 2(W-1)/W·Ψ elements from each rank. ZeRO-2 sends the same: a
+        reduce-scatter of the gradients, an all-gather of the parameters. ZeRO-1 as torch
+        builds it sends more: a whole all-reduce, then the parameters. ZeRO-3 gathers the
+        parameters twice (forward, backward) and reduce-scatters the gradients: 3(W-1)/W·Ψ.
+        Measured on rank 0 in the last step, every message counted (padding is the excess):""")
+    )
+    theory = {"ddp": 2, "zero1": 3, "zero2": 2, "zero3": 3}
+    for stage, run in RUNS.items():
+        expected = theory[stage] * (world - 1) / world * psi * 4
+        say(f"  {stage:<6} {fmt_bytes(run['sent']):>10}   theory "
+            f"{theory[stage]}(W-1)/W·Ψ = {fmt_bytes(expected):>10}")  # fmt: skip
+    if args.plot and env.rank == 0:
+        draw(args.plot, world)
+
+    section("Checks")
+    differences = {
+        stage: same_training(RUNS[stage], world) for stage in ("zero1", "zero2", "zero3")
+    }
+    for stage, difference in differences.items():
+        say(f"  {stage}: largest difference from DDP's parameters after {STEPS} steps: "
+            f"{difference:.1e}")  # fmt: skip
+    assert all(exact.values()), f"memory differs from the formula: {exact}"
+    assert differences["zero1"] == 0.0, "ZeRO-1 must train exactly like DDP + AdamW"
+    bitwise = world == 2  # a + b = b + a: with two ranks the sums are the same
+    for stage in ("zero2", "zero3"):
+        assert differences[stage] == 0.0 if bitwise else differences[stage] <= 1e-5, stage
+    assert RUNS["zero2"]["sent"] <= RUNS["zero1"]["sent"]
+    # ZeRO-3: two all-gathers and a reduce-scatter of the padded shards, W-1 chunks each
+    assert RUNS["zero3"]["sent"] == 3 * (world - 1) * RUNS["zero3"]["owned"] * 4
+    assert RUNS["zero3"]["memory"].total < RUNS["zero2"]["memory"].total or world == 1
+    say("All claims hold: every byte where the formula says, and DDP's training, sharded.")
+    cleanup()
+
+
+if __name__ == "__main__":
+    main()
