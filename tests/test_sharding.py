@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from miniddp.sharding import Formula, partition
 from tests import sharding_tasks
-from tests.properties import property_settings
+from tests.harness.properties import property_settings
 from tests.sharding_tasks import ShardSpec
 
 specs = st.builds(

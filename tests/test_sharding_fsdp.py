@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from miniddp.sharding import Formula
 from tests import sharding_fsdp_tasks
-from tests.measurements import record_max
-from tests.properties import property_settings
+from tests.harness.measurements import record_max
+from tests.harness.properties import property_settings
 from tests.sharding_fsdp_tasks import FsdpSpec
 
 specs = st.builds(
