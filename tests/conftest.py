@@ -1,6 +1,6 @@
-"""Shared fixtures: one persistent pool of worker ranks per world size (see tests/pool.py).
+"""Shared fixtures: one persistent pool of worker ranks per world size (tests/harness/pool.py).
 
-Import test helpers as `tests.<module>` (e.g. `from tests.pool import RankError`), never bare:
+Import test helpers by their full name (e.g. `from tests.harness.pool import RankError`), not bare:
 the same file imported under two names gives two `RankError` classes, and `pytest.raises` then
 misses. The repository root goes on sys.path here because `pytest tests/x.py`, unlike
 `python -m pytest`, does not put it there. Spawned workers inherit sys.path, so they can
@@ -19,7 +19,7 @@ REPO_ROOT = str(Path(__file__).resolve().parent.parent)
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
-from tests.pool import RankPool, RankPools
+from tests.harness.pool import RankPool, RankPools
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -90,7 +90,7 @@ def pool2(rank_pools: Callable[[int], RankPool]) -> RankPool:
 def pytest_terminal_summary(terminalreporter) -> None:
     """Report the figures the tests measured (e.g. the largest difference from single-process
     training), so a run shows the numbers behind its claims, not just that they held."""
-    from tests.measurements import LARGEST
+    from tests.harness.measurements import LARGEST
 
     if LARGEST:
         terminalreporter.section("measured")

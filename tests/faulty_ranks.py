@@ -100,7 +100,7 @@ def _records(output: str) -> list[dict]:
 
 
 def record_detection(name: str, seconds: float) -> None:
-    from tests.measurements import record_max
+    from tests.harness.measurements import record_max
 
     record_max(f"fault detection s, {name}", seconds)
 

@@ -19,7 +19,7 @@ from miniddp.bench.step import (
     rotated,
     targets,
 )
-from tests.processes import child_env, run_in_own_session
+from tests.harness.processes import child_env, run_in_own_session
 
 
 def test_rotation_puts_every_variant_in_every_position_equally_often():

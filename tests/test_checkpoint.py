@@ -27,7 +27,7 @@ from miniddp.checkpoint import (
     save_checkpoint,
 )
 from tests import checkpoint_tasks
-from tests.pool import RankFailure, RankPool
+from tests.harness.pool import RankFailure, RankPool
 
 try:
     import numpy

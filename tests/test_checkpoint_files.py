@@ -29,7 +29,7 @@ from miniddp.checkpoint import (
     save_checkpoint,
 )
 from tests import checkpoint_tasks
-from tests.pool import RankPool
+from tests.harness.pool import RankPool
 
 
 def new_training(widths: tuple[int, ...] = (4, 16, 1)) -> tuple[nn.Module, torch.optim.Optimizer]:

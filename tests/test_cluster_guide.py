@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.processes import child_env, run_in_own_session, tail
+from tests.harness.processes import child_env, run_in_own_session, tail
 
 REPO = Path(__file__).resolve().parents[1]
 GUIDE = REPO / "docs" / "cluster"

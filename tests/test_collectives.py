@@ -44,9 +44,9 @@ from tests.collective_tasks import (
     single_rank_collectives,
     subgroup_collectives,
 )
-from tests.measurements import record_max
-from tests.processes import child_env, run_in_own_session, tail
-from tests.properties import property_settings
+from tests.harness.measurements import record_max
+from tests.harness.processes import child_env, run_in_own_session, tail
+from tests.harness.properties import property_settings
 
 WORLD_SIZES = [2, 3, 4]
 FLOAT_OPS = ["SUM", "AVG", "PRODUCT", "MAX", "MIN"]

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from tests import cuda_tasks
-from tests.pool import RankPool
-from tests.processes import child_env, run_in_own_session, tail
+from tests.harness.pool import RankPool
+from tests.harness.processes import child_env, run_in_own_session, tail
 
 REPO = Path(__file__).resolve().parents[1]
 NO_CUDA = not torch.cuda.is_available()

@@ -10,7 +10,7 @@ from torch import nn
 
 from miniddp import MiniDDP
 from tests import ddp_tasks
-from tests.pool import RankFailure
+from tests.harness.pool import RankFailure
 
 
 def every_rank_raised(outcomes: list, error: str, *phrases: str) -> None:

@@ -17,8 +17,8 @@ import pytest
 
 from miniddp.steps import BucketedDDP, NaiveDDP, OverlapDDP, TorchLayoutDDP
 from tests.harness.equivalence import FIXED_SPEC, check_claims
-from tests.pool import RankError
-from tests.processes import child_env, run_in_own_session, tail
+from tests.harness.pool import RankError
+from tests.harness.processes import child_env, run_in_own_session, tail
 from tests.workloads import load_implementation
 
 REPO = Path(__file__).resolve().parents[1]

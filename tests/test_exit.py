@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tests.processes import child_env, run_in_own_session, tail
+from tests.harness.processes import child_env, run_in_own_session, tail
 
 # The atexit handler registered first runs last: it sees what is left once MiniDDP's have run.
 SCRIPT = """

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.measurements import record_max
-from tests.processes import child_env, run_in_own_session, tail
+from tests.harness.measurements import record_max
+from tests.harness.processes import child_env, run_in_own_session, tail
 
 REPO = Path(__file__).resolve().parents[1]
 CHAPTER = REPO / "tutorials" / "06_failover.py"

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from miniddp.link import Link, LinkQueue, wire_bytes
 from tests import link_tasks
-from tests.pool import RankPool
+from tests.harness.pool import RankPool
 
 GBIT = 1e9 / 8  # bytes per second
 

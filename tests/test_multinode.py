@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.processes import child_env, tail
+from tests.harness.processes import child_env, tail
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 240

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests import pool as pool_module
 from tests import pool_tasks
-from tests.pool import PoolStartupError, RankError, RankFailure, RankPool, WorkerDied
+from tests.harness import pool as pool_module
+from tests.harness.pool import PoolStartupError, RankError, RankFailure, RankPool, WorkerDied
 
 GetPool = Callable[[int], RankPool]
 

@@ -11,7 +11,7 @@ import torch
 
 from miniddp.steps import CLAIMS, LADDER
 from tests import steps_tasks
-from tests.pool import RankFailure
+from tests.harness.pool import RankFailure
 
 
 def steps_command(*args: str) -> subprocess.CompletedProcess:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from tests.processes import child_env, run_in_own_session, tail
+from tests.harness.processes import child_env, run_in_own_session, tail
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "tutorials" / "09_template.py"

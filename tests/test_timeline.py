@@ -27,7 +27,7 @@ from miniddp.timeline import (
     summarize,
 )
 from tests import timeline_tasks
-from tests.processes import child_env, run_in_own_session
+from tests.harness.processes import child_env, run_in_own_session
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.processes import child_env, run_in_own_session, tail
+from tests.harness.processes import child_env, run_in_own_session, tail
 
 REPO = Path(__file__).resolve().parents[1]
 # Globbed at collection time, so a new chapter is tested without touching this file; a chapter

@@ -12,7 +12,7 @@ import dataclasses
 import torch
 from hypothesis import strategies as st
 
-from tests.measurements import record_max
+from tests.harness.measurements import record_max
 from tests.workloads import ModelSpec, TrainSpec, claims_of, reference_training, train_both
 
 # Tolerances against single-process training. Not zero, because the two sum the same terms in a
