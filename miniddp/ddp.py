@@ -13,7 +13,7 @@ comm hooks, gradient_as_bucket_view and the clear errors.
 
 So gradients are averaged by the time `loss.backward()` returns, exactly like torch's
 DistributedDataParallel, and bit for bit the same: the bucket layout, the 1/W scaling and the
-launch order follow torch's rules (miniddp/buckets.py).
+launch order follow torch's rules (miniddp/layout.py; a bucket's own life is miniddp/buckets.py).
 """
 
 from __future__ import annotations
