@@ -95,9 +95,11 @@ def section_broadcast(rank: int, numel: int, world_size: int) -> bool:
         watch(collectives.broadcast, tensor, src=0, algorithm=algorithm)
         verified &= same_as_torch(tensor, source)
     say(
-        "Naive: the root sends W-1 times in a row while everyone else waits. Tree: whoever has the "
-        "tensor\nsends it on, so the number of holders doubles each step: 1, 2, 4, ... ranks, "
-        "ceil(log2 W) steps.\nSame bytes per receiver, fewer steps: that is all a tree buys."
+        textwrap.dedent("""\
+        Naive: the root sends W-1 times in a row while everyone else waits. Tree: whoever has the
+        tensor sends it on, so the number of holders doubles each step: 1, 2, 4, ... ranks,
+        ceil(log2 W) steps.
+        Same bytes per receiver, fewer steps: that is all a tree buys.""")
     )
     return verified
 
@@ -116,10 +118,11 @@ def section_reduce(rank: int, numel: int, world_size: int) -> bool:
             say(f"    rank 0 now holds {tensor.tolist()}")
         verified &= same_as_torch(tensor, expected if rank == 0 else mine)
     say(
-        "The tree is the broadcast tree run backwards: at each step the upper half of the ranks "
-        "still\nholding a partial sum send it to the lower half, which add it to theirs. Only the "
-        "root's tensor\nchanges: the others keep their input (gloo's own reduce uses them as "
-        "scratch space)."
+        textwrap.dedent("""\
+        The tree is the broadcast tree run backwards: at each step the upper half of the ranks
+        still holding a partial sum send it to the lower half, which add it to theirs. Only the
+        root's tensor changes: the others keep their input (gloo's own reduce uses them as
+        scratch space).""")
     )
     return verified
 
@@ -136,16 +139,17 @@ def section_all_reduce(rank: int, numel: int, world_size: int) -> bool:
         watch(collectives.all_reduce, tensor, algorithm=algorithm)
         verified &= same_as_torch(tensor, expected)
     say(
-        "reduce_broadcast is section 2's tree, then section 1's: 2 ceil(log2 W) steps. "
-        "Recursive doubling\ndoes it in half: at step k every rank swaps its partial sum with "
-        "the rank whose number differs\nin bit k, and both add (ranks beyond a power of two "
-        "first hand theirs over, and get the result\nback at the end). Both move the whole "
-        "tensor at every step: fine for a few bytes, wasteful for many.\n"
-        "The ring cuts the tensor into W chunks and passes them round 0 -> 1 -> ... -> W-1 -> 0. "
-        "In the\nfirst W-1 steps (reduce-scatter) each chunk travels round once, each rank "
-        "adding its own values,\nand ends complete on one rank: chunk r on rank r. In the last "
-        "W-1 steps (all-gather) the complete\nchunks travel round once more, overwriting. Every "
-        "rank sends one chunk per step, all at once."
+        textwrap.dedent("""\
+        reduce_broadcast is section 2's tree, then section 1's: 2 ceil(log2 W) steps. Recursive
+        doubling does it in half: at step k every rank swaps its partial sum with the rank whose
+        number differs in bit k, and both add (ranks beyond a power of two first hand theirs over,
+        and get the result back at the end). Both move the whole tensor at every step: fine for a
+        few bytes, wasteful for many.
+        The ring cuts the tensor into W chunks and passes them round 0 -> 1 -> ... -> W-1 -> 0. In
+        the first W-1 steps (reduce-scatter) each chunk travels round once, each rank adding its
+        own values, and ends complete on one rank: chunk r on rank r. In the last W-1 steps
+        (all-gather) the complete chunks travel round once more, overwriting. Every rank sends
+        one chunk per step, all at once.""")
     )
     say("\nThe same ring as two separate collectives, to see the halfway point:")
     chunk = torch.zeros(numel // world_size, dtype=torch.int64)
@@ -166,10 +170,11 @@ def section_counting(world_size: int) -> tuple[bool, dict]:
     numel = -(-COUNTING_NUMEL // world_size) * world_size  # W equal ring chunks, at any W
     nbytes = numel * 4
     say(
-        f"Each algorithm once more on a {fmt_bytes(nbytes)} float32 tensor, W = {world_size}, "
-        "with `collectives.traffic`\ncounting every byte each rank sends. 'steps carry' is "
-        "what `collectives.schedule` says the steps\nmove one after another (the critical path: "
-        "what the cost model charges beta for)."
+        textwrap.dedent(f"""\
+        Each algorithm once more on a {fmt_bytes(nbytes)} float32 tensor, W = {world_size}, with
+        `collectives.traffic` counting every byte each rank sends. 'steps carry' is what
+        `collectives.schedule` says the steps move one after another (the critical path: what
+        the cost model charges beta for).""")
     )
     say(
         f"\n  {'collective':<11} {'algorithm':<18} {'steps':>5} {'busiest rank sends':>19} "
@@ -204,17 +209,18 @@ def section_counting(world_size: int) -> tuple[bool, dict]:
     lower_bound = 2 * (world_size - 1) * nbytes // world_size
     tree = busiest[("all_reduce", "reduce_broadcast")]
     doubling = busiest[("all_reduce", "recursive_doubling")]
+    say()
     say(
-        f"\nThe ring's busiest rank sends {fmt_bytes(ring)} = 2(W-1)/W x {fmt_bytes(nbytes)}: the "
-        "least any all-reduce can send\nper rank (Patarasuk and Yuan, 2009). Each rank must "
-        "ship out the (W-1)/W of its input that others\nown, and receive the (W-1)/W of the "
-        "result it does not compute itself. That this does not grow\nwith W is why gloo and "
-        "NCCL use rings for large tensors; NCCL also runs trees, whose log W\nsteps win when "
-        "latency dominates (small tensors, many nodes). The busiest rank of\n"
-        f"reduce_broadcast sends {fmt_bytes(tree)}, of recursive doubling {fmt_bytes(doubling)}: "
-        "log2 W whole tensors.\nWith W = 2 all three send the same n; recursive doubling then "
-        "needs a single step, and the\nring's only edge is that each rank adds up half the "
-        "tensor instead of all of it."
+        textwrap.dedent(f"""\
+        The ring's busiest rank sends {fmt_bytes(ring)} = 2(W-1)/W x {fmt_bytes(nbytes)}: the least
+        any all-reduce can send per rank (Patarasuk and Yuan, 2009). Each rank must ship out the
+        (W-1)/W of its input that others own, and receive the (W-1)/W of the result it does not
+        compute itself. That this does not grow with W is why gloo and NCCL use rings for large
+        tensors; NCCL also runs trees, whose log W steps win when latency dominates (small
+        tensors, many nodes). The busiest rank of reduce_broadcast sends {fmt_bytes(tree)}, of
+        recursive doubling {fmt_bytes(doubling)}: log2 W whole tensors.
+        With W = 2 all three send the same n; recursive doubling then needs a single step, and the
+        ring's only edge is that each rank adds up half the tensor instead of all of it.""")
     )
     consistent &= ring == lower_bound
     return consistent, busiest
@@ -236,12 +242,13 @@ def section_async(rank: int) -> bool:
         f"issued 4 all-reduces, computed a {tuple(busy.shape)} matmul, finished {finished}"
     )
     say(
-        "`async_op=True` queues the collective on one communication thread per process and "
-        "returns a Work\n(wait(), get_future()) at once, like torch.distributed. On a GPU, "
-        "NCCL gets the same from a CUDA\nstream: collectives queued on a communication stream "
-        "run in order, beside the compute. In order\nmatters: messages carry no collective id, "
-        "so the k-th collective's messages find the k-th\ncollective's receives only because "
-        "every rank runs them in the same order, one at a time."
+        textwrap.dedent("""\
+        `async_op=True` queues the collective on one communication thread per process and
+        returns a Work (wait(), get_future()) at once, like torch.distributed. On a GPU, NCCL
+        gets the same from a CUDA stream: collectives queued on a communication stream run in
+        order, beside the compute. In order matters: messages carry no collective id, so the
+        k-th collective's messages find the k-th collective's receives only because every rank
+        runs them in the same order, one at a time.""")
     )
     world_size = dist.get_world_size()
     sums = [sum(range(world_size)) + world_size * i for i in range(4)]  # rank + i, over ranks
@@ -280,13 +287,14 @@ def us(seconds: float) -> str:
 def section_cost_model(world_size: int, sizes: list[int]) -> collectives.CostModel:
     section("6. The alpha-beta cost model, and a measured sweep")
     model = collectives.fit_cost_model()
+    gigabytes_per_second = 1 / model.beta / 1e9 if model.beta else float("inf")
     say(
-        "A message of n bytes takes about alpha + n * beta. Ranks 0 and 1 just timed ping-pongs "
-        "of 8 B to\n4 MiB (the quickest of 30 each): "
-        f"alpha = {model.alpha * 1e6:.0f} us per message, "
-        f"1/beta = {1 / model.beta / 1e9 if model.beta else float('inf'):.2f} GB/s.\n"
-        "An algorithm of S steps that carry B bytes in all takes S alpha + B beta "
-        "(tree = reduce_broadcast,\ndoubling = recursive_doubling):"
+        textwrap.dedent(f"""\
+        A message of n bytes takes about alpha + n * beta. Ranks 0 and 1 just timed ping-pongs
+        of 8 B to 4 MiB (the quickest of 30 each): alpha = {model.alpha * 1e6:.0f} us per message,
+        1/beta = {gigabytes_per_second:.2f} GB/s.
+        An algorithm of S steps that carry B bytes in all takes S alpha + B beta
+        (tree = reduce_broadcast, doubling = recursive_doubling):""")
     )
     say(f"\n  {'size':>9}  {'W':>3}  {'tree':>9}  {'doubling':>9}  {'ring':>9}  fastest")
     for nbytes, w in itertools.product((4096, 2**20, 64 * 2**20), sorted({world_size, 8, 64})):
@@ -297,10 +305,11 @@ def section_cost_model(world_size: int, sizes: list[int]) -> collectives.CostMod
         times = "  ".join(f"{us(t):>9}" for t in predicted.values())
         say(f"  {fmt_bytes(nbytes):>9}  {w:>3}  {times}  {min(predicted, key=predicted.get)}")
     say(
-        "Latency favours doubling (log2 W steps), bandwidth the ring (2(W-1)/W of the tensor "
-        f"per rank).\nNow measured: {SWEEP_ROUNDS} rounds per size, each running all five in "
-        "a rotating order; medians of\nthe slowest rank's time, the model's prediction below, "
-        "auto's pick in brackets."
+        textwrap.dedent(f"""\
+        Latency favours doubling (log2 W steps), bandwidth the ring (2(W-1)/W of the tensor per
+        rank). Now measured: {SWEEP_ROUNDS} rounds per size, each running all five in a rotating
+        order; medians of the slowest rank's time, the model's prediction below, auto's pick in
+        brackets.""")
     )
     names = ["gloo", *ALL_REDUCES, "auto"]
     say(f"\n  {'size':>9}  {'':8}  " + "  ".join(f"{name:>9}" for name in names))
@@ -317,12 +326,13 @@ def section_cost_model(world_size: int, sizes: list[int]) -> collectives.CostMod
         ]
         say(f"  {'':9}  {'model':8}  {'':9}  " + "  ".join(f"{p:>9}" for p in predicted))
     say(
-        "On a few shared CPU cores the model is rough: it leaves out the time spent adding, and "
-        "the ranks\ncompete for the cores: a loopback 'link' is memory copies by the same CPUs. "
-        "It also leaves out\nour own Python, which gloo's C++ does not pay: on the 2-core "
-        "machine MiniDDP was written on,\nposting one message right after a barrier took 40-60 "
-        "us of interpreter time. `auto` picks by\nsize from crossovers measured with "
-        "`python -m miniddp.bench collectives`, which times many more rounds."
+        textwrap.dedent("""\
+        On a few shared CPU cores the model is rough: it leaves out the time spent adding, and
+        the ranks compete for the cores: a loopback 'link' is memory copies by the same CPUs. It
+        also leaves out our own Python, which gloo's C++ does not pay: on the 2-core machine
+        MiniDDP was written on, posting one message right after a barrier took 40-60 us of
+        interpreter time. `auto` picks by size from crossovers measured with
+        `python -m miniddp.bench collectives`, which times many more rounds.""")
     )
     return model
 
