@@ -34,7 +34,7 @@ KEY_PREFIX = "miniddp-faults"
 
 @dataclass(frozen=True)
 class Note:
-    """Rank's position and what it is doing there: "#12, all-reduce of bucket 0 (1,284 bytes)"."""
+    """A rank's position and what it does there: #12, "all-reduce of bucket 0 (1,284 bytes)"."""
 
     position: int
     what: str
