@@ -10,11 +10,15 @@ make them differ.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import torch
+import torch.distributed as dist
 
+from tests.harness.pool import RankFailure, RankPool
 from tests.harness.processes import child_env, run_in_own_session, tail
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,3 +52,38 @@ def test_template_resumes_bit_identical_to_an_uninterrupted_run(tmp_path: Path) 
     for index, moments in reference["optimizer"]["state"].items():
         for key, tensor in moments.items():
             assert torch.equal(ours["optimizer"]["state"][index][key], tensor), (index, key)
+
+
+def _template() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("template", TEMPLATE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_where_only_rank_0_has_a_checkpoint(directory: str) -> int:
+    """Pool task: each rank looks in a folder of its own, as on nodes without shared storage;
+    only rank 0's holds a checkpoint (2 epochs done)."""
+    template, rank = _template(), dist.get_rank()
+    model = template.build_model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    path = Path(directory) / f"rank{rank}" / "last.pt"
+    if rank == 0:
+        path.parent.mkdir(parents=True)
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        torch.save({**state, "epochs_done": 2}, path)
+    return template.load_checkpoint(str(path), model, optimizer, torch.device("cpu"))
+
+
+def test_ranks_that_find_different_checkpoints_refuse_instead_of_hanging(
+    pool2: RankPool, tmp_path: Path
+) -> None:
+    """Resumed from different epochs, the ranks would run different numbers of steps and hang
+    in a collective the others never reach: both must raise at once, saying why."""
+    outcomes = pool2.run_expecting_errors(
+        load_where_only_rank_0_has_a_checkpoint, str(tmp_path), timeout=60
+    )
+    for rank, outcome in enumerate(outcomes):
+        assert isinstance(outcome, RankFailure), f"rank {rank} resumed: {outcome}"
+        assert outcome.type_name == "RuntimeError", outcome.traceback
+        assert "different epochs (0 to 2)" in outcome.message, outcome.message

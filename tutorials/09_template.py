@@ -118,11 +118,12 @@ def load_checkpoint(path: str, model: nn.Module, optimizer, device: torch.device
         done = state["epochs_done"]
     extremes = torch.tensor([done, -done], device=device)
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
-    if extremes[0] != -extremes[1]:
+    newest, oldest = extremes[0].item(), -extremes[1].item()
+    if newest != oldest:
         raise RuntimeError(
-            f"Ranks found checkpoints of different epochs ({-extremes[1]} to {extremes[0]}) at "
-            f"{path}: every rank must read the same file. Put it on storage all nodes share, "
-            "or copy the newest one to every node before restarting."
+            f"Ranks found checkpoints of different epochs ({oldest} to {newest}) at {path}: "
+            "every rank must read the same file. Put it on storage all nodes share, or copy the "
+            "newest one to every node before restarting."
         )
     return done
 
