@@ -19,6 +19,7 @@ global batch, then shows the pitfall: the forward outside `no_sync()`, only back
 from __future__ import annotations
 
 import argparse
+import textwrap
 from contextlib import nullcontext
 
 import torch
@@ -143,18 +144,17 @@ def main() -> None:
     quiet = per_step[0]
     for step, counts in enumerate(per_step):
         say(f"step {step}: all-reduces per micro-step {counts}")
+    saved_bytes = fmt_bytes((k - 1) * synced_bytes)
+    every_bytes = fmt_bytes(k * synced_bytes)  # what all-reducing every micro-step costs
     say(
-        f"Saved per optimizer step: {sum(every) - sum(quiet)} of {sum(every)} collectives, "
-        f"{fmt_bytes((k - 1) * synced_bytes)} of {fmt_bytes(k * synced_bytes)} of gradients "
-        "all-reduced\n(a ring all-reduce of n bytes sends 2(W-1)/W n from each rank: chapter 01)."
-    )
-    say(
-        f"Same gradient as section 1: max |difference| {gap_every:.1e}; .grad summed the k "
-        "micro-batches\nlocally, and the last backward averaged that sum over the ranks."
-    )
-    say(
-        f"Each loss is divided by k = {k} because DDP never rescales for accumulation: it divides "
-        "by W\n(the ranks) and knows nothing about micro-steps."
+        textwrap.dedent(f"""\
+        Saved per optimizer step: {sum(every) - sum(quiet)} of {sum(every)} collectives,
+        {saved_bytes} of {every_bytes} of gradients all-reduced
+        (a ring all-reduce of n bytes sends 2(W-1)/W n from each rank: chapter 01).
+        Same gradient as section 1: max |difference| {gap_every:.1e}; .grad summed the k
+        micro-batches locally, and the last backward averaged that sum over the ranks.
+        Each loss is divided by k = {k} because DDP never rescales for accumulation: it divides by W
+        (the ranks) and knows nothing about micro-steps.""")
     )
 
     section("3. Same as one process on the global batch")
@@ -171,12 +171,14 @@ def main() -> None:
     max_error = (flat - expected).abs().max()
     dist.all_reduce(max_error, op=dist.ReduceOp.MAX)
     say(
-        f"After {OPTIMIZER_STEPS} steps, largest parameter difference from one process with "
-        f"{world_size * MICRO_BATCH}-sample micro-batches:\n{max_error.item():.1e} (tolerance "
-        f"{TOLERANCE:.0e})."
+        textwrap.dedent(f"""\
+        After {OPTIMIZER_STEPS} steps, largest parameter difference from one process with
+        {world_size * MICRO_BATCH}-sample micro-batches:
+        {max_error.item():.1e} (tolerance {TOLERANCE:.0e}).""")
     )
-    why = "each rank sums its own samples and gloo adds the partial sums, while one process\n"
-    why += "sums all samples at once; float addition is not associative"
+    why = textwrap.dedent("""\
+        each rank sums its own samples and gloo adds the partial sums, while one process
+        sums all samples at once; float addition is not associative""")
     say(f"Not zero: {why}." if max_error.item() > 0 else f"Zero this time, by luck: {why}.")
     highest, lowest = flat.clone(), flat.clone()
     dist.all_reduce(highest, op=dist.ReduceOp.MAX)
@@ -190,10 +192,10 @@ def main() -> None:
     _, undivided = accumulate(ddp, mine[0], "no_sync", divide=False)
     ratio = undivided / divided
     say(
-        f"undivided / divided gradient, per entry: min {ratio.min():.12f}, max {ratio.max():.12f}"
-        f"\nWith SGD the step would be {k} times longer, as if the learning rate were {k}x; "
-        "Adam hardly\nnotices the scale, and the error moves to eps, weight decay and clipping "
-        "(chapter 00)."
+        textwrap.dedent(f"""\
+        undivided / divided gradient, per entry: min {ratio.min():.12f}, max {ratio.max():.12f}
+        With SGD the step would be {k} times longer, as if the learning rate were {k}x; Adam hardly
+        notices the scale, and the error moves to eps, weight decay and clipping (chapter 00).""")
     )
 
     section("5. The pitfall: forward outside no_sync, only backward inside")
@@ -209,14 +211,14 @@ def main() -> None:
         results[f"torch {pattern}"], _ = accumulate(torch_ddp, mine[0], pattern)
         say(f"torch's DDP, {pattern:<8} all-reduces per micro-step {results[f'torch {pattern}']}")
     say(
-        "Whether a backward synchronizes is decided by its forward: outside no_sync() the "
-        "forward arms\nthe reducer, and the hooks that backward fires only read that decision. "
-        f"So the pitfall\nall-reduces on every micro-step: {k} x {buckets} = "
-        f"{sum(results['pitfall'])} collectives and {fmt_bytes(k * synced_bytes)} instead of "
-        f"{fmt_bytes(synced_bytes)},\nin MiniDDP and torch alike. Nothing fails and the gradient "
-        "is still right, so the waste shows\nonly in the count, the bytes and the time. The "
-        "reverse, forward inside and backward outside,\ndoes skip: only the forward's place "
-        "matters."
+        textwrap.dedent(f"""\
+        Whether a backward synchronizes is decided by its forward: outside no_sync() the forward
+        arms the reducer, and the hooks that backward fires only read that decision. So the pitfall
+        all-reduces on every micro-step: {k} x {buckets} = {sum(results["pitfall"])} collectives and
+        {every_bytes} instead of {fmt_bytes(synced_bytes)}, in MiniDDP and torch alike. Nothing
+        fails and the gradient is still right, so the waste shows only in the count, the bytes and
+        the time. The reverse, forward inside and backward outside, does skip: only the forward's
+        place matters.""")
     )
 
     section("Final check")
