@@ -38,6 +38,7 @@ import argparse
 import hashlib
 import json
 import os
+import textwrap
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -357,9 +358,10 @@ def main() -> None:
     final_sha = params_sha256(ddp.module)
     uninterrupted_sha, identical = compare_resumes(env, data, args.steps, directory)
     say(
-        "Only the full checkpoint reproduces the uninterrupted run. Momentum, the batches "
-        "already seen in\nthe epoch, and every rank's own dropout masks all steer the "
-        "parameters, so each is state."
+        textwrap.dedent("""\
+        Only the full checkpoint reproduces the uninterrupted run.
+        Momentum, the batches already seen in the epoch, and every rank's own dropout masks all
+        steer the parameters, so each is state.""")
     )
 
     section("Final check")
