@@ -69,7 +69,8 @@ class EventRecorder:
                 return
 
     def _note_when_done(self, pending: Any, name: str) -> None:
-        """Note "reduced" when an async collective (a Work or a future) completes."""
+        """While events are observed, note "reduced" when an async collective (a Work or a
+        future) completes: on gloo's thread, where the timeline's communication lane ends."""
         if self._observed:
             future = pending.get_future() if hasattr(pending, "get_future") else pending
             future.add_done_callback(lambda _: self._note("reduced", name))

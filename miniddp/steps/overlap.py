@@ -83,7 +83,7 @@ class OverlapDDP(nn.Module, EventRecorder):
         name = f"grad {index}"
         self._note("launch", name)
         work = dist.all_reduce(param.grad, async_op=True)  # SUM, in place; returns at once
-        shared.note_when_reduced(self, work, name)
+        self._note_when_done(work, name)
         self.all_reduce_count += 1
         self._in_flight.append((index, work))
 

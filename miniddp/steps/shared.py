@@ -12,8 +12,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from miniddp.events import EventRecorder
-
 MiB = 2**20
 
 
@@ -35,13 +33,6 @@ def broadcast_from_rank0(tensors: Iterable[torch.Tensor]) -> None:
     with torch.no_grad():
         for tensor in tensors:
             dist.broadcast(tensor, src=0)
-
-
-def note_when_reduced(recorder: EventRecorder, work: dist.Work, name: str) -> None:
-    """While events are observed, note "reduced" when the all-reduce completes (on gloo's
-    thread: the timeline's communication lane ends there)."""
-    if recorder._observed:
-        work.get_future().add_done_callback(lambda _: recorder._note("reduced", name))
 
 
 def bucket_cap_bytes(bucket_cap_mb: float) -> int:

@@ -154,7 +154,7 @@ class TorchLayoutDDP(nn.Module, EventRecorder):
             name = f"bucket {bucket.index}"
             self._note("launch", name)
             bucket.work = dist.all_reduce(bucket.flat, async_op=True)  # SUM; returns at once
-            shared.note_when_reduced(self, bucket.work, name)
+            self._note_when_done(bucket.work, name)
             self.all_reduce_count += 1
             self._next_bucket += 1
 
