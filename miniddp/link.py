@@ -15,12 +15,12 @@ collective; wire_bytes is what the best ring algorithm makes each rank send, and
     all_gather       (W-1) n       every other rank's n bytes (n: one rank's input)
     reduce_scatter   (W-1) n       every other rank's share of this rank's n-byte output
 
-Each direction of the link carries one transfer at a time: a collective issued while an earlier
-one is on the wire queues behind it (`LinkQueue`). Collectives send and receive the same bytes at
-once, so both directions are busy together and one queue describes both. One rank: no wire.
+Each direction of the link carries one transfer at a time: a collective issued while another is
+on the wire queues behind it (`LinkQueue`). Collectives send and receive the same bytes at once,
+so both directions are busy together and one queue describes both. One rank: no wire.
 
-A collective completes at the later of its real completion and the link's. The waiting is
-sleeping: one thread keeps the deliveries in a heap and sleeps until the earliest is due.
+It completes at the later of its real completion and the link's, by sleeping: one thread keeps
+the deliveries in a heap and sleeps until the earliest is due.
 
     with simulated_link(Link.parse("alpha=200us,bandwidth=1gbit")):   # or $MINIDDP_LINK
         model = MiniDDP(net)            # its broadcast and all-reduces cross the link
@@ -30,6 +30,7 @@ It wraps the attributes (`dist.all_reduce`, ...) that MiniDDP, the ladder and th
 torch's DDP reduces in C++, past them: `all_reduce_hook` routes its buckets over the link too.
 """
 
+import argparse
 import atexit
 import heapq
 import inspect
@@ -51,10 +52,18 @@ import torch.distributed as dist
 ENVIRONMENT_VARIABLE = "MINIDDP_LINK"
 EXAMPLE = "alpha=200us,bandwidth=1gbit"
 _BITS = ("bit", "kbit", "mbit", "gbit", "tbit")
-# Exact fractions, so that "200us" is the float 200e-6 and not 200 * 1e-6.
+# Exact fractions ("200us" is the float 200e-6, not 200 * 1e-6). Rates as tc spells them, in
+# bits per second with decimal prefixes; stored as bytes per second.
 _TIME_UNITS = {unit: Fraction(1, 1000**power) for power, unit in enumerate(("s", "ms", "us", "ns"))}
-# tc's spelling: bits per second, decimal prefixes. Stored as bytes per second.
 _RATE_UNITS = {unit: Fraction(1000**power, 8) for power, unit in enumerate(_BITS)}
+
+
+class BadLink(ValueError, argparse.ArgumentTypeError):
+    """A link that cannot be read; as an ArgumentTypeError, argparse shows its message."""
+
+    def __init__(self, text: str, problem: str) -> None:
+        examples = f"{EXAMPLE!r}, 'alpha=1ms,bandwidth=100mbit', or 'none' for the bare machine"
+        super().__init__(f"cannot read the link {text!r}: {problem}. Examples: {examples}.")
 
 
 @dataclass(frozen=True)
@@ -66,9 +75,9 @@ class Link:
 
     def __post_init__(self) -> None:
         if not (self.alpha >= 0 and math.isfinite(self.alpha)):
-            raise ValueError(f"a link's alpha must be a finite time >= 0, got {self.alpha}")
+            raise BadLink(str(self), f"alpha must be a finite time >= 0, got {self.alpha}")
         if not (self.bandwidth > 0):
-            raise ValueError(f"a link's bandwidth must be > 0, got {self.bandwidth}")
+            raise BadLink(str(self), f"bandwidth must be > 0, got {self.bandwidth}")
 
     def seconds(self, wire_bytes: float) -> float:
         """How long one transfer of `wire_bytes` occupies the link."""
@@ -83,10 +92,10 @@ class Link:
         for part in text.lower().split(","):
             name, sep, value = part.partition("=")
             if not sep:
-                raise ValueError(_bad_link(text, f"{part.strip()!r} is not name=value"))
+                raise BadLink(text, f"{part.strip()!r} is not name=value")
             fields[name.strip()] = value.strip()
         if sorted(fields) != ["alpha", "bandwidth"]:
-            raise ValueError(_bad_link(text, "give exactly alpha and bandwidth"))
+            raise BadLink(text, "give exactly alpha and bandwidth")
         return Link(
             alpha=_quantity(fields["alpha"], _TIME_UNITS, text),
             bandwidth=_quantity(fields["bandwidth"], _RATE_UNITS, text),
@@ -101,15 +110,8 @@ class Link:
 def _quantity(value: str, units: dict[str, Fraction], text: str) -> float:
     match = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)\s*([a-z]+)", value)
     if match is None or match.group(2) not in units:
-        raise ValueError(_bad_link(text, f"{value!r} needs a unit: one of {', '.join(units)}"))
+        raise BadLink(text, f"{value!r} is not a number >= 0 with a unit ({', '.join(units)})")
     return float(Fraction(match.group(1)) * units[match.group(2)])
-
-
-def _bad_link(text: str, problem: str) -> str:
-    return (
-        f"cannot read the link {text!r}: {problem}. Examples: {EXAMPLE!r}, "
-        "'alpha=1ms,bandwidth=100mbit', or 'none' for the bare machine."
-    )
 
 
 def wire_bytes(collective: str, nbytes: int, world_size: int) -> float:
@@ -150,8 +152,7 @@ class LinkWork(dist.Work):
         self._future, self._delivered = future, delivered
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
-        """Block until delivered (a zero timeout means no limit, as torch's); raise what the
-        collective raised, or, like torch, "Operation timed out!" when `timeout` passes."""
+        """Like torch's: block until done (0: no limit); raise its error, or a timeout's."""
         seconds = timeout.total_seconds() or None
         if not self._delivered.wait(seconds):
             raise RuntimeError("Operation timed out!")
@@ -215,8 +216,7 @@ _COLLECTIVES = {  # torch.distributed name -> (wire model, argument holding n by
 }
 
 
-def active_link() -> Link | None:
-    """The link `simulated_link` has installed, if any."""
+def active_link() -> Link | None:  # the link simulated_link installed, if any
     return getattr(dist.all_reduce, "simulated_link", None)
 
 

@@ -105,7 +105,7 @@ def add_link_option(parser: argparse.ArgumentParser, default_link: str = "none")
     parser.add_argument(
         "--link",
         type=Link.parse,
-        default=Link.parse(os.environ.get(ENVIRONMENT_VARIABLE, default_link)),
+        default=os.environ.get(ENVIRONMENT_VARIABLE, default_link),  # parsed like the flag
         help=f"simulated link, e.g. alpha=200us,bandwidth=1gbit; 'none' for the bare machine "
         f"(default: ${ENVIRONMENT_VARIABLE}, else {default_link})",
     )

@@ -408,7 +408,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--link",
         type=Link.parse,
-        default=Link.parse(os.environ.get(ENVIRONMENT_VARIABLE)),
+        default=os.environ.get(ENVIRONMENT_VARIABLE, "none"),  # parsed like the flag
         help=f"a simulated link for every variant, e.g. {EXAMPLE} (default: "
         f"${ENVIRONMENT_VARIABLE}, else none: the bare machine)",
     )
