@@ -372,9 +372,10 @@ def main() -> None:
     assert model.alpha > 0 and model.beta > 0, model
     dist.barrier()
     say(
-        f"Verified on {world_size} ranks: every algorithm equals torch.distributed's result, the "
-        "counted steps match\nthe schedule, the ring sends the fewest bytes per rank, and async "
-        "collectives finish in issue order."
+        textwrap.dedent(f"""\
+        Verified on {world_size} ranks: every algorithm equals torch.distributed's result, the
+        counted steps match the schedule, the ring sends the fewest bytes per rank, and async
+        collectives finish in issue order.""")
     )
     cleanup()
 
