@@ -25,6 +25,7 @@ class FsdpSpec:
     accumulation: int = 1  # micro-steps per step; all but the last without gradient sync
     reshard_after_forward: bool = True
     lr: float = 0.01
+    twice: bool = False  # one more square layer, called twice in every forward
 
 
 def build_model(spec: FsdpSpec) -> nn.Sequential:
@@ -32,7 +33,10 @@ def build_model(spec: FsdpSpec) -> nn.Sequential:
     layers: list[nn.Module] = []
     for a, b in zip(spec.widths, spec.widths[1:]):
         layers += [nn.Linear(a, b), nn.Tanh()]
-    return nn.Sequential(*layers[:-1])
+    if spec.twice:
+        square = nn.Linear(spec.widths[-1], spec.widths[-1])
+        layers += [nn.Tanh(), square, nn.Tanh(), square]
+    return nn.Sequential(*layers[:-1] if not spec.twice else layers)
 
 
 def batch(spec: FsdpSpec, rank: int, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,18 +53,19 @@ def shard(kind: str, model: nn.Sequential, spec: FsdpSpec) -> nn.Module:
         apply = fully_shard
     else:
         from torch.distributed.fsdp import fully_shard as apply  # slow import
-    for layer in model:
+    for layer in dict.fromkeys(model):  # a layer called twice is sharded once
         if isinstance(layer, nn.Linear):
             apply(layer, reshard_after_forward=spec.reshard_after_forward)
     return apply(model, reshard_after_forward=spec.reshard_after_forward)
 
 
 def full_parameters(kind: str, model: nn.Module) -> list[torch.Tensor]:
+    """In state_dict order: a layer reachable by two names appears twice."""
     if kind == "ours":
         return [t.clone() for t in full_state_dict(model).values()]
     if kind == "torch":
-        return [p.full_tensor().detach().clone() for p in model.parameters()]
-    return [p.detach().clone() for p in model.parameters()]
+        return [t.full_tensor().detach().clone() for t in model.state_dict().values()]
+    return [t.detach().clone() for t in model.state_dict().values()]
 
 
 def train(kind: str, spec: FsdpSpec, model=None, optimizer=None, first_step: int = 0) -> dict:
@@ -101,8 +106,10 @@ class _nothing:
         return None
 
 
-def against_torch_and_ddp(spec: FsdpSpec) -> dict:
-    runs = {kind: train(kind, spec) for kind in ("ours", "torch", "ddp")}
+def against_torch_and_ddp(
+    spec: FsdpSpec, kinds: tuple[str, ...] = ("ours", "torch", "ddp")
+) -> dict:
+    runs = {kind: train(kind, spec) for kind in kinds}
     ours = runs["ours"]
     return {
         "params": {kind: run["params"] for kind, run in runs.items()},

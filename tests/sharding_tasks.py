@@ -164,3 +164,24 @@ def memory_of_each_stage(spec: ShardSpec) -> dict:
         "owned_elements": sum(p.numel() for p in mine),
         "owned_tensors": len(mine),
     }
+
+
+def single_process(spec: ShardSpec, world_size: int) -> list[list[torch.Tensor]]:
+    """The reference without any distribution: one process, AdamW, each step on the global
+    batch (every rank's batch, concatenated); the parameters after every step."""
+    model = build_model(spec)
+    optimizer = make_optimizer("plain", model, spec)
+    params = []
+    for step in range(spec.steps):
+        pairs = [batch(spec, rank, step) for rank in range(world_size)]
+        x, y = (torch.cat(parts) for parts in zip(*pairs))
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        params.append([p.detach().clone() for p in model.parameters()])
+    return params
+
+
+def zero_with_mixed_dtypes() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double())
+    ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW)

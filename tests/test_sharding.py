@@ -12,7 +12,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from miniddp.sharding import Formula, partition
+from miniddp import ZeroRedundancyOptimizer, fully_shard
+from miniddp.sharding import Formula, partition, reduce_scatter_hook
 from tests import sharding_tasks
 from tests.harness.properties import property_settings
 from tests.sharding_tasks import ShardSpec
@@ -30,6 +31,25 @@ def assert_bitwise(ours: list, reference: list, what: str) -> None:
     for step, (mine, theirs) in enumerate(zip(ours, reference, strict=True)):
         for index, (a, b) in enumerate(zip(mine, theirs, strict=True)):
             assert torch.equal(a, b), f"{what}: parameter {index} differs after step {step}"
+
+
+def test_without_a_process_group_each_says_how_to_launch():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(RuntimeError, match="torchrun"):
+        ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW)
+    with pytest.raises(RuntimeError, match="torchrun"):
+        fully_shard(model)
+
+
+def test_the_hook_refuses_a_state_that_is_not_the_zero_optimizer():
+    with pytest.raises(TypeError, match="register_comm_hook\\(optimizer, reduce_scatter_hook\\)"):
+        reduce_scatter_hook(None, bucket=None)
+
+
+def test_mixed_dtypes_are_refused_with_the_fix(pool2):
+    for outcome in pool2.run_expecting_errors(sharding_tasks.zero_with_mixed_dtypes):
+        assert outcome.type_name == "ValueError"
+        assert "one dtype" in outcome.message and "each dtype its own" in outcome.message
 
 
 def test_the_partition_is_torchs_sorted_greedy_one():
@@ -98,7 +118,8 @@ def test_a_resumed_zero1_run_continues_bit_for_bit(pool2):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_zero2_keeps_only_its_own_averaged_gradients(rank_pools, world_size):
     """Owned parameters get MiniDDP's averages (bitwise at W = 2, where a + b = b + a; within
-    1e-6 at W = 3, where the ring sums in another order than gloo); the others no gradient."""
+    1e-6 at W = 3, where the ring sums in another order than gloo); the others no gradient. The
+    parameters end within 1e-6 of one process training on the global batch."""
     spec = ShardSpec(widths=(6, 9, 7, 3), steps=3)
     for rank, result in enumerate(
         rank_pools(world_size).run(sharding_tasks.zero2_against_plain, spec)
@@ -113,8 +134,9 @@ def test_zero2_keeps_only_its_own_averaged_gradients(rank_pools, world_size):
                     torch.testing.assert_close(mine, reference, rtol=0, atol=1e-6)
         if world_size == 2:
             assert_bitwise(result["ours_params"], result["plain_params"], f"rank {rank} ZeRO-2")
-        for ours, plain in zip(result["ours_params"][-1], result["plain_params"][-1]):
-            torch.testing.assert_close(ours, plain, rtol=0, atol=1e-6)
+        alone = sharding_tasks.single_process(spec, world_size)[-1]
+        for ours, reference in zip(result["ours_params"][-1], alone, strict=True):
+            torch.testing.assert_close(ours, reference, rtol=0, atol=1e-6)
 
 
 def test_memory_per_rank_matches_the_formulas(rank_pools):

@@ -93,6 +93,19 @@ def test_fully_shard_at_w4_within_1e5(rank_pools):
             assert difference <= 1e-5
 
 
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_a_module_called_twice_in_one_forward_trains_like_ddp(pool2, reshard_after_forward):
+    """Each call gathers its own full parameters, and its backward refills and frees those.
+    Not bitwise: each call reduce-scatters its own gradient, so the shard sums (g1 + g1')/2 +
+    (g2 + g2')/2 where DDP averages (g1 + g2 + g1' + g2')/2 once."""
+    spec = FsdpSpec(twice=True, reshard_after_forward=reshard_after_forward)
+    kinds = ("ours", "ddp")
+    for result in pool2.run(sharding_fsdp_tasks.against_torch_and_ddp, spec, kinds):
+        difference = largest_difference(result["params"]["ours"], result["params"]["ddp"])
+        record_max("fully_shard vs ddp, a layer called twice", difference)
+        assert difference <= 1e-6
+
+
 def test_a_sharded_checkpoint_resumes_bit_for_bit(pool2):
     """Each rank saves its own shards and its optimizer's state for them, and loads them back."""
     for result in pool2.run(sharding_fsdp_tasks.resumes_bitwise, FsdpSpec(steps=2)):

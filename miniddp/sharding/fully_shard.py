@@ -37,6 +37,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from miniddp import collectives
+from miniddp.env import HOW_TO_LAUNCH
 
 
 @dataclass
@@ -48,7 +49,7 @@ class ShardedParameters:
     shards: list[nn.Parameter]
     group: dist.ProcessGroup | None
     reshard_after_forward: bool
-    full: list[torch.Tensor] = field(default_factory=list)  # while unsharded
+    full: list[torch.Tensor] = field(default_factory=list)  # the latest forward's, unsharded
     requires_gradient_sync: bool = True
     accumulated: list[torch.Tensor] | None = None  # full gradients held back by no sync
 
@@ -83,18 +84,18 @@ class ShardedParameters:
         collectives.reduce_scatter_tensor(mine, pieces, group=self.group)
         return list(mine.split([s.numel() for s in self.shards]))
 
-    def free_full(self) -> None:
-        for tensor in self.full:
+    @staticmethod
+    def free(full: list[torch.Tensor]) -> None:
+        for tensor in full:
             tensor.untyped_storage().resize_(0)
 
-    def refill_full(self) -> None:
+    def refill(self, full: list[torch.Tensor]) -> None:
         """Gather again into the tensors autograd saved: same objects, their storage back."""
-        if all(tensor.untyped_storage().nbytes() for tensor in self.full):
+        if all(tensor.untyped_storage().nbytes() for tensor in full):
             return  # never freed: reshard_after_forward=False
-        for tensor, values in zip(self.full, self.gather()):
-            if tensor.untyped_storage().nbytes() == 0:
-                tensor.untyped_storage().resize_(values.untyped_storage().nbytes())
-                tensor.data.copy_(values)  # .data: autograd need not see the refill
+        for tensor, values in zip(full, self.gather()):
+            tensor.untyped_storage().resize_(values.untyped_storage().nbytes())
+            tensor.data.copy_(values)  # .data: autograd need not see the refill
 
     def place(self, tensors: list[torch.Tensor]) -> None:
         for places, tensor in zip(self.places, tensors):
@@ -109,12 +110,14 @@ class _Unshard(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, state: ShardedParameters, *shards: torch.Tensor) -> tuple:
         ctx.state = state
-        return tuple(state.gather())
+        full = state.gather()
+        ctx.save_for_backward(*full)  # to free them after backward, even if called again since
+        return tuple(full)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         state: ShardedParameters = ctx.state
-        state.free_full()
+        state.free(list(ctx.saved_tensors))
         if state.accumulated is not None:
             grads = tuple(g + held for g, held in zip(grads, state.accumulated))
         if not state.requires_gradient_sync:
@@ -147,8 +150,7 @@ def fully_shard(
     """Shard `module`'s parameters that no fully_shard'ed submodule already manages; returns
     `module`, whose class gains `set_requires_gradient_sync`."""
     if not dist.is_initialized():
-        raise RuntimeError("fully_shard needs a process group: launch with torchrun and call "
-                           "miniddp.init_distributed() first.")  # fmt: skip
+        raise RuntimeError(f"fully_shard needs a process group. {HOW_TO_LAUNCH}")
     if isinstance(module, FullyShardedModule):
         raise ValueError(f"{type(module).__name__} is already fully sharded")
     places: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -204,23 +206,24 @@ def _after_forward(module: nn.Module, args: Any, output: Any) -> None:
     if state is None:
         return
     state.place(state.shards)
+    full = state.full  # this call's: a module called twice has one set per call
     waiting = [t for t in tree_leaves(output) if torch.is_tensor(t) and t.requires_grad]
     if not waiting or not torch.is_grad_enabled():
-        state.free_full()
+        state.free(full)
         return
     if state.reshard_after_forward:
-        state.free_full()
-    torch.autograd.graph.register_multi_grad_hook(
-        waiting, lambda _: state.refill_full(), mode="any"
-    )
+        state.free(full)
+    torch.autograd.graph.register_multi_grad_hook(waiting, lambda _: state.refill(full), mode="any")
 
 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """`module.state_dict()` with every shard replaced by its full, unsharded parameter, on every
     rank (a collective: call it on all of them)."""
-    names = {id(m): prefix for prefix, m in module.named_modules(remove_duplicate=False)}
+    prefixes: dict[int, list[str]] = {}  # a module reachable by two names appears under both
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        prefixes.setdefault(id(sub), []).append(prefix)
     state = module.state_dict()
-    for sub in module.modules():
+    for sub in dict.fromkeys(module.modules()):
         sharded: ShardedParameters | None = getattr(sub, "_sharded", None)
         if sharded is None:
             continue
@@ -228,6 +231,6 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
             gathered = sharded.gather()
         for places, full in zip(sharded.places, gathered):
             for owner, name in places:
-                prefix = names[id(owner)]
-                state[f"{prefix}.{name}" if prefix else name] = full
+                for prefix in prefixes[id(owner)]:
+                    state[f"{prefix}.{name}" if prefix else name] = full
     return state

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from miniddp import collectives
+from miniddp.env import HOW_TO_LAUNCH
 
 
 def partition(param_groups: list[dict[str, Any]], world_size: int) -> list[list[dict[str, Any]]]:
@@ -63,6 +64,8 @@ class ZeroRedundancyOptimizer(Optimizer):
         process_group: dist.ProcessGroup | None = None,
         **defaults: Any,
     ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(f"ZeroRedundancyOptimizer needs a process group. {HOW_TO_LAUNCH}")
         if isinstance(params, torch.Tensor):
             raise TypeError("params must be an iterable of tensors or of parameter groups")
         params = list(params)
@@ -92,6 +95,11 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     def owner_of(self, param: torch.Tensor) -> int:
         """The group rank that steps `param` and keeps its state."""
+        if id(param) not in self._owner:
+            raise ValueError(
+                f"a parameter of shape {tuple(param.shape)} was not given to this "
+                "ZeroRedundancyOptimizer: build it over every parameter the DDP reduces"
+            )
         return self._owner[id(param)]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
