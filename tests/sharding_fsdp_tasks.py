@@ -142,3 +142,9 @@ def shard_twice() -> None:
     model = build_model(FsdpSpec())
     fully_shard(model)
     fully_shard(model)
+
+
+def shard_different_models() -> None:
+    """Rank 1 builds a wider hidden layer: its shards would not match rank 0's."""
+    widths = (5, 8, 3) if dist.get_rank() == 0 else (5, 9, 3)
+    fully_shard(build_model(FsdpSpec(widths=widths)))

@@ -116,3 +116,9 @@ def test_a_sharded_checkpoint_resumes_bit_for_bit(pool2):
 def test_sharding_a_module_twice_is_refused(pool2):
     outcome = pool2.run_expecting_errors(sharding_fsdp_tasks.shard_twice)[0]
     assert outcome.type_name == "ValueError" and "already fully sharded" in outcome.message
+
+
+def test_different_models_on_different_ranks_are_named_on_every_rank(pool2):
+    """Not a hang in the first all-gather: every rank raises before any shard is cut."""
+    for outcome in pool2.run_expecting_errors(sharding_fsdp_tasks.shard_different_models):
+        assert outcome.type_name == "ValueError" and "same model" in outcome.message

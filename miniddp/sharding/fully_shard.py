@@ -16,6 +16,9 @@ The life of a sharded module's parameters in one step, on MiniDDP's ring collect
     after backward    reduce-scatter the full gradients, each multiplied by 1/W as DDP does, so
                       that rank r keeps the average of shard r; free the full parameters
 
+A module called twice in one forward does all of this once per call (its shard's gradient is
+then the sum of two averages, equal to DDP's within rounding, not bit for bit).
+
 Sharding: a parameter of n elements is flattened and cut into W chunks of ceil(n/W), the last
 padded with zeros, so every rank's piece has the same length (a collective needs that). Rank
 r's chunk is `module.<name>`: a 1-D Parameter the optimizer steps. Padding stays zero (its
@@ -38,6 +41,7 @@ from torch.utils._pytree import tree_leaves
 
 from miniddp import collectives
 from miniddp.env import HOW_TO_LAUNCH
+from miniddp.model_checks import verify_same_model_on_every_rank
 
 
 @dataclass
@@ -60,7 +64,8 @@ class ShardedParameters:
     def gather(self) -> list[torch.Tensor]:
         """All-gather every shard; one full tensor per parameter (one collective for all)."""
         world, length = self.world_size, sum(s.numel() for s in self.shards)
-        gathered = torch.empty(world * length, dtype=self.shards[0].dtype)
+        like = self.shards[0]
+        gathered = torch.empty(world * length, dtype=like.dtype, device=like.device)
         mine = torch.cat([s.detach() for s in self.shards])
         collectives.all_gather_into_tensor(gathered, mine, group=self.group)
         rows, full, offset = gathered.view(world, length), [], 0
@@ -73,7 +78,7 @@ class ShardedParameters:
     def reduce_scatter(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Rank r gets the average over ranks of chunk r of every gradient."""
         world, length = self.world_size, sum(s.numel() for s in self.shards)
-        pieces = torch.zeros(world, length, dtype=grads[0].dtype)
+        pieces = torch.zeros(world, length, dtype=grads[0].dtype, device=grads[0].device)
         offset = 0
         for grad, shard in zip(grads, self.shards):
             padded = pieces.new_zeros(world * shard.numel())
@@ -160,6 +165,12 @@ def fully_shard(
             if param is not None:
                 places.setdefault(id(param), []).append((owner, name))
                 params[id(param)] = param
+    # Every rank must shard the same shapes, or the collectives below would not match: a clear
+    # error on every rank instead of a hang.
+    named = [(f"{type(places[0][0]).__name__}.{places[0][1]}", params[key])
+             for key, places in places.items()]  # fmt: skip
+    settings = {"reshard_after_forward": reshard_after_forward}
+    verify_same_model_on_every_rank(named, settings, process_group)
     source = dist.get_global_rank(process_group or dist.group.WORLD, 0)
     world, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
     shards = []

@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 
 from miniddp import collectives
 from miniddp.env import HOW_TO_LAUNCH
+from miniddp.model_checks import verify_same_model_on_every_rank
 
 
 def partition(param_groups: list[dict[str, Any]], world_size: int) -> list[list[dict[str, Any]]]:
@@ -81,6 +82,8 @@ class ZeroRedundancyOptimizer(Optimizer):
                 f"device (they travel in one flat tensor); got {sorted(map(str, kinds))}. Give "
                 "each dtype its own ZeroRedundancyOptimizer."
             )
+        named = [(f"parameter {i}", p) for i, p in enumerate(every)]
+        verify_same_model_on_every_rank(named, {"groups": len(self.param_groups)}, process_group)
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
