@@ -1,0 +1,41 @@
+"""The alpha-beta model of a step (miniddp/overlap_model.py), worked by hand on small cases."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from miniddp.overlap_model import predict_step, uniform_buckets
+
+MS = 1e-3
+
+
+def test_one_bucket_leaves_after_backward_and_hides_nothing() -> None:
+    step = predict_step([1000], backward_s=10 * MS, alpha=1 * MS, beta=2e-6)
+    assert step.sync_s == pytest.approx(10 * MS + 1 * MS + 2 * MS)
+    assert step.overlap == 0 and step.exposed_s == pytest.approx(3 * MS)
+
+
+def test_buckets_that_keep_pace_leave_only_the_last_one_exposed() -> None:
+    """Four buckets ready at 2.5, 5, 7.5 and 10 ms, each 1 ms on the wire: each is done before
+    the next is full, so only the last one's 1 ms comes after backward."""
+    step = predict_step([250] * 4, backward_s=10 * MS, alpha=0.5 * MS, beta=2e-6)
+    assert step.sync_s == pytest.approx(11 * MS)
+    assert step.comm_s == pytest.approx(4 * MS)
+    assert step.overlap == pytest.approx(3 / 4)
+
+
+def test_buckets_that_fall_behind_queue_one_at_a_time() -> None:
+    """Four buckets ready every 1 ms but 3 ms each on the wire: they go back to back from the
+    first one's readiness, 1 ms, to 13 ms; backward ends at 4 ms."""
+    step = predict_step([100] * 4, backward_s=4 * MS, alpha=3 * MS, beta=0.0)
+    assert step.sync_s == pytest.approx(13 * MS)
+    assert step.comm_s == pytest.approx(12 * MS)
+    assert step.overlapped_s == pytest.approx(3 * MS)
+
+
+@given(total=st.integers(1, 10**9), count=st.integers(1, 1000))
+def test_uniform_buckets_cover_the_total(total: int, count: int) -> None:
+    sizes = uniform_buckets(total, total / count)
+    assert len(sizes) == count and sum(sizes) == total and max(sizes) - min(sizes) <= 1
