@@ -90,10 +90,10 @@ DESIGNS = {
     "3 buckets": lambda m: BucketedDDP(m, bucket_cap_mb=cap_mb(BUCKETED)),
     "4 torch layout": lambda m: TorchLayoutDDP(m, bucket_cap_mb=cap_mb(BUCKETED)),
     "deferred launch": lambda m: DeferredMiniDDP(m, bucket_cap_mb=cap_mb(BUCKETED)),
-    **{f"sweep {k}": (lambda m, k=k: MiniDDP(m, bucket_cap_mb=cap_mb(k))) for k in SWEEP_LAYERS},
+    **{f"MiniDDP {k}": (lambda m, k=k: MiniDDP(m, bucket_cap_mb=cap_mb(k))) for k in SWEEP_LAYERS},
     "torch DDP": torch_ddp,
 }
-MINIDDP = f"sweep {BUCKETED}"
+MINIDDP = f"MiniDDP {BUCKETED}"  # MiniDDP with k layers a bucket (0: one tensor a bucket)
 
 
 def timed_and_recorded(models: dict[str, nn.Module], workload: Workload, iters: int):
@@ -148,6 +148,12 @@ def last_to_start(steps: list[StepTimeline]) -> list[StepTimeline]:
     return list(by_step.values())
 
 
+def say_prose(text: str) -> None:
+    """A dedented block with its paragraphs refilled, so numbers of any width keep lines even."""
+    for paragraph in textwrap.dedent(text).strip().split("\n\n"):
+        say(textwrap.fill(paragraph, 96))
+
+
 def median_of(steps: list[StepTimeline], field: str) -> float:
     return statistics.median(getattr(summarize(s), field) for s in steps)
 
@@ -192,56 +198,49 @@ def main() -> None:
 
     section("1. Naive: one blocking all-reduce per gradient, after backward")
     show("1 naive")
-    say(
-        textwrap.dedent(f"""\
+    say_prose(f"""\
         Compute waits (w) while {2 * LAYERS} messages go one by one: every alpha and every byte
         is exposed. Without communication a step takes {median_ms["no communication"]:.1f} ms;
         naive takes {ratio("1 naive", "no communication"):.2f}x that (median of paired ratios).""")
-    )
 
     section("2. Overlap: launch each gradient's all-reduce from its hook")
     show("2 overlap")
-    say(
-        textwrap.dedent(f"""\
+    say_prose(f"""\
         Messages now leave during backward, the last layer's first. But each still pays alpha,
         and the link carries one at a time: with {2 * LAYERS} tensors the queue outlasts
         backward. vs naive: {ratio("2 overlap", "1 naive"):.2f}x.""")
-    )
 
     section(f"3. Buckets of {BUCKETED} layers: few messages, each sent as soon as it is full")
     show(MINIDDP)
     buckets = [b.nbytes for b in models[MINIDDP].buckets]
-    say(
-        textwrap.dedent(f"""\
-        {len(buckets)} buckets instead of {2 * LAYERS} messages, the first leaving early.
-        MiniDDP vs naive {ratio(MINIDDP, "1 naive"):.2f}x, vs overlap
-        {ratio(MINIDDP, "2 overlap"):.2f}x, vs the same buckets launched after backward (deferred)
-        {ratio(MINIDDP, "deferred launch"):.2f}x. The other bucketed rungs: buckets
-        {ratio("3 buckets", MINIDDP):.2f}x and torch layout {ratio("4 torch layout", MINIDDP):.2f}x
-        MiniDDP's time; torch's DDP on the same link {ratio("torch DDP", MINIDDP):.2f}x.""")
-    )
+    say_prose(f"""\
+        {len(buckets)} buckets instead of {2 * LAYERS} messages, the first leaving early. MiniDDP
+        takes {ratio(MINIDDP, "1 naive"):.2f}x naive's time, {ratio(MINIDDP, "2 overlap"):.2f}x
+        overlap's, and {ratio(MINIDDP, "deferred launch"):.2f}x that of the same buckets launched
+        only after backward (deferred launch). Rungs 3 and 4 take {ratio("3 buckets", MINIDDP):.2f}x
+        and {ratio("4 torch layout", MINIDDP):.2f}x MiniDDP's time, and torch's DDP over the same
+        link {ratio("torch DDP", MINIDDP):.2f}x: the same design, the same wire.""")
 
     section("4. Bucket size: too small pays alpha too often, too big has nothing to hide behind")
     backward = median_of(last_to_start(steps[MINIDDP]), "backward_s")
     alone = [summarize(s) for s in steps["no communication"]]
     rest = statistics.median(s.step_s - s.backward_s for s in alone)  # forward, zero_grad...
-    say(
-        textwrap.dedent(f"""\
+    say_prose(f"""\
         Fitted on lone all-reduces over this link: alpha = {alpha * 1e6:.0f} us a bucket,
         beta = {beta * 1e9:.2f} ns a byte. Backward takes {backward * 1e3:.1f} ms, the rest of
         a step {rest * 1e3:.1f} ms. The model (miniddp/overlap_model.py): gradients arrive at an
         even pace; buckets go one at a time, each alpha + beta b after it is full and the link
-        free. Model = rest + max(backward, the last bucket's arrival).\n""")
-    )
+        free. Model = rest + max(backward, the last bucket's arrival).""")
+    say()
     say(f"{'layers/bucket':>13} {'buckets':>7} {'mean size':>10} {'measured':>9} {'model':>8}")
     sweep = []
     for k in SWEEP_LAYERS:
-        sizes = [b.nbytes for b in models[f"sweep {k}"].buckets]
+        sizes = [b.nbytes for b in models[f"MiniDDP {k}"].buckets]
         model_s = rest + predict_step(sizes, backward, alpha, beta).sync_s
-        sweep.append((total / len(sizes), median_ms[f"sweep {k}"] / 1e3, model_s))
+        sweep.append((total / len(sizes), median_ms[f"MiniDDP {k}"] / 1e3, model_s))
         say(
             f"{k or 'tensor':>13} {len(sizes):>7} {fmt_bytes(total / len(sizes)):>10} "
-            f"{median_ms[f'sweep {k}']:>6.1f} ms {model_s * 1e3:>5.1f} ms"
+            f"{median_ms[f'MiniDDP {k}']:>6.1f} ms {model_s * 1e3:>5.1f} ms"
         )
     fastest = min(measured for _, measured, _ in sweep)
     # Medians within TIES of the fastest are ties on a shared machine: any of them is "the best".
@@ -250,14 +249,13 @@ def main() -> None:
     agreeing = [size for size in measured_best if 0.5 <= size / model_best <= 2]
     predicted = predict_step(buckets, backward, alpha, beta)
     measured_overlap = median_of(last_to_start(steps[MINIDDP]), "overlap")
-    say(
-        textwrap.dedent(f"""
+    say()
+    say_prose(f"""\
         Best measured: {", ".join(fmt_bytes(size) for size in measured_best)} (within {TIES:.0%}
         of the fastest: ties here); the model's best: {fmt_bytes(model_best)}. At {BUCKETED}
         layers a bucket the model hides {predicted.overlap:.0%} of the communication behind
         backward (measured, on the last rank to start: {measured_overlap:.0%}). Smaller buckets
         pay alpha too often; bigger ones leave late, and the last one is all exposed.""")
-    )
 
     if args.plot and env.is_main:
         rungs = ["1 naive", "2 overlap", "3 buckets", "4 torch layout", MINIDDP, "deferred launch"]
@@ -285,12 +283,10 @@ def main() -> None:
         assert ratio(MINIDDP, "1 naive") < 1 and ratio(MINIDDP, "deferred launch") < 1
         assert agreeing, (measured_best, model_best)
         assert abs(measured_overlap - predicted.overlap) <= 0.1, (measured_overlap, predicted)
-        say(
-            textwrap.dedent(f"""\
+        say_prose(f"""\
             Verified on {env.world_size} ranks over {args.link}: every design averages to
             torch's gradients; buckets beat naive and deferred launch; the best bucket size (up
             to ties) is within 2x of the model's, and the overlap within 0.1 of it.""")
-        )
     dist.barrier()
     cleanup()
 
