@@ -47,16 +47,22 @@ def reduce_scatter_hook(
         )
     world, me = optimizer.world_size, optimizer.rank
     flat = bucket.buffer()
-    flat.mul_(1.0 / world)  # as DDP does: g·(1/W), then a sum
     owners = [optimizer.owner_of(param) for param in bucket.parameters()]
     by_rank = [[v for v, o in zip(bucket.gradients(), owners) if o == r] for r in range(world)]
     longest = max(sum(v.numel() for v in views) for views in by_rank)
-    pieces = [_laid_end_to_end(views, longest, flat) for views in by_rank]
+    pieces = flat.new_zeros(world, longest)
+    for piece, views in zip(pieces, by_rank):
+        if views:
+            filled = piece[: sum(v.numel() for v in views)]
+            torch.cat([v.reshape(-1) for v in views], out=filled)
+            filled.mul_(1.0 / world)  # as DDP does: g·(1/W), then a sum
     for param, owner in zip(bucket.parameters(), owners):
         if owner != me:
             param.grad = None  # its bucket slot holds it for the reduce-scatter
     mine = flat.new_empty(longest)
-    work = collectives.reduce_scatter(mine, pieces, group=optimizer.process_group, async_op=True)
+    work = collectives.reduce_scatter(
+        mine, list(pieces), group=optimizer.process_group, async_op=True
+    )
 
     def unpack(_: torch.futures.Future) -> torch.Tensor:
         if by_rank[me]:
@@ -67,10 +73,3 @@ def reduce_scatter_hook(
         return flat  # MiniDDP writes our averages back into our parameters' .grad
 
     return work.get_future().then(unpack)
-
-
-def _laid_end_to_end(views: list[torch.Tensor], length: int, like: torch.Tensor) -> torch.Tensor:
-    piece = like.new_zeros(length)
-    if views:
-        torch.cat([v.reshape(-1) for v in views], out=piece[: sum(v.numel() for v in views)])
-    return piece
