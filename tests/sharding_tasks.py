@@ -8,7 +8,7 @@ rank draws its own data from its rank.
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -119,7 +119,7 @@ def state_dicts_on_rank(spec: ShardSpec, to: int) -> dict:
 def zero1_resumes_bitwise(spec: ShardSpec) -> dict:
     """Train 2·steps straight; and train `steps`, save model and consolidated optimizer on rank
     0, load both on every rank into a fresh model, train `steps` more."""
-    straight = train(spec.__class__(**{**spec.__dict__, "steps": 2 * spec.steps}), "ours")
+    straight = train(replace(spec, steps=2 * spec.steps), "ours")
     first = train(spec, "ours")
     first["optimizer"].consolidate_state_dict(to=0)
     saved = [None]
@@ -130,7 +130,7 @@ def zero1_resumes_bitwise(spec: ShardSpec) -> dict:
         saved = [buffer.getvalue()]
     dist.broadcast_object_list(saved, src=0)
     checkpoint = torch.load(io.BytesIO(saved[0]), weights_only=True)
-    model = build_model(spec.__class__(**{**spec.__dict__, "seed": spec.seed + 1}))
+    model = build_model(replace(spec, seed=spec.seed + 1))
     model.load_state_dict(checkpoint["model"])
     optimizer = make_optimizer("ours", model, spec)
     optimizer.load_state_dict(checkpoint["optimizer"])
@@ -185,3 +185,19 @@ def single_process(spec: ShardSpec, world_size: int) -> list[list[torch.Tensor]]
 def zero_with_mixed_dtypes() -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double())
     ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW)
+
+
+def zero1_resumes_through_save_checkpoint(spec: ShardSpec, path: str) -> dict:
+    """Chapter 06's guarantee with ZeRO-1: consolidate on rank 0, save_checkpoint, and a fresh
+    model and optimizer resumed by load_checkpoint continue like a run that never stopped."""
+    from miniddp.checkpoint import Progress, load_checkpoint, save_checkpoint
+
+    straight = train(replace(spec, steps=2 * spec.steps), "ours")["params"][-1]
+    first = train(spec, "ours")
+    first["optimizer"].consolidate_state_dict(to=0)
+    save_checkpoint(path, first["model"], first["optimizer"], Progress(spec.steps, 0, spec.steps))
+    model = build_model(replace(spec, seed=spec.seed + 1))
+    optimizer = make_optimizer("ours", model, spec)
+    progress = load_checkpoint(path, model, optimizer).progress
+    resumed = train(spec, "ours", model, optimizer, first_step=progress.step)["params"][-1]
+    return {"straight": straight, "resumed": resumed}

@@ -115,6 +115,15 @@ def test_a_resumed_zero1_run_continues_bit_for_bit(pool2):
             assert torch.equal(a, b)
 
 
+def test_zero1_through_miniddps_checkpoints_resumes_bit_for_bit(pool2, tmp_path):
+    """save_checkpoint after consolidate_state_dict(to=0), load_checkpoint on every rank."""
+    path = str(tmp_path / "zero1.pt")
+    spec = ShardSpec(steps=2, groups=2)
+    for result in pool2.run(sharding_tasks.zero1_resumes_through_save_checkpoint, spec, path):
+        for a, b in zip(result["straight"], result["resumed"], strict=True):
+            assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_zero2_keeps_only_its_own_averaged_gradients(rank_pools, world_size):
     """Owned parameters get MiniDDP's averages (bitwise at W = 2, where a + b = b + a; within
