@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -116,6 +117,7 @@ def test_the_guide_names_every_file() -> None:
         assert f"cluster/{path.name}" in guide, path.name
 
 
+@pytest.mark.skipif(shutil.which("ip") is None, reason="two_vms.sh needs the ip command")
 def test_two_vm_script_runs_a_two_node_job_on_loopback(tmp_path: Path) -> None:
     """Both "VMs" here, at 127.0.0.1: the script finds the address and interface (lo) itself."""
     with socket.socket() as probe:
