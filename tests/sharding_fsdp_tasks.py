@@ -148,3 +148,7 @@ def shard_different_models() -> None:
     """Rank 1 builds a wider hidden layer: its shards would not match rank 0's."""
     widths = (5, 8, 3) if dist.get_rank() == 0 else (5, 9, 3)
     fully_shard(build_model(FsdpSpec(widths=widths)))
+
+
+def shard_mixed_dtypes() -> None:
+    fully_shard(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double()))

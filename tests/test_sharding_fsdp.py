@@ -122,3 +122,9 @@ def test_different_models_on_different_ranks_are_named_on_every_rank(pool2):
     """Not a hang in the first all-gather: every rank raises before any shard is cut."""
     for outcome in pool2.run_expecting_errors(sharding_fsdp_tasks.shard_different_models):
         assert outcome.type_name == "ValueError" and "same model" in outcome.message
+
+
+def test_mixed_dtypes_in_one_call_are_refused_with_the_fix(pool2):
+    for outcome in pool2.run_expecting_errors(sharding_fsdp_tasks.shard_mixed_dtypes):
+        assert outcome.type_name == "ValueError"
+        assert "one dtype" in outcome.message and "submodules of each dtype" in outcome.message

@@ -147,6 +147,12 @@ def report(rows: list[dict], times: dict[str, list[float]] | None) -> dict:
         mark = "" if row["exact"] else "  (differs from the formula)"
         print(f"{row['world_size']:>2} {row['rank']:>4} {row['stage']:<6} "
               + " ".join(f"{v:>11,}" for v in values) + mark)  # fmt: skip
+    for row in rows:
+        if row["stage"] == "zero3" and row["rank"] == 0 and row["world_size"] > 1:
+            padding = row["owned_elements"] * row["world_size"] - row["psi"]
+            per_rank = 16 * padding // row["world_size"]  # 4 + 4 + 8 bytes per element
+            print(f"ZeRO-3 at W = {row['world_size']}: {padding} padding elements over all "
+                  f"ranks, {per_rank:,} bytes per rank (parameter, gradient, Adam)")  # fmt: skip
     summary: dict = {"rows": rows}
     if times:
         print("\nstep time on 2 ranks, paired ratio ours / torch's (median, 95% interval)")

@@ -165,6 +165,12 @@ def fully_shard(
             if param is not None:
                 places.setdefault(id(param), []).append((owner, name))
                 params[id(param)] = param
+    dtypes = {str(p.dtype) for p in params.values()}
+    if len(dtypes) > 1:
+        raise ValueError(
+            f"fully_shard gathers a module's parameters in one flat tensor, so they need one "
+            f"dtype; got {sorted(dtypes)}. Call fully_shard on the submodules of each dtype first."
+        )
     # Every rank must shard the same shapes, or the collectives below would not match: a clear
     # error on every rank instead of a hang.
     named = [(f"{type(places[0][0]).__name__}.{places[0][1]}", params[key])
