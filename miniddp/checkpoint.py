@@ -33,11 +33,11 @@ from __future__ import annotations
 
 import os
 import random
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -196,16 +196,14 @@ def load_checkpoint(
 
 def capture_rng_state() -> dict[str, Any]:
     """This process's random number generators: torch's CPU generator, the current GPU's,
-    Python's `random`, and numpy's global one if numpy is loaded. Generators you created
+    Python's `random`, and numpy's global one. Generators you created
     yourself (`torch.Generator()`) are not global: checkpoint those separately."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        kind, keys, position, has_gauss, gauss = numpy.random.get_state()
-        # As a list of ints: weights_only loading refuses numpy arrays.
-        state["numpy"] = (kind, keys.tolist(), position, has_gauss, gauss)
+    kind, keys, position, has_gauss, gauss = numpy.random.get_state()
+    # As a list of ints: weights_only loading refuses numpy arrays.
+    state["numpy"] = (kind, keys.tolist(), position, has_gauss, gauss)
     return state
 
 
@@ -216,8 +214,7 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     random.setstate((version, tuple(internal), gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"].cpu(), torch.cuda.current_device())
-    numpy = sys.modules.get("numpy")
-    if "numpy" in state and numpy is not None:
+    if "numpy" in state:  # checkpoints written before numpy was a dependency may lack it
         kind, keys, position, has_gauss, gauss = state["numpy"]
         numpy.random.set_state(
             (kind, numpy.array(keys, dtype=numpy.uint32), position, has_gauss, gauss)

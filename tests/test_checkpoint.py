@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
 from torch import nn
@@ -28,11 +29,6 @@ from miniddp.checkpoint import (
 )
 from tests import checkpoint_tasks
 from tests.harness.pool import RankFailure, RankPool
-
-try:
-    import numpy
-except ImportError:  # optional: MiniDDP saves numpy's RNG state only when numpy is loaded
-    numpy = None
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -55,7 +51,7 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> Non
 def every_draw() -> list[float]:
     """One number from each global generator a checkpoint restores."""
     numbers = [torch.rand(1).item(), random.random()]
-    return numbers + ([float(numpy.random.rand())] if numpy is not None else [])
+    return numbers + [float(numpy.random.rand())]
 
 
 def parameters(model: nn.Module) -> list[torch.Tensor]:
@@ -73,8 +69,7 @@ def test_resume_continues_bit_for_bit(tmp_path: Path) -> None:
 
     resumed, resumed_optimizer = new_training(seed=1)  # other weights, other RNG state
     random.seed(1)
-    if numpy is not None:
-        numpy.random.seed(1)
+    numpy.random.seed(1)
     loaded = load_checkpoint(path, resumed, resumed_optimizer)
     assert loaded.progress == Progress(step=3, epoch=1, batches_done=2)
     assert loaded.extra == {"note": "hello"}
