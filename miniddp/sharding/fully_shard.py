@@ -16,6 +16,10 @@ The life of a sharded module's parameters in one step, on MiniDDP's ring collect
     after backward    reduce-scatter the full gradients, each multiplied by 1/W as DDP does, so
                       that rank r keeps the average of shard r; free the full parameters
 
+Without gradient sync (`set_requires_gradient_sync(False)`), each backward adds the module's
+full gradients into a buffer it keeps, as FSDP2 does: accumulation costs no communication, but
+holds those full-size gradients until the next synced backward reduce-scatters the total.
+
 A module called twice in one forward does all of this once per call (its shard's gradient is
 then the sum of two averages, equal to DDP's within rounding, not bit for bit).
 

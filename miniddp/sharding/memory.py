@@ -86,9 +86,16 @@ class Formula:
 
     stage: str  # "ddp", "zero1", "zero2" or "zero3"
     elements: int  # Ψ
-    tensors: int  # parameter tensors (Adam keeps one 4-byte step counter per tensor)
+    tensors: int  # parameter tensors whose Adam state this rank keeps (a 4-byte step each)
     world_size: int
-    bucket_view: bool = False
+    bucket_view: bool = False  # DDP's gradient_as_bucket_view: .grad is its bucket's slice
+
+    def __post_init__(self) -> None:
+        if self.bucket_view and self.stage not in ("ddp", "zero1"):
+            raise ValueError(
+                f"the {self.stage} formula has no gradient_as_bucket_view variant: ZeRO-2 drops "
+                "the gradients it does not own, ZeRO-3 has no buckets"
+            )
 
     def expected(self, elements_on_this_rank: int | None = None) -> MemoryPerRank:
         """`elements_on_this_rank`: how many parameter elements this rank owns (ZeRO-1/2: its
