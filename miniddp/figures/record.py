@@ -19,9 +19,10 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from miniddp import MiniDDP, collectives
+from miniddp.buckets import BucketInfo
 
 WORLD_SIZE = 4
-JOB_TIMEOUT_S = 120
+JOB_TIMEOUT_S = 240  # importing torch in 4 processes is most of it: ~10 s idle, more when busy
 # (title, collective, algorithm): the tree and the ring, and the all-reduces built from them
 ALGORITHMS = [
     ("broadcast, tree", "broadcast", "tree"),
@@ -55,7 +56,7 @@ def record_on_ranks(rank: int, store_path: str, out_path: str) -> None:
     dist.destroy_process_group()
 
 
-def bucket_layouts() -> dict:
+def bucket_layouts() -> dict[str, list[BucketInfo]]:
     """A 6-layer MLP under MiniDDP with 2-layer buckets: one bucket in iteration 0 (gradients'
     order unknown yet), then buckets rebuilt in the order backward produced the gradients."""
     torch.manual_seed(0)
@@ -72,6 +73,7 @@ def bucket_layouts() -> dict:
 
 
 def run_rank_job(work_dir: Path) -> tuple[dict, dict]:
+    """Spawn the 4 ranks, wait (with a deadline), and return rank 0's (messages, layouts)."""
     out_path = work_dir / "recorded.pickle"
     context = mp.start_processes(
         record_on_ranks,
