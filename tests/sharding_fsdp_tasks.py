@@ -152,3 +152,20 @@ def shard_different_models() -> None:
 
 def shard_mixed_dtypes() -> None:
     fully_shard(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double()))
+
+
+def evaluation_between_steps(spec: FsdpSpec) -> dict:
+    """A no_grad forward after every step (evaluation): ours and MiniDDP's outputs."""
+    outputs = {}
+    for kind in ("ours", "ddp"):
+        model = shard(kind, build_model(spec), spec)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr)
+        outputs[kind] = []
+        for step in range(spec.steps):
+            x, y = batch(spec, dist.get_rank(), step, 0)
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            with torch.no_grad():
+                outputs[kind].append(model(x))
+    return outputs

@@ -106,6 +106,15 @@ def test_a_module_called_twice_in_one_forward_trains_like_ddp(pool2, reshard_aft
         assert difference <= 1e-6
 
 
+def test_a_forward_under_no_grad_gathers_and_frees_without_a_backward(pool2):
+    """Evaluation between steps: the parameters are gathered for the forward and freed after
+    it, with no backward to wait for; training goes on as before."""
+    spec = FsdpSpec(steps=2)
+    for result in pool2.run(sharding_fsdp_tasks.evaluation_between_steps, spec):
+        for ours, ddp in zip(result["ours"], result["ddp"], strict=True):
+            assert torch.equal(ours, ddp)
+
+
 def test_a_sharded_checkpoint_resumes_bit_for_bit(pool2):
     """Each rank saves its own shards and its optimizer's state for them, and loads them back."""
     for result in pool2.run(sharding_fsdp_tasks.resumes_bitwise, FsdpSpec(steps=2)):
