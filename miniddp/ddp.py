@@ -1,6 +1,6 @@
 """MiniDDP: data-parallel training whose whole life fits in one file. The top rung of the ladder
 in `miniddp/steps/`: torch's bucket layout (rung 4) plus no_sync, unused parameters, buffers,
-comm hooks, gradient_as_bucket_view and the clear errors.
+comm hooks, gradient_as_bucket_view, uneven inputs (Join), static_graph and the clear errors.
 
     construct   check every rank has the same model, copy rank 0's weights to everyone,
                 lay gradients out in buckets, put a hook on every parameter
@@ -11,9 +11,9 @@ comm hooks, gradient_as_bucket_view and the clear errors.
     wait        when backward ends, a queued callback waits for the buckets in order and writes
                 each one's averages back into `.grad` as soon as it arrives
 
-So gradients are averaged by the time `loss.backward()` returns, exactly like torch's
-DistributedDataParallel, and bit for bit the same: the bucket layout, the 1/W scaling and the
-launch order follow torch's rules (miniddp/layout.py; a bucket's own life is miniddp/buckets.py).
+So gradients are averaged by the time `loss.backward()` returns, bit for bit as in torch's
+DistributedDataParallel: the layout, the 1/W scaling and the launch order follow torch's rules
+(miniddp/layout.py, miniddp/buckets.py; Join: miniddp/join.py; miniddp/static_graph.py).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from miniddp.comm_hooks import CommHook, GradBucket
 from miniddp.env import HOW_TO_LAUNCH
 from miniddp.events import EventRecorder
 from miniddp.faults import wait_for
+from miniddp.join import JoinsUnevenInputs
 from miniddp.layout import BucketLayout, ShowsItsBuckets
 from miniddp.model_checks import (
     ParameterUsage,
@@ -43,6 +44,7 @@ from miniddp.model_checks import (
     verify_same_model_on_every_rank,
     when_backward_reaches,
 )
+from miniddp.static_graph import MayHaveStaticGraph
 
 
 class Phase(Enum):
@@ -54,17 +56,15 @@ class Phase(Enum):
     SYNCED = "this forward's gradients are averaged; another backward through it is an error"
 
 
-class MiniDDP(nn.Module, EventRecorder, ShowsItsBuckets):
+class MiniDDP(nn.Module, EventRecorder, ShowsItsBuckets, JoinsUnevenInputs, MayHaveStaticGraph):
     """Wrap `module` so that `loss.backward()` leaves gradients averaged over all ranks, used
-    exactly like `torch.nn.parallel.DistributedDataParallel`. Where torch is silent about a
-    mistake, MiniDDP raises: a parameter that got no gradient (at the end of that backward, not
-    the next forward), a model that differs across ranks (on every rank), a second backward
-    through one synced forward (torch leaves it unsynchronized)."""
+    exactly like torch's DistributedDataParallel. Where torch is silent about a mistake, MiniDDP
+    raises: a parameter that got no gradient (at the end of that backward, not the next forward),
+    a model that differs across ranks (on every rank), a second backward through one forward."""
 
     claims = frozenset({"batchnorm", "mixed-dtypes", "torch-layout", "no-sync", "comm-hook",
                         "find-unused-parameters", "gradient-as-bucket-view"})  # fmt: skip
-    # False (the benchmark's "deferred" ablation) holds every launch until backward is over:
-    # the same all-reduces, minus the overlap.
+    # False (the benchmark's "deferred" ablation) holds launches until backward ends: no overlap.
     launch_during_backward = True
 
     def __init__(
@@ -76,6 +76,7 @@ class MiniDDP(nn.Module, EventRecorder, ShowsItsBuckets):
         broadcast_buffers: bool = True,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
     ) -> None:
         super().__init__()
         if not dist.is_initialized():
@@ -99,7 +100,8 @@ class MiniDDP(nn.Module, EventRecorder, ShowsItsBuckets):
         # different all-reduces and gloo would abort or hang instead of explaining.
         caps_in_bytes = (self._layout.first_cap, self._layout.cap)
         settings = {"bucket_cap_mb": caps_in_bytes, "broadcast_buffers": broadcast_buffers,
-                    "find_unused_parameters": find_unused_parameters}  # fmt: skip
+                    "find_unused_parameters": find_unused_parameters,
+                    "static_graph": static_graph}  # fmt: skip
         verify_same_model_on_every_rank(named, settings, process_group)
         self._buffers_to_sync = list(module.buffers())
         everything = [*module.parameters(), *self._buffers_to_sync]
@@ -113,17 +115,19 @@ class MiniDDP(nn.Module, EventRecorder, ShowsItsBuckets):
         self._require_forward_param_sync = True  # buffers are refreshed after a synced forward
         self._reset_backward(Phase.LOCAL)
         self._hooks = hook_every_parameter(module, self.params, self._on_gradient_ready)
+        if static_graph:
+            self._set_static_graph()
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if not self._hooks:
             raise RuntimeError("A newer MiniDDP wraps this module and owns its hooks: use it.")
+        self._tell_join_this_rank_trains()  # under Join only (miniddp/join.py)
         if torch.is_grad_enabled():
             if self._phase is Phase.REDUCING:
                 self._abandon_unfinished_backward()
             if self._layout.rebuild_due:
                 self._rebuild_buckets()
-        if self.broadcast_buffers and self._require_forward_param_sync:
-            broadcast_from_rank0(self._buffers_to_sync, "buffers", self.process_group, self._wait)
+        self._sync_buffers(training=True)  # after a synced forward, if broadcast_buffers
         self._note("forward", "start")
         output = self.module(*inputs, **kwargs)
         # Whether this forward's backward synchronizes is decided now, at forward time: that is
@@ -154,19 +158,14 @@ class MiniDDP(nn.Module, EventRecorder, ShowsItsBuckets):
             self._require_backward_grad_sync = previous
 
     def finish_gradient_synchronization(self) -> None:
-        """The ladder's protocol (CS336's name). Nothing is left to do: gradients are averaged
-        when `backward()` returns, because the wait runs in a callback at its end."""
+        """The ladder's protocol (CS336's name): nothing left to do, backward's callback waited."""
         if self._phase is Phase.REDUCING:
             raise RuntimeError("A backward pass is still reducing gradients; let it finish first.")
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
-        """Replace what happens to a full bucket: `hook(state, bucket) -> Future[Tensor]`.
-
-        torch's signature, so torch's own hooks work too (e.g. `fp16_compress_hook` from
-        `torch.distributed.algorithms.ddp_comm_hooks.default_hooks`). The bucket arrives holding
-        this rank's own gradients, NOT divided by the world size: the hook averages. Register
-        once, before training.
-        """
+        """Replace what happens to a full bucket: `hook(state, bucket) -> Future[Tensor]`, as in
+        torch (whose hooks work too). The bucket holds this rank's own gradients, NOT divided by
+        the world size: the hook averages. Register once, before training."""
         if self._comm_hook is not None:
             raise RuntimeError("register_comm_hook can only be called once per MiniDDP.")
         if self._phase is not Phase.LOCAL or self.all_reduce_count:
@@ -199,6 +198,8 @@ class MiniDDP(nn.Module, EventRecorder, ShowsItsBuckets):
         self._start_reducing()  # in case backward reached a parameter before the output
         if self._phase is Phase.LOCAL:
             return
+        if self._static_graph and not self._static_graph.last_hook(index):
+            return  # static_graph: ready after as many hooks as the first backward had
         self._layout.record_ready(index)
         self._note("hook", self.param_names[index])
         self._mark_ready(index)
@@ -208,9 +209,9 @@ class MiniDDP(nn.Module, EventRecorder, ShowsItsBuckets):
         if self._marked_ready[index]:
             raise RuntimeError(
                 f"Parameter '{self.param_names[index]}' got its gradient twice in one backward "
-                "(reentrant backward, e.g. torch.utils.checkpoint with use_reentrant=True around "
-                "a block run twice, or a parameter used in two separate backward calls). Use "
-                "use_reentrant=False."
+                "(reentrant backward: e.g. checkpoint(block, use_reentrant=True) with the block "
+                "run twice). Use use_reentrant=False, or MiniDDP(..., static_graph=True) if "
+                "every iteration uses the same parameters the same number of times."
             )
         self._marked_ready[index] = True
         bucket, position = self._layout.slot[index]
@@ -223,11 +224,9 @@ class MiniDDP(nn.Module, EventRecorder, ShowsItsBuckets):
     def _launch_full_buckets(self) -> None:
         """Launch buckets strictly in index order, so every rank issues the same collectives in
         the same sequence even if its gradients arrive in a different order."""
-        while (
-            self._next_bucket < len(self._layout.buckets)
-            and self._layout.buckets[self._next_bucket].is_full
-        ):
-            bucket = self._layout.buckets[self._next_bucket]
+        buckets = self._layout.buckets
+        while self._next_bucket < len(buckets) and buckets[self._next_bucket].is_full:
+            bucket = buckets[self._next_bucket]
             self._note("launch", f"bucket {bucket.index}")
             bucket.launch(self._all_reduce)
             self.all_reduce_count += 1
@@ -238,13 +237,15 @@ class MiniDDP(nn.Module, EventRecorder, ShowsItsBuckets):
         if self._comm_hook is None:
             return dist.all_reduce(bucket.flat, group=self.process_group, async_op=True)
         state, hook = self._comm_hook
-        return hook(state, GradBucket(bucket, is_last=bucket is self._layout.buckets[-1]))
+        is_last = bucket.index == len(self._layout.buckets) - 1  # a Join shadow is a copy
+        return hook(state, GradBucket(bucket, is_last))
 
     def _finish_backward(self) -> None:
         """Queued on the autograd engine: runs once, when the whole backward pass is done."""
         self._note("backward", "end")
+        first_static = self._static_graph_first_backward_ends()  # it only counted hooks
         missing = [i for i, ready in enumerate(self._marked_ready) if not ready]
-        if missing and not self.find_unused_parameters:
+        if missing and not (self.find_unused_parameters or first_static):
             self._abandon_unfinished_backward()
             names = ", ".join(self.param_names[i] for i in missing)
             raise RuntimeError(
@@ -257,7 +258,7 @@ class MiniDDP(nn.Module, EventRecorder, ShowsItsBuckets):
             self._mark_ready(index)
         self._launch_full_buckets()  # nothing left to launch, unless launch_during_backward=False
         used = None  # with find_unused_parameters: those unused on every rank keep their .grad
-        if self.find_unused_parameters:
+        if self.find_unused_parameters or first_static:
             used = self._usage.on_any_rank(self.params[0].device, self.process_group, self._wait)
         for bucket in self._layout.buckets:
             # Each bucket goes back to `.grad` as soon as it arrives, while later ones travel.
@@ -283,16 +284,16 @@ class MiniDDP(nn.Module, EventRecorder, ShowsItsBuckets):
 
     def _reset_backward(self, phase: Phase) -> None:
         self._phase = phase  # and every bucket empty, no parameter marked ready
-        self._unused_in_forward: list[int] = []
+        # what the next backward won't reach: static_graph knows it, find_unused's forward finds it
+        self._unused_in_forward: list[int] = self._static_graph_start_over()
         self._marked_ready = [False] * len(self.params)
         self._next_bucket = 0
         for bucket in self._layout.buckets:
             bucket.reset()
 
     def _rebuild_buckets(self) -> None:
-        """Once, before the second synced iteration's forward: rebuild from the observed order.
-        Ranks could observe different orders; rank 0's wins, so all ranks keep launching the
-        same buckets in the same sequence."""
+        """Once, before the second synced iteration's forward (third with static_graph): rebuild
+        from the observed order. Rank 0's wins, so all ranks launch the same buckets."""
         order = torch.tensor(self._layout.ready_order, device=self.params[0].device)
         broadcast_from_rank0([order], "the ready order", self.process_group, self._wait)
         self._layout.rebuild(order.tolist())

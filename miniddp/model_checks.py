@@ -87,10 +87,12 @@ def broadcast_from_rank0(
     what: str,
     group: dist.ProcessGroup | None,
     wait: Callable[[dist.Work, str], Any],
+    source: int = 0,
 ) -> None:
     """Overwrite `tensors` with rank 0's values, so every replica starts (and stays) equal: one
-    flat message per (dtype, device) instead of one per tensor. `wait` is the DDP's wait seam."""
-    src = 0 if group is None else dist.get_global_rank(group, 0)
+    flat message per (dtype, device) instead of one per tensor. `wait` is the DDP's wait seam.
+    (Under Join, rank 0 may have stopped training: then `source` is another rank in `group`.)"""
+    src = source if group is None else dist.get_global_rank(group, source)
     by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for tensor in tensors:
         by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
@@ -99,7 +101,7 @@ def broadcast_from_rank0(
             flat = torch.cat([t.reshape(-1) for t in same_kind])
             nbytes = flat.numel() * flat.element_size()
             work = dist.broadcast(flat, src=src, group=group, async_op=True)
-            wait(work, f"broadcast of {what} from rank 0 ({nbytes:,} bytes)")
+            wait(work, f"broadcast of {what} from rank {source} ({nbytes:,} bytes)")
             for tensor, piece in zip(same_kind, flat.split([t.numel() for t in same_kind])):
                 tensor.copy_(piece.view_as(tensor))
 
@@ -133,6 +135,7 @@ class ParameterUsage:
 
     def __init__(self, count: int) -> None:
         self._here = torch.zeros(count, dtype=torch.int32)
+        self.last_on_any_rank: torch.Tensor | None = None  # what a joined rank re-sends (join.py)
 
     def note(self, index: int) -> None:
         self._here[index] = 1
@@ -144,6 +147,7 @@ class ParameterUsage:
         usage = self._here.to(device, copy=True)  # NCCL moves only GPU tensors
         wait(dist.all_reduce(usage, group=group, async_op=True), "all-reduce of parameter usage")
         self.clear()
+        self.last_on_any_rank = usage
         return [bool(count) for count in usage.tolist()]
 
 
