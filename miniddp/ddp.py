@@ -243,7 +243,7 @@ class MiniDDP(nn.Module, EventRecorder, ShowsItsBuckets, JoinsUnevenInputs, MayH
     def _finish_backward(self) -> None:
         """Queued on the autograd engine: runs once, when the whole backward pass is done."""
         self._note("backward", "end")
-        first_static = self._static_graph_first_backward_ends()  # it only counted hooks
+        first_static = self._static_graph_first_backward_ends()  # counted hooks, found usage
         missing = [i for i, ready in enumerate(self._marked_ready) if not ready]
         if missing and not (self.find_unused_parameters or first_static):
             self._abandon_unfinished_backward()
@@ -257,8 +257,8 @@ class MiniDDP(nn.Module, EventRecorder, ShowsItsBuckets, JoinsUnevenInputs, MayH
         for index in missing:  # reachable from the output, yet no gradient came: unused too
             self._mark_ready(index)
         self._launch_full_buckets()  # nothing left to launch, unless launch_during_backward=False
-        used = None  # with find_unused_parameters: those unused on every rank keep their .grad
-        if self.find_unused_parameters or first_static:
+        used = self._static_graph_used()  # static_graph's, learnt in its first backward, or None
+        if self.find_unused_parameters:  # parameters no rank used keep .grad (None stays None)
             used = self._usage.on_any_rank(self.params[0].device, self.process_group, self._wait)
         for bucket in self._layout.buckets:
             # Each bucket goes back to `.grad` as soon as it arrives, while later ones travel.

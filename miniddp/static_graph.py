@@ -29,11 +29,8 @@ class HookCounts:
     def __init__(self, names: list[str]) -> None:
         self.names = names
         self.expected: list[int] | None = None  # None until the first synced backward is over
+        self.used_on_any_rank: list[bool] | None = None  # also learnt in the first backward
         self._fired = [0] * len(names)
-
-    @property
-    def recording(self) -> bool:
-        return self.expected is None
 
     def start_over(self) -> list[int]:
         """Forget this backward's counts; return the parameters the next one will not reach."""
@@ -54,16 +51,13 @@ class HookCounts:
             )
         return self._fired[index] == self.expected[index]
 
-    def end_backward(self, usage: ParameterUsage) -> bool:
-        """The synced backward is over. Return whether it was the first one, whose counts are
-        now the expectation, and note in `usage` which parameters it used on this rank."""
-        if self.expected is not None:
-            return False
+    def remember(self, usage: ParameterUsage) -> None:
+        """The first synced backward is over: its counts become the expectation. Note in
+        `usage` which parameters it used on this rank."""
         self.expected = list(self._fired)
         for index, fired in enumerate(self.expected):
             if fired:
                 usage.note(index)
-        return True
 
 
 class MayHaveStaticGraph:
@@ -76,12 +70,30 @@ class MayHaveStaticGraph:
         return self._static_graph is not None
 
     def _static_graph_start_over(self) -> list[int]:
-        return [] if self._static_graph is None else self._static_graph.start_over()
+        """Between backwards: the parameters the next one will not reach. They fire no hook, so
+        they go last in the order the buckets are rebuilt from, in index order (as in torch)."""
+        if self._static_graph is None:
+            return []
+        unused = self._static_graph.start_over()
+        order = self._layout.ready_order
+        if order and not self._layout.has_rebuilt:
+            order.extend(i for i in unused if i not in order)
+        return unused
 
     def _static_graph_first_backward_ends(self) -> bool:
-        """True at the end of static_graph's first synced backward, which only counted hooks:
-        every parameter is then marked ready at once, and those no rank used keep `.grad`."""
-        return self._static_graph is not None and self._static_graph.end_backward(self._usage)
+        """At the end of each synced backward: True if it was static_graph's first, which only
+        counted hooks. Its counts become the expectation, and one all-reduce learns which
+        parameters some rank used (the others keep `.grad` as it is, every iteration)."""
+        counts = self._static_graph
+        if counts is None or counts.expected is not None:
+            return False
+        counts.remember(self._usage)
+        device = self.params[0].device
+        counts.used_on_any_rank = self._usage.on_any_rank(device, self.process_group, self._wait)
+        return True
+
+    def _static_graph_used(self) -> list[bool] | None:
+        return None if self._static_graph is None else self._static_graph.used_on_any_rank
 
     def _set_static_graph(self) -> None:
         """Declare the graph static: torch's name, for code written against torch's DDP."""

@@ -69,11 +69,20 @@ class BlockRunTwice(nn.Module):
         return self.head(hidden)
 
 
+class BlockRunTwiceAndUnused(BlockRunTwice):
+    """static_graph also finds parameters that no backward ever reaches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.never_used = nn.Linear(8, 8)
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "batchnorm": WithBatchNorm,
     "unused": SometimesUnused,
     "buckets": Deep,
     "twice": BlockRunTwice,
+    "twice_and_unused": BlockRunTwiceAndUnused,
 }
 
 
@@ -109,7 +118,10 @@ def train(
     if join_options is None:
         run()
     else:
-        with Join([model], **join_options):
+        options = dict(join_options)
+        with (
+            model.join(**options) if options.pop("model.join", False) else Join([model], **options)
+        ):
             run()
     return {
         "state": {k: v.clone() for k, v in model.module.state_dict().items()},

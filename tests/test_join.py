@@ -58,7 +58,9 @@ def test_join_with_uneven_inputs_is_torchs_join(rank_pools, world_size, scenario
 def test_model_join_trains_a_rank_with_no_batch_at_all(rank_pools, world_size):
     """The last rank has no batch: it joins before any bucket layout was observed."""
     steps = [3] * (world_size - 1) + [0]
-    results = rank_pools(world_size).run(join_tasks.both, "buckets", steps, {}, {}, timeout=120)
+    results = rank_pools(world_size).run(
+        join_tasks.both, "buckets", steps, {}, {"model.join": True}, timeout=120
+    )
     assert_bitwise_equal(results)
 
 
@@ -78,6 +80,19 @@ def test_static_graph_trains_a_block_run_twice_under_reentrant_checkpointing(
     options = {"static_graph": True, "bucket_cap_mb": bucket_cap_mb}
     results = rank_pools(world_size).run(
         join_tasks.both, "twice", [4] * world_size, options, None, timeout=120
+    )
+    assert_bitwise_equal(results)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("find_unused_parameters", [False, True])
+def test_static_graph_finds_a_parameter_never_used(rank_pools, world_size, find_unused_parameters):
+    """`never_used` fires no hook in the first backward: it is marked ready at once after that
+    (find_unused_parameters=True adds nothing under static_graph, as in torch)."""
+    options = {"static_graph": True, "bucket_cap_mb": 0.0002,
+               "find_unused_parameters": find_unused_parameters}  # fmt: skip
+    results = rank_pools(world_size).run(
+        join_tasks.both, "twice_and_unused", [4] * world_size, options, None, timeout=120
     )
     assert_bitwise_equal(results)
 
