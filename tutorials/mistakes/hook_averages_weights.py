@@ -5,11 +5,11 @@ moved its own way. The property checks catch it at step 0: the replicas' gradien
 
 Why: `Tensor.register_post_accumulate_grad_hook(hook)` calls `hook(param)`, handing over the
 parameter, after its gradient was accumulated into `param.grad`. A hook written as if it got the
-gradient (as `register_hook` would give) averages the weights instead. Before the first step the
-weights are equal everywhere (construction broadcast them), so averaging them changes nothing;
-the local gradients then step each replica differently, and from then on the hook averages
-weights that have drifted: no longer SGD on the global batch, and no longer equal on every rank
-between a step and the next backward.
+gradient (as `register_hook` would give) averages the weights instead. The weights are equal
+everywhere (construction broadcast them), so averaging them changes nothing, and each rank then
+steps on its own, unaveraged gradient: the replicas part. Later backwards average weights that
+have drifted, which pulls them together mid-backward and apart again at the next step: not SGD
+on the global batch, whatever it is.
 
 How torch avoids it: its reducer never hands a hook the parameter; its communication hooks
 receive a GradBucket of gradients. In your own DDP: reduce `param.grad`.

@@ -10,10 +10,11 @@ forward run outside no_sync() has armed it already, and entering no_sync() after
 nothing. The result stays right because averaging is linear: the mean over ranks of (already
 averaged gradients + this micro-step's) is the mean of the sums.
 
-How torch avoids it: it doesn't; the docs' example puts forward and backward inside the block,
-and nothing warns. The property checks cannot see it either (the numbers are right): the check
-that catches it counts the all-reduces per optimizer step (tests/test_mistakes.py), as chapter
-05 does.
+How torch avoids it: it doesn't, at run time. The docstring of `no_sync` warns that "the
+forward pass should be included inside the context manager, or else gradients will still be
+synchronized", and nothing checks it. The property checks cannot see it either (the numbers are
+right): the check that catches it counts the all-reduces per optimizer step
+(tests/test_mistakes.py), as chapter 05 does.
 
 The fix: correct_loop.py, forward and backward both inside `with model.no_sync():`.
 """

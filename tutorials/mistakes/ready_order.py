@@ -3,7 +3,7 @@
 Symptom: when ranks' backwards produce gradients in different orders, one rank's first
 all-reduce carries bucket A while another's carries bucket B: collectives pair up by their order
 on each rank, so A's values are summed with B's. Equal sizes give silent garbage (different on
-every rank); unequal sizes make gloo abort or hang. The property checks catch it on a model
+every rank); unequal sizes make gloo abort the process. The property checks catch it on a model
 whose ranks run two branches in opposite orders: the replicas' gradients differ.
 
 Why: gradient order is not guaranteed to match across ranks. Autograd runs independent branches
