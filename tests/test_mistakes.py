@@ -93,15 +93,18 @@ def test_no_sync_around_backward_only_syncs_every_micro_step(rank_pools):
     """The numbers are right (the property checks pass); the communication is k times too much.
     The model is small enough for one bucket: one all-reduce per synchronized backward."""
     k = 3
-    case = Case("no_sync_backward_only", f"{ZOO}.no_sync_backward_only:train_step",
-                f"{ZOO}.correct_loop:train_step", 2, dataclasses.replace(SMALL, accumulation=k),
-                "Every micro-step synchronized: is the forward inside no_sync()?")  # fmt: skip
-    hint = case.diagnosis
-    all_reduces_per_step(run_checks(rank_pools, case, case.fix), SMALL.steps, 1, hint)
-    results = run_checks(rank_pools, case, case.mistake)  # the property checks cannot see it
-    with pytest.raises(AssertionError, match=re.escape(case.diagnosis)):
-        all_reduces_per_step(results, SMALL.steps, 1, hint)
-    assert results[0]["ours"]["all_reduces"] == k * SMALL.steps
+    spec = dataclasses.replace(SMALL, accumulation=k)
+    hint = "Every micro-step synchronized: is the forward inside no_sync()?"
+
+    def checked(loop: str) -> list[dict]:
+        loop_spec = dataclasses.replace(spec, training_step=f"{ZOO}.{loop}:train_step")
+        return check_claims(rank_pools, MINIDDP, 2, loop_spec)
+
+    all_reduces_per_step(checked("correct_loop"), spec.steps, 1, hint)
+    results = checked("no_sync_backward_only")  # the property checks pass: numbers are right
+    with pytest.raises(AssertionError, match=re.escape(hint)):
+        all_reduces_per_step(results, spec.steps, 1, hint)
+    assert results[0]["ours"]["all_reduces"] == k * spec.steps
 
 
 def test_a_tied_weight_reduced_twice_costs_one_all_reduce_more(rank_pools):

@@ -55,11 +55,10 @@ def spread(tensors: list[torch.Tensor]) -> float:
     return (highest - lowest).max().item()
 
 
-def show(mistake) -> None:
-    """The mistake's summary line and its code (the one change, marked "the mistake")."""
+def show(mistake, code) -> None:
+    """The mistake's summary line, then its `code` (the one change is marked "the mistake")."""
     say(f"{mistake.__name__.split('.')[-1]}.py: {mistake.__doc__.splitlines()[0]}")
-    code = inspect.getsource(mistake).split('"""\n', 2)[-1].split("\n\n\n", 1)[-1]
-    say(textwrap.indent(code.strip(), "    "))
+    say(textwrap.indent(inspect.getsource(code).strip(), "    "))
 
 
 def model_seeded(seed: int) -> nn.Module:
@@ -123,7 +122,7 @@ def main() -> None:
     say(f"Chapter 10: five classic DDP mistakes on {world_size} ranks, each next to its fix")
 
     section("1. No broadcast at construction, ranks seeded differently")
-    show(no_construction_broadcast)
+    show(no_construction_broadcast, no_construction_broadcast.NoConstructionBroadcast)
     seed = rank  # as a script that seeds each rank for its own data augmentation
     mistake = replicas_after_training(no_construction_broadcast.NoConstructionBroadcast, seed, rank)
     fix = replicas_after_training(NaiveDDP, seed, rank)
@@ -136,7 +135,7 @@ def main() -> None:
     assert mistake > 0.01 and fix == 0
 
     section("2. A hook that all-reduces the parameter, not its gradient")
-    show(hook_averages_weights)
+    show(hook_averages_weights, hook_averages_weights.AveragesWeights)
     mistake = replicas_after_training(hook_averages_weights.AveragesWeights, 0, rank)
     fix = replicas_after_training(OverlapDDP, 0, rank)
     say(f"Replicas apart after {STEPS} steps: {mistake:.3g} (the mistake), {fix:.3g} (rung 2).")
@@ -148,7 +147,7 @@ def main() -> None:
     assert mistake > 1e-4 and fix == 0
 
     section(f"3. The loss not divided by the {K} accumulation steps")
-    show(loss_not_divided)
+    show(loss_not_divided, loss_not_divided.train_step)
     reference = one_process_gradient()
     mistaken_grads, _ = accumulated_step(loss_not_divided.train_step, rank)
     fixed_grads, fixed_all_reduces = accumulated_step(correct_loop.train_step, rank)
@@ -165,7 +164,7 @@ def main() -> None:
     assert abs(mistake - K) < 1e-4 and abs(fix - 1) < 1e-4
 
     section("4. no_sync() around backward only")
-    show(no_sync_backward_only)
+    show(no_sync_backward_only, no_sync_backward_only.train_step)
     mistaken_grads, mistaken_all_reduces = accumulated_step(no_sync_backward_only.train_step, rank)
     gap = max((a - b).abs().max().item() for a, b in zip(mistaken_grads, fixed_grads))
     say(
@@ -180,7 +179,7 @@ def main() -> None:
     assert mistaken_all_reduces == K * fixed_all_reduces and gap < TOLERANCE
 
     section("5. A parameter that gets no gradient, find_unused_parameters=False")
-    show(unused_parameter)
+    show(unused_parameter, unused_parameter.SpareHead)
     torch_gap, torch_raised = unused_parameter_under(DistributedDataParallel, rank)
     _, ours_raised = unused_parameter_under(MiniDDP, rank)
     say(
