@@ -13,7 +13,7 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
-from miniddp import MiniDDP
+from miniddp import MiniDDP, ZeroRedundancyOptimizer
 
 WRAPPERS: dict[str, Callable[..., nn.Module]] = {
     "torch": DistributedDataParallel,
@@ -86,6 +86,17 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
 }
 
 
+def make_optimizer(wrapper: str, model: nn.Module, zero: bool) -> torch.optim.Optimizer:
+    """SGD, or AdamW sharded by ZeroRedundancyOptimizer (torch's, or MiniDDP's)."""
+    if not zero:
+        return torch.optim.SGD(model.parameters(), lr=0.1)
+    if wrapper == "torch":
+        from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero  # slow import
+
+        return TorchZero(model.parameters(), optimizer_class=torch.optim.AdamW, lr=0.01)
+    return ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=0.01)
+
+
 def batches(count: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(seed)
     return [(torch.randn(6, 4, generator=generator), torch.randn(6, 2, generator=generator))
@@ -100,11 +111,15 @@ def train(
     join_options: dict | None,
 ) -> dict[str, object]:
     """Train `model_name` wrapped in `wrapper` for `steps_per_rank[rank]` steps (inside a Join
-    when `join_options` is given); return the final state, the last gradients and the losses."""
+    when `join_options` is given; through `model.join()` with its "model.join" key, and with
+    ZeroRedundancyOptimizer, joined too, with its "zero" key); return the final state, the last
+    gradients and the losses."""
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = WRAPPERS[wrapper](MODELS[model_name](), **ddp_options)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    options = dict(join_options or {})
+    zero = options.pop("zero", False)
+    optimizer = make_optimizer(wrapper, model, zero)
     losses = []
 
     def run() -> None:
@@ -118,9 +133,11 @@ def train(
     if join_options is None:
         run()
     else:
-        options = dict(join_options)
+        joinables = [model, optimizer] if zero else [model]
         with (
-            model.join(**options) if options.pop("model.join", False) else Join([model], **options)
+            model.join(**options)
+            if options.pop("model.join", False)
+            else Join(joinables, **options)
         ):
             run()
     return {

@@ -32,6 +32,7 @@ JOIN_SCENARIOS = {
     "batchnorm": ("batchnorm", {}, {}),
     "find_unused": ("unused", {"find_unused_parameters": True}, {}),
     "several_buckets": ("buckets", {"bucket_cap_mb": 0.0002}, {}),
+    "zero_redundancy_optimizer": ("buckets", {"bucket_cap_mb": 0.0002}, {"zero": True}),
     "effective_world_size": (
         "buckets",
         {"bucket_cap_mb": 0.0002},

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from miniddp import collectives
@@ -48,13 +49,14 @@ def partition(param_groups: list[dict[str, Any]], world_size: int) -> list[list[
     return per_rank
 
 
-class ZeroRedundancyOptimizer(Optimizer):
+class ZeroRedundancyOptimizer(Optimizer, Joinable):
     """Wrap `optimizer_class` so that each rank keeps and steps only its partition's state.
 
     `param_groups` lists every parameter (as torch's does: schedulers and `zero_grad` see the
     whole model); `optim` is this rank's local optimizer over its partition. `step()` runs the
     local step, then all-gathers the updated parameters. Call `consolidate_state_dict(to)` on
-    every rank before `state_dict()` on rank `to`.
+    every rank before `state_dict()` on rank `to`. Joinable, as torch's is: under
+    `Join([model, optimizer])` a rank out of batches keeps stepping (see StepsWhileOthersTrain).
     """
 
     def __init__(
@@ -74,6 +76,7 @@ class ZeroRedundancyOptimizer(Optimizer):
             raise ValueError("ZeroRedundancyOptimizer got an empty parameter list")
         self._initialized = False
         super().__init__(params, defaults)
+        Joinable.__init__(self)
         every = self._every_param()
         kinds = {(p.dtype, p.device) for p in every}
         if len(kinds) > 1 or any(p.is_sparse for p in every):
@@ -115,11 +118,23 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Step this rank's partition, then share the updated parameters with every rank."""
+        Join.notify_join_context(self)  # under Join: only its first joinable communicates
         _copy_hyperparameters(self.param_groups, self.optim.param_groups)  # a scheduler's lr
         loss = self.optim.step() if closure is None else self.optim.step(closure)
         _copy_hyperparameters(self.optim.param_groups, self.param_groups)
         self._share_updated_parameters()
         return loss
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return StepsWhileOthersTrain(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._every_param()[0].device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.process_group
 
     def _share_updated_parameters(self) -> None:
         """One all-gather: rank r's share, flattened, lands in slot r of everyone's buffer."""
@@ -191,6 +206,18 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     def _every_param(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
+
+
+class StepsWhileOthersTrain(JoinHook):
+    """A joined rank's part in each step the others still take: its own step, with the
+    gradients it last had, and so its share in the all-gather, as torch's ZeRO join hook does.
+    (Put the DDP first in `Join([model, optimizer])`: its shadows come before the step.)"""
+
+    def __init__(self, optimizer: ZeroRedundancyOptimizer) -> None:
+        self.optimizer = optimizer
+
+    def main_hook(self) -> None:
+        self.optimizer.step()
 
 
 def _copy_hyperparameters(source: list[dict[str, Any]], target: list[dict[str, Any]]) -> None:
