@@ -140,16 +140,14 @@ def cleanup() -> None:
 
 
 def _end_the_group_at_exit() -> None:
-    """For a script that ends without cleanup(): end the group while Python is still whole.
+    """For a script that ends without cleanup(): the same, while Python is still whole.
 
-    Left running into the interpreter's shutdown, gloo's threads may release a tensor whose
-    Python object needs the interpreter that is going away; the process then aborts with
-    "terminate called without an active exception" after its work is done (pytorch#190489,
-    and the reason for pytorch#179291). Not when an exception is ending the process or a
-    collective failed here: a collective may then still be in flight, and destroying the
-    group would wait for it, up to the whole timeout.
+    A group left to the interpreter's shutdown (pytorch#190489), or destroyed at exit without
+    first waiting for the other ranks (seen here), sometimes aborts a process with "terminate
+    called without an active exception" after its work is done. Not when an exception is
+    ending the process or a collective failed here: the other ranks may never arrive, and this
+    rank's exit note has told them what they need.
     """
     if not dist.is_initialized() or getattr(sys, "last_value", None) is not None or any_broken():
         return
-    forget_boards()  # atexit runs handlers last-registered first: the exit notes are posted
-    dist.destroy_process_group()
+    cleanup()
