@@ -54,7 +54,7 @@ class JoinsUnevenInputs(Joinable):
         throw_on_early_termination: bool = False,
     ) -> Join:
         """`with model.join(): for batch in my_batches: ...` trains on uneven inputs, as torch's
-        `DistributedDataParallel.join` does (its arguments are Join's, documented above)."""
+        `DistributedDataParallel.join` does (the arguments are Join's: see this file's top)."""
         return Join([self], enable, throw_on_early_termination,
                     divide_by_initial_world_size=divide_by_initial_world_size)  # fmt: skip
 
@@ -74,6 +74,7 @@ class JoinsUnevenInputs(Joinable):
         rank if one has joined and `throw_on_early_termination`), choose the divisor, and say
         whether this forward's backward will sync. Outside a Join, nothing."""
         still_training = Join.notify_join_context(self)
+        self._refuse_static_graph_under_join()
         if self._comm_hook is None:
             self._divide_by = self.world_size
             if still_training is not None and not self._divide_by_initial_world_size:
@@ -81,6 +82,16 @@ class JoinsUnevenInputs(Joinable):
                 self._divide_by = int(still_training.get_future().value()[0].item())
         if self._join_config.enable:
             self._any_rank_syncs(torch.is_grad_enabled() and self._require_backward_grad_sync)
+
+    def _refuse_static_graph_under_join(self) -> None:
+        """static_graph's first backward adds a collective that no joined rank shadows: a clear
+        error on every rank (training ones here, joined ones in main_hook), not a hang."""
+        if self._join_config.enable and self.static_graph:
+            raise NotImplementedError(
+                "MiniDDP does not support Join together with static_graph=True. Give every "
+                "rank the same number of batches (DistributedSampler with drop_last=True), or "
+                "use use_reentrant=False checkpointing without static_graph."
+            )
 
     def _any_rank_syncs(self, this_rank_syncs: bool) -> bool:
         flag = torch.tensor([int(this_rank_syncs)], device=self.join_device)
@@ -131,6 +142,7 @@ class ShadowsTraining(JoinHook):
 
     def main_hook(self) -> None:
         ddp = self.ddp
+        ddp._refuse_static_graph_under_join()
         should_sync = ddp._any_rank_syncs(False)
         if ddp._layout.rebuild_due:
             ddp._rebuild_buckets()
@@ -147,6 +159,8 @@ class ShadowsTraining(JoinHook):
             shadow.wait(ddp._wait)
         if ddp.find_unused_parameters:
             ddp._shadow_usage()
+        # Joined before observing any order: it offers registration order to the coming rebuild
+        # (as torch's does); rank 0's order is the one every rank adopts.
         layout = ddp._layout
         if not layout.has_rebuilt and not layout.ready_order:
             layout.ready_order = list(range(len(ddp.params)))

@@ -163,6 +163,11 @@ def early_termination(wrapper: str) -> int:
                      {"throw_on_early_termination": True})["losses"])  # fmt: skip
 
 
+def join_with_static_graph() -> None:
+    """Join and static_graph together: refused on every rank, the joined one included."""
+    train("miniddp", "twice", [1] + [2] * (dist.get_world_size() - 1), {"static_graph": True}, {})
+
+
 def without_static_graph() -> None:
     """The block run twice under reentrant checkpointing, without static_graph: refused."""
     train("miniddp", "twice", [2] * dist.get_world_size(), {}, None)

@@ -103,3 +103,11 @@ def test_without_static_graph_the_block_run_twice_is_refused(pool2):
     for rank, outcome in enumerate(outcomes):
         assert isinstance(outcome, RankFailure), f"rank {rank} did not raise"
         assert "twice" in outcome.message and "static_graph=True" in outcome.message, outcome
+
+
+def test_join_with_static_graph_is_refused_on_every_rank(pool2):
+    outcomes = pool2.run_expecting_errors(join_tasks.join_with_static_graph, timeout=60)
+    for rank, outcome in enumerate(outcomes):
+        assert isinstance(outcome, RankFailure), f"rank {rank} did not raise"
+        assert outcome.type_name == "NotImplementedError", outcome
+        assert "static_graph" in outcome.message, outcome
