@@ -60,10 +60,7 @@ class TrainSpec:
     # models here are tiny, so the default would always take the batched path.
     small_gradient_numel: int = Bucket.small_gradient_numel
     set_grads_to_none: bool = True  # False keeps .grad tensors (bucket views, with the option)
-    # One optimizer step's loop, as "module:function" (a training-loop mistake of
-    # tutorials/mistakes/), called as function(model, optimizer, micro_batches) in place of the
-    # loop below; it steps the optimizer itself. None: the loop below.
-    training_step: str | None = None
+    training_step: str | None = None  # "module:function": a loop from tutorials/mistakes/
 
 
 def comm_hooks() -> dict:
@@ -226,7 +223,7 @@ def _train(spec: TrainSpec, use_torch: bool) -> dict:
                     model.finish_gradient_synchronization()
             grads.append(grads_of(net))
             optimizer.step()
-        else:  # a training-loop mistake of tutorials/mistakes/: it steps the optimizer itself
+        else:  # function(model, optimizer, micro_batches), a loop that also steps the optimizer
             batches = [micro_batch(spec, rank, step, m) for m in range(spec.accumulation)]
             load_implementation(spec.training_step)(model, optimizer, batches)
             grads.append(grads_of(net))  # SGD's step leaves .grad as it was
@@ -235,11 +232,10 @@ def _train(spec: TrainSpec, use_torch: bool) -> dict:
         params.append(params_of(net))
     layout = bucket_layout(model, net)
     names = [name for name, _ in net.named_parameters()]
-    return {
-        "grads": grads, "states": states, "params": params, "layout": layout, "names": names,
-        "state_names": list(net.state_dict()), "buffer_names": [n for n, _ in net.named_buffers()],
-        "all_reduces": getattr(model, "all_reduce_count", None),  # torch's DDP does not count
-    }  # fmt: skip
+    buffers = [name for name, _ in net.named_buffers()]
+    return {"grads": grads, "states": states, "params": params, "layout": layout, "names": names,
+            "state_names": list(net.state_dict()), "buffer_names": buffers,
+            "all_reduces": getattr(model, "all_reduce_count", None)}  # fmt: skip
 
 
 def bucket_layout(model: nn.Module, net: nn.Module) -> list[list[str]]:
