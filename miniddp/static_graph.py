@@ -9,10 +9,10 @@ the first would send half a gradient, so MiniDDP refuses ("got its gradient twic
 If the graph is the same every iteration, the fix is to count. The first synced backward only
 counts each parameter's hooks and reduces nothing until it is over; then every bucket is
 all-reduced at once (no overlap in that one step), and parameters that fired no hook on any rank
-keep their `.grad`. From the second backward on, a parameter is ready when its hook has fired as
-many times as it did then, and a parameter that fired none is ready at once, contributing zeros.
-The order in which that second backward finished its parameters is the order the buckets are
-rebuilt from, before the third forward.
+keep their `.grad` then and ever after. From the second backward on, a parameter is ready when its
+hook has fired as many times as it did then, and one that fired none is ready at once (zeros).
+The order in which the second backward finished its parameters, those that fire none last, is the
+order the buckets are rebuilt from, before the third forward.
 """
 
 from __future__ import annotations
