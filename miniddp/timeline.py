@@ -7,14 +7,14 @@ backward end and sync end. This module turns those instants into spans on two la
     compute         forward, backward, then the wait for the last all-reduces (and copy-back)
     communication   one span per bucket, from its launch to its all-reduce's completion
 
-and shows them three ways: an ASCII timeline for the terminal, a Chrome trace (Perfetto,
-chrome://tracing) merged across ranks, and summary numbers. The summary answers the question
-this project exists for: how much of the communication ran while backward was still computing?
+and summary numbers, which answer the question this project exists for: how much of the
+communication ran while backward was still computing? miniddp/timeline_views.py shows the same
+steps as an ASCII timeline, a Chrome trace (Perfetto, chrome://tracing) and a matplotlib figure.
 
     with recording(ddp):                      # opt in; off by default and free when off
         ddp(x).sum().backward()
     steps = gather(split_steps(ddp.events, rank))   # every rank's steps, on every rank
-    print(ascii_timeline(steps)); print(summarize(steps[0]))
+    print(summarize(steps[0]))                # and timeline_views.ascii_timeline(steps)
 
 While recording, the same spans also go through `torch.profiler.record_function`, so a
 torch.profiler trace shows "miniddp: bucket 3" beside gloo's own `gloo:all_reduce` events.
@@ -22,14 +22,11 @@ torch.profiler trace shows "miniddp: bucket 3" beside gloo's own `gloo:all_reduc
 
 from __future__ import annotations
 
-import json
 import math
-import string
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -294,160 +291,3 @@ class ProfilerSpans:
     def close_all(self) -> None:
         while self._open:
             self._open.popitem()[1].__exit__(None, None, None)
-
-
-BUCKET_LABELS = string.digits + string.ascii_lowercase + string.ascii_uppercase
-COMPUTE_LABELS = {"forward": "f", "backward": "b", "wait": "w"}
-
-
-def _label(span: Span) -> str:
-    if span.lane == COMPUTE:
-        return COMPUTE_LABELS.get(span.name, "?")
-    index = int(span.name.split()[-1]) if span.name.split()[-1].isdigit() else 0
-    return BUCKET_LABELS[index % len(BUCKET_LABELS)]
-
-
-def ascii_timeline(steps: Sequence[StepTimeline], width: int = 96) -> str:
-    """Draw steps on a shared time axis: a compute and a communication lane per rank and step.
-
-    Compute: f forward, b backward, w waiting for the last all-reduces after backward.
-    Communication: the bucket's index (0-9, then a-z, A-Z); where several buckets are in flight,
-    the oldest, which is the one gloo works on: launches are queued in order.
-    """
-    if not steps:
-        return "(no steps recorded)"
-    t0 = min(step.start for step in steps)
-    total = max(step.end for step in steps) - t0 or 1e-9
-    cell = total / width
-    several_steps = len({step.step for step in steps}) > 1
-    names = {
-        id(step): f"rank {step.rank}" + (f" step {step.step}" if several_steps else "")
-        for step in steps
-    }
-    lane_width = max(len(COMPUTE), len(COMM))  # lane names in full
-    indent = max(map(len, names.values())) + lane_width + 2
-    lines = [f"{'':{indent}}|0 ms{f'{total * 1e3:.2f} ms':>{width - 4}}|"]
-    for step in sorted(steps, key=lambda s: (s.step, s.rank)):
-        for lane in (COMPUTE, COMM):
-            spans = [s for s in step.spans if s.lane == lane]
-            row = "".join(_cell(spans, t0 + i * cell, t0 + (i + 1) * cell) for i in range(width))
-            who = names[id(step)] if lane == COMPUTE else ""
-            lines.append(f"{who:<{indent - lane_width - 2}} {lane:<{lane_width}} |{row}|")
-    lines.append(
-        f"{'':{indent}} f forward, b backward, w wait after backward; 0-9a-z: bucket index"
-    )
-    return "\n".join(lines)
-
-
-def _cell(spans: list[Span], start: float, end: float) -> str:
-    middle = (start + end) / 2
-    in_flight = [s for s in spans if s.start <= middle < s.end]
-    touching = in_flight or [s for s in spans if s.start < end and s.end > start]
-    if not touching:
-        return " "
-    return _label(min(touching, key=lambda s: s.start))
-
-
-def chrome_trace(steps: Sequence[StepTimeline]) -> dict[str, Any]:
-    """The steps as a Chrome trace (JSON object format): one process per rank, threads for
-    compute and communication. Buckets in flight at the same time go on separate rows, since
-    a trace viewer needs the spans on one thread to nest."""
-    t0 = min((step.start for step in steps), default=0.0)
-
-    def micros(seconds: float) -> float:
-        return round((seconds - t0) * 1e6, 3)
-
-    trace: list[dict[str, Any]] = []
-    rows_of_rank: dict[int, list[float]] = {}
-    for step in steps:
-        pid = step.rank
-        if pid not in rows_of_rank:
-            rows_of_rank[pid] = []
-            trace.append(_meta("process_name", pid, 0, f"rank {pid}"))
-            trace.append(_meta("process_sort_index", pid, 0, pid))
-            trace.append(_meta("thread_name", pid, 0, COMPUTE))
-        rows = rows_of_rank[pid]
-        for span in sorted(step.spans, key=lambda s: s.start):
-            tid = 0
-            if span.lane == COMM:
-                row = next((i for i, free_at in enumerate(rows) if free_at <= span.start), None)
-                if row is None:
-                    row = len(rows)
-                    rows.append(0.0)
-                    suffix = f" {row + 1}" if row else ""
-                    trace.append(_meta("thread_name", pid, row + 1, COMM + suffix))
-                rows[row] = span.end
-                tid = row + 1
-            trace.append(
-                {
-                    "name": span.name,
-                    "cat": span.lane,
-                    "ph": "X",
-                    "pid": pid,
-                    "tid": tid,
-                    "ts": micros(span.start),
-                    "dur": round(span.duration * 1e6, 3),
-                    "args": {"step": step.step},
-                }
-            )
-        for mark in step.marks:
-            trace.append(
-                {
-                    "name": f"{mark.kind} {mark.name}",
-                    "cat": mark.kind,
-                    "ph": "i",
-                    "s": "t",
-                    "pid": pid,
-                    "tid": 0,
-                    "ts": micros(mark.time),
-                    "args": {"step": step.step},
-                }
-            )
-    return {"traceEvents": trace, "displayTimeUnit": "ms"}
-
-
-def _meta(name: str, pid: int, tid: int, value: Any) -> dict[str, Any]:
-    key = "sort_index" if name.endswith("sort_index") else "name"
-    return {"name": name, "ph": "M", "pid": pid, "tid": tid, "args": {key: value}}
-
-
-def write_chrome_trace(steps: Sequence[StepTimeline], path: str | Path) -> Path:
-    """Write the merged trace; open it at ui.perfetto.dev or chrome://tracing."""
-    path = Path(path)
-    path.write_text(json.dumps(chrome_trace(steps)))
-    return path
-
-
-def plot(steps: Sequence[StepTimeline], path: str | Path, title: str = "") -> Path:
-    """Save the timeline as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display needed
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(12, 0.5 + 0.9 * len(steps)))
-    draw(axes, steps)
-    axes.set_title(title)
-    figure.tight_layout()
-    path = Path(path)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
-
-
-def draw(axes: Any, steps: Sequence[StepTimeline], t0: float | None = None) -> None:
-    """Draw the steps' lanes on matplotlib `axes`, in ms from `t0` (default: the first start)."""
-    t0 = min(step.start for step in steps) if t0 is None else t0
-    lanes = [(step, lane) for step in steps for lane in (COMPUTE, COMM)]
-    colors = {"forward": "tab:blue", "backward": "tab:green", "wait": "tab:red"}
-    for row, (step, lane) in enumerate(lanes):
-        for span in (s for s in step.spans if s.lane == lane):
-            color = colors.get(span.name, "tab:orange" if _label(span) in "02468" else "tab:brown")
-            start_ms = (span.start - t0) * 1e3
-            axes.broken_barh([(start_ms, span.duration * 1e3)], (row - 0.4, 0.8), color=color)
-            if lane == COMM:
-                axes.text(start_ms, row, _label(span), va="center", fontsize=7)
-    axes.set_yticks(range(len(lanes)))
-    axes.set_yticklabels([f"rank {s.rank} step {s.step} {lane}" for s, lane in lanes])
-    axes.invert_yaxis()
-    axes.set_xlabel("ms")

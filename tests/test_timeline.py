@@ -15,17 +15,8 @@ import pytest
 import torch
 
 from miniddp.events import Event
-from miniddp.timeline import (
-    COMM,
-    COMPUTE,
-    ProfilerSpans,
-    StepTimeline,
-    ascii_timeline,
-    chrome_trace,
-    plot,
-    split_steps,
-    summarize,
-)
+from miniddp.timeline import COMM, COMPUTE, ProfilerSpans, StepTimeline, split_steps, summarize
+from miniddp.timeline_views import ascii_timeline, chrome_trace, plot
 from tests import timeline_tasks
 from tests.harness.processes import child_env, run_in_own_session
 

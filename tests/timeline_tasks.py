@@ -19,7 +19,8 @@ from torch.nn.parallel import DistributedDataParallel
 from miniddp import MiniDDP
 from miniddp.baselines import BASELINES, DeferredMiniDDP
 from miniddp.steps import BucketedDDP, TorchLayoutDDP
-from miniddp.timeline import chrome_trace, gather, recording, split_steps, summarize
+from miniddp.timeline import gather, recording, split_steps, summarize
+from miniddp.timeline_views import chrome_trace
 
 
 def deep_model() -> nn.Sequential:

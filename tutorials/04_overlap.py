@@ -43,7 +43,8 @@ from miniddp.figures import draw
 from miniddp.link import all_reduce_hook, simulated_link
 from miniddp.overlap_model import predict_step, uniform_buckets
 from miniddp.steps import BucketedDDP, NaiveDDP, OverlapDDP, TorchLayoutDDP
-from miniddp.timeline import StepTimeline, ascii_timeline, gather, recording, split_steps, summarize
+from miniddp.timeline import StepTimeline, gather, recording, split_steps, summarize
+from miniddp.timeline_views import ascii_timeline
 
 # A slow, shared network (think cloud regions apart): 5 ms a collective, 250 Mbit/s. Slow enough
 # that the link, not this machine's busy cores, sets the pace of communication.

@@ -51,7 +51,8 @@ from miniddp import MiniDDP
 from miniddp.env import DistEnv, cleanup, init_distributed
 from miniddp.link import simulated_link
 from miniddp.sampler import DistributedSampler
-from miniddp.timeline import ascii_timeline, recording, split_steps, summarize
+from miniddp.timeline import recording, split_steps, summarize
+from miniddp.timeline_views import ascii_timeline
 
 TRAIN_STEPS = 4
 LEARNING_RATE = 0.1

@@ -18,7 +18,8 @@ from torch.utils.data import TensorDataset
 
 from miniddp.link import ENVIRONMENT_VARIABLE, Link
 from miniddp.steps.__main__ import diff, idea, label
-from miniddp.timeline import StepTimeline, ascii_timeline, gather, split_steps
+from miniddp.timeline import StepTimeline, gather, split_steps
+from miniddp.timeline_views import ascii_timeline
 
 
 def make_dataset(

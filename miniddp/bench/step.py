@@ -45,7 +45,8 @@ from miniddp.link import (
     all_reduce_hook,
     simulated_link,
 )
-from miniddp.timeline import gather, recording, split_steps, summarize, write_chrome_trace
+from miniddp.timeline import gather, recording, split_steps, summarize
+from miniddp.timeline_views import write_chrome_trace
 
 
 @dataclass(frozen=True)

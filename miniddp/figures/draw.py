@@ -14,9 +14,10 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt
 
-from miniddp import timeline
+from miniddp import timeline_views
 from miniddp.buckets import BucketInfo
 from miniddp.collectives import Message
+from miniddp.timeline import StepTimeline
 
 DPI = 100
 # PNGs without the matplotlib version stamped in: the same data gives the same bytes.
@@ -97,13 +98,13 @@ def _short(names: Sequence[str]) -> str:
     return names[0] if len(names) == 1 else f"{names[0]}\n... {names[-1]}"
 
 
-def timelines(designs: dict[str, Sequence[timeline.StepTimeline]], path: str | Path) -> Path:
+def timelines(designs: dict[str, Sequence[StepTimeline]], path: str | Path) -> Path:
     """One panel per design, on one time axis: compute and communication lanes of one step."""
     figure, panels = plt.subplots(
         len(designs), 1, figsize=(10, 0.4 + 1.35 * len(designs)), sharex=True, squeeze=False
     )
     for axes, (title, steps) in zip(panels[:, 0], designs.items()):
-        timeline.draw(axes, steps)
+        timeline_views.draw(axes, steps)
         axes.set_title(title, fontsize=10, loc="left")
         axes.set_xlabel("")
     panels[-1, 0].set_xlabel("ms since the step's forward began")
