@@ -11,14 +11,9 @@ from collections import Counter
 
 import pytest
 
-from miniddp.bench.step import (
-    VARIANTS,
-    paired_ratio,
-    paired_ratio_interval,
-    quantile,
-    rotated,
-    targets,
-)
+from miniddp.bench.paired import paired_ratio, paired_ratio_interval, quantile, rotated
+from miniddp.bench.step import targets
+from miniddp.bench.variants import VARIANTS
 from tests.harness.processes import child_env, run_in_own_session
 
 

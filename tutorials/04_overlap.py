@@ -37,7 +37,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from miniddp import MiniDDP
 from miniddp.baselines import DeferredMiniDDP, NoCommunication
-from miniddp.bench.step import Workload, paired_ratio, time_interleaved
+from miniddp.bench.paired import paired_ratio, time_interleaved
+from miniddp.bench.workloads import Workload
 from miniddp.env import cleanup, init_distributed
 from miniddp.figures import draw
 from miniddp.link import all_reduce_hook, simulated_link

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import sys
 
+import torch
+
 from miniddp.env import launched_by_torchrun
 
 
@@ -27,3 +29,11 @@ def relaunch_under_torchrun(argv: list[str], nproc: int = 2) -> None:
 
 def should_relaunch() -> bool:
     return not launched_by_torchrun()
+
+
+def backend_for(device: str) -> str:
+    """gloo on CPU. On GPUs, NCCL needs a GPU per rank; ranks that share one use gloo, which
+    takes CUDA tensors too (it copies them through host memory)."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    enough_gpus = device == "cuda" and torch.cuda.device_count() >= local_ranks
+    return "nccl" if enough_gpus else "gloo"

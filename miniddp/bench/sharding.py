@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from miniddp import MiniDDP, ZeroRedundancyOptimizer, fully_shard
-from miniddp.bench.step import paired_ratio, paired_ratio_interval, rotated
+from miniddp.bench.paired import paired_ratio, paired_ratio_interval, rotated
 from miniddp.collectives import traffic
 from miniddp.comm_hooks import all_reduce_hook
 from miniddp.env import cleanup, init_distributed

@@ -1,10 +1,8 @@
 """`python -m miniddp.bench step`: a training step under every design, against torch's DDP.
 
-Every variant lives in the same pair of processes, on its own copy of the same model. Each
-iteration runs every variant once, in an order rotated by one every iteration, with a barrier
-before each step; a step's time is the slowest rank's. So the variants share the machine's
-background load, and "vs torch" is the median over iterations of (variant / torch's DDP at the
-same caps, same iteration): paired ratios, the only figures worth trusting on a shared machine.
+Every variant (miniddp/bench/variants.py) lives in the same pair of processes, on its own copy
+of the same model (miniddp/bench/workloads.py), and is timed interleaved and paired with torch's
+DDP at the same caps (miniddp/bench/paired.py); a step's time is the slowest rank's.
 
 A step is: gradients set to None (what `optimizer.zero_grad()` does), forward, loss, backward,
 `finish_gradient_synchronization()`; it ends with gradients averaged (the naive rung averages in
@@ -25,192 +23,26 @@ import math
 import os
 import platform
 import statistics
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
-from miniddp.baselines import BASELINES, DeferredMiniDDP
-from miniddp.ddp import MiniDDP
-from miniddp.env import cleanup, init_distributed
-from miniddp.link import (
-    ENVIRONMENT_VARIABLE,
-    EXAMPLE,
-    Link,
-    active_link,
-    all_reduce_hook,
-    simulated_link,
+from miniddp.bench import backend_for
+from miniddp.bench.paired import (
+    paired_ratio,
+    paired_ratio_interval,
+    quantile,
+    step,
+    time_interleaved,
 )
+from miniddp.bench.variants import VARIANT_HELP, VARIANTS
+from miniddp.bench.workloads import Workload, workloads
+from miniddp.env import cleanup, init_distributed
+from miniddp.link import ENVIRONMENT_VARIABLE, EXAMPLE, Link, simulated_link
 from miniddp.timeline import gather, recording, split_steps, summarize
 from miniddp.timeline_views import write_chrome_trace
-
-
-@dataclass(frozen=True)
-class Workload:
-    """A model (rebuilt identically on every call) and one rank's batch, with its loss."""
-
-    name: str
-    what: str
-    build: Callable[[], nn.Module]
-    batch: tuple[torch.Tensor, ...]
-    loss: Callable[[nn.Module, tuple[torch.Tensor, ...]], torch.Tensor]
-
-
-def _seeded(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
-    def seeded_build() -> nn.Module:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            return build()
-
-    return seeded_build
-
-
-def _mean_square(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    return model(batch[0]).square().mean()
-
-
-class TiedTransformer(nn.Module):
-    """A small language model whose output projection is its token embedding (one tensor)."""
-
-    def __init__(self, vocab: int = 4096, width: int = 256, layers: int = 4, length: int = 64):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.position = nn.Parameter(torch.zeros(length, width))
-        layer = nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0.0, batch_first=True)
-        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.norm = nn.LayerNorm(width)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        hidden = self.blocks(self.embed(tokens) + self.position[: tokens.shape[1]])
-        return self.norm(hidden) @ self.embed.weight.T  # tied: the embedding reads out too
-
-
-def _next_token_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    tokens = batch[0]
-    logits = model(tokens[:, :-1])
-    return nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-
-
-def workloads(rank: int) -> dict[str, Workload]:
-    """The three models, each with this rank's own (seeded) batch."""
-    generator = torch.Generator().manual_seed(1000 + rank)
-    return {
-        "mlp": Workload(
-            "mlp",
-            "10 Linear(1024, 1024) + ReLU: 10.5M parameters in 20 tensors, batch 32",
-            _seeded(lambda: nn.Sequential(*[m for _ in range(10) for m in _linear_relu(1024)])),
-            (torch.randn(32, 1024, generator=generator),),
-            _mean_square,
-        ),
-        "transformer": Workload(
-            "transformer",
-            "4-layer transformer, width 256, tied 4096-token embedding: 52 tensors, 4 x 32 tokens",
-            _seeded(TiedTransformer),
-            (torch.randint(0, 4096, (4, 33), generator=generator),),
-            _next_token_loss,
-        ),
-        "deep": Workload(
-            "deep",
-            "150 Linear(64, 64) + Tanh: 300 small tensors (0.6M parameters), batch 32",
-            _seeded(lambda: nn.Sequential(*[m for _ in range(150) for m in _linear_tanh(64)])),
-            (torch.randn(32, 64, generator=generator),),
-            _mean_square,
-        ),
-    }
-
-
-def _linear_relu(width: int) -> list[nn.Module]:
-    return [nn.Linear(width, width), nn.ReLU()]
-
-
-def _linear_tanh(width: int) -> list[nn.Module]:
-    return [nn.Linear(width, width), nn.Tanh()]
-
-
-def _torch_ddp(**options) -> Callable[[nn.Module], nn.Module]:
-    def wrap(module: nn.Module) -> nn.Module:
-        ddp = DistributedDataParallel(module, **options)
-        if active_link() is not None:  # torch reduces in C++, past dist.all_reduce: route it over
-            ddp.register_comm_hook(None, all_reduce_hook)
-        return ddp
-
-    return wrap
-
-
-def _miniddp(cls: type[MiniDDP] = MiniDDP, **options) -> Callable[[nn.Module], nn.Module]:
-    return lambda module: cls(module, **options)
-
-
-# name -> (how to wrap a fresh model, the torch variant it is compared with)
-VARIANTS: dict[str, tuple[Callable[[nn.Module], nn.Module], str]] = {
-    **{name: (cls, "torch") for name, cls in BASELINES.items()},
-    "miniddp": (_miniddp(), "torch"),
-    "miniddp-1": (_miniddp(bucket_cap_mb=1), "torch-1"),
-    "miniddp-5": (_miniddp(bucket_cap_mb=5), "torch-5"),
-    "miniddp-25": (_miniddp(bucket_cap_mb=25), "torch-25"),
-    "deferred-1": (_miniddp(DeferredMiniDDP, bucket_cap_mb=1), "torch-1"),
-    "miniddp-view": (_miniddp(gradient_as_bucket_view=True), "torch-view"),
-    "torch": (_torch_ddp(), "torch"),
-    "torch-1": (_torch_ddp(bucket_cap_mb=1), "torch-1"),
-    "torch-5": (_torch_ddp(bucket_cap_mb=5), "torch-5"),
-    "torch-25": (_torch_ddp(bucket_cap_mb=25), "torch-25"),
-    "torch-view": (_torch_ddp(gradient_as_bucket_view=True), "torch-view"),
-}
-VARIANT_HELP = {
-    "none": "no communication at all: the compute floor",
-    "naive": "a blocking all-reduce per gradient after backward",
-    "flat": "one bucket for every gradient, all-reduced when the last one arrives",
-    "async": "an async all-reduce per gradient, launched from its hook",
-    "miniddp": "MiniDDP, torch's default caps (1 MiB first bucket, then 25 MiB)",
-    "miniddp-N": "MiniDDP with bucket_cap_mb=N (1, 5, 25)",
-    "deferred-1": "MiniDDP at 1 MiB, launches held until backward ends (ablation)",
-    "miniddp-view": "MiniDDP, default caps, gradient_as_bucket_view=True",
-    "torch[-N|-view]": "torch's DistributedDataParallel with the same settings",
-}
-
-
-def step(model: nn.Module, params: list[nn.Parameter], workload: Workload) -> None:
-    """One training step minus the optimizer: `.grad` ends averaged over the ranks."""
-    for param in params:
-        param.grad = None
-    workload.loss(model, workload.batch).backward()
-    finish = getattr(model, "finish_gradient_synchronization", None)  # torch's DDP has none
-    if finish is not None:
-        finish()
-    if workload.batch[0].is_cuda:
-        torch.cuda.synchronize()  # the step ends when the GPU is done, not when it was told
-
-
-def rotated(names: list[str], iteration: int) -> list[str]:
-    """The order for one iteration: every variant takes every position equally often."""
-    shift = iteration % len(names)
-    return names[shift:] + names[:shift]
-
-
-def time_interleaved(
-    models: dict[str, nn.Module], workload: Workload, iters: int, warmup: int = 3
-) -> dict[str, dict[str, list[float]]]:
-    """Per variant, this rank's wall and CPU seconds of each timed iteration."""
-    names = list(models)
-    params = {
-        name: [p for p in model.parameters() if p.requires_grad] for name, model in models.items()
-    }
-    for _ in range(warmup):  # the first step records the gradient order; the second rebuilds
-        for name in names:
-            step(models[name], params[name], workload)
-    times: dict[str, dict[str, list[float]]] = {n: {"wall": [], "cpu": []} for n in names}
-    for iteration in range(iters):
-        for name in rotated(names, iteration):
-            dist.barrier()
-            wall, cpu = time.perf_counter(), time.process_time()
-            step(models[name], params[name], workload)
-            times[name]["cpu"].append(time.process_time() - cpu)
-            times[name]["wall"].append(time.perf_counter() - wall)
-    return times
 
 
 def record_overlap(
@@ -265,31 +97,6 @@ def _max_over_ranks(everyone: list, name: str, key: str) -> list[float]:
 
 def _sum_over_ranks(everyone: list, name: str, key: str) -> list[float]:
     return [sum(values) for values in zip(*(rank[name][key] for rank in everyone))]
-
-
-def quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    position = q * (len(ordered) - 1)
-    low, high = math.floor(position), math.ceil(position)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
-def paired_ratio(ours: list[float], theirs: list[float]) -> float:
-    """Median over iterations of ours/theirs, each pair measured in the same iteration."""
-    return statistics.median(a / b for a, b in zip(ours, theirs))
-
-
-def paired_ratio_interval(ours: list[float], theirs: list[float]) -> tuple[float, float]:
-    """A 95% confidence interval for `paired_ratio`, assuming nothing about the distribution.
-
-    The true median lies between the k-th smallest and k-th largest of n ratios with 95%
-    confidence when k = n/2 - 0.98 sqrt(n) (the binomial count of ratios below the median,
-    approximated by a normal). A target closer to the median than this is not settled by the run.
-    """
-    ratios = sorted(a / b for a, b in zip(ours, theirs))
-    n = len(ratios)
-    below = max(0, math.floor(n / 2 - 0.98 * math.sqrt(n)))
-    return ratios[below], ratios[n - 1 - below]
 
 
 def statistics_of(result: dict) -> dict[str, dict[str, float]]:
@@ -430,14 +237,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown model or variant: {', '.join(unknown)}")
     return args
-
-
-def backend_for(device: str) -> str:
-    """gloo on CPU. On GPUs, NCCL needs a GPU per rank; ranks that share one use gloo, which
-    takes CUDA tensors too (it copies them through host memory)."""
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    enough_gpus = device == "cuda" and torch.cuda.device_count() >= local_ranks
-    return "nccl" if enough_gpus else "gloo"
 
 
 def main(argv: list[str]) -> None:
