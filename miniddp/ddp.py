@@ -1,6 +1,7 @@
-"""MiniDDP: data-parallel training whose whole life fits in one file. The top rung of the ladder
-in `miniddp/steps/`: torch's bucket layout (rung 4) plus no_sync, unused parameters, buffers,
-comm hooks, gradient_as_bucket_view, uneven inputs (Join), static_graph and the clear errors.
+"""MiniDDP, the top rung: torch's layout plus what real training needs, and clear errors.
+
+Rung 4 of `miniddp/steps/` plus no_sync, unused parameters, buffers, comm hooks,
+gradient_as_bucket_view, uneven inputs (Join) and static_graph; its whole life in one file:
 
     construct   check every rank has the same model, copy rank 0's weights to everyone,
                 lay gradients out in buckets, put a hook on every parameter
@@ -10,7 +11,6 @@ comm hooks, gradient_as_bucket_view, uneven inputs (Join), static_graph and the 
                 bucket starts an async all-reduce at once, while backward keeps computing
     wait        when backward ends, a queued callback waits for the buckets in order and writes
                 each one's averages back into `.grad` as soon as it arrives
-
 So gradients are averaged by the time `loss.backward()` returns, bit for bit as in torch's
 DistributedDataParallel: the layout, the 1/W scaling and the launch order follow torch's rules
 (miniddp/layout.py, miniddp/buckets.py; Join: miniddp/join.py; miniddp/static_graph.py).
