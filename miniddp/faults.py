@@ -38,8 +38,8 @@ While collectives finish in time the store is never touched. Given gloo's `Work`
 costs nothing extra: it blocks in torch's C++ for up to 0.1 s at a time, and gloo wakes it
 directly. Given a future (a comm hook's), or NCCL's Work (whose timed wait aborts the
 communicator when the time is up), it waits on an event that a callback sets; on gloo that
-callback must take Python's lock on gloo's thread before gloo moves on to the next collective,
-which cost 2-5% of a step that waits for 8 buckets in a row (chapter 04's model, paired runs).
+callback must take Python's lock on gloo's thread before gloo moves on to the next collective
+(what that costs: docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
