@@ -6,7 +6,9 @@ in one bucket, in registration order (no overlap yet), and notes the order in wh
 really became ready. Before the next forward the buckets are rebuilt once from rank 0's order
 (all ranks must launch the same buckets), the earliest gradients first, in a small first bucket
 (1 MiB, then 25 MiB; an explicit bucket_cap_mb caps every bucket, the first included) so that
-communication starts as early as backward allows.
+communication starts as early as backward allows. torch's reason for not guessing: with unused
+parameters on some ranks, or other collectives issued during backward, buckets launched in a
+guessed order could be matched with the wrong collective on another rank.
 
 Why the exact layout matters: with 3 or more ranks gloo sums a bucket in pieces, and which
 ranks' values are added first depends on each gradient's offset in the flat tensor: the same
