@@ -24,6 +24,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from miniddp.timeline import union_of_intervals
+
 
 @dataclass(frozen=True)
 class PredictedStep:
@@ -53,20 +55,10 @@ def predict_step(
         ready = backward_s * filled / total
         end = max(ready, end) + alpha + beta * size
         spans.append((ready, end))
-    comm = _union(spans)
+    comm = union_of_intervals(spans)
     comm_s = sum(stop - start for start, stop in comm)
     overlapped = sum(max(0.0, min(stop, backward_s) - start) for start, stop in comm)
     return PredictedStep(max(backward_s, end), comm_s, overlapped)
-
-
-def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[tuple[float, float]] = []
-    for start, stop in sorted(spans):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], stop))
-        else:
-            merged.append((start, stop))
-    return merged
 
 
 def uniform_buckets(total: int, bucket: float) -> list[int]:

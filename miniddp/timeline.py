@@ -177,7 +177,7 @@ class _StepBuilder:
 def summarize(step: StepTimeline) -> Summary:
     """The numbers for one step (see `Summary`)."""
     backward = step.span("backward")
-    comm = _union((s.start, s.end) for s in step.buckets)
+    comm = union_of_intervals((s.start, s.end) for s in step.buckets)
     comm_s = sum((end - start for start, end in comm), 0.0)
     if backward is None:  # no synced backward (e.g. inside no_sync): nothing to overlap with
         return Summary(step.end - step.start, 0.0, comm_s, 0.0, comm_s, 0.0)
@@ -194,7 +194,8 @@ def summarize(step: StepTimeline) -> Summary:
     )
 
 
-def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+def union_of_intervals(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Overlapping intervals merged: the time covered by at least one (buckets in flight)."""
     merged: list[tuple[float, float]] = []
     for start, end in sorted(intervals):
         if merged and start <= merged[-1][1]:
