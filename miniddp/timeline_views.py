@@ -153,11 +153,24 @@ def plot(steps: Sequence[StepTimeline], path: str | Path, title: str = "") -> Pa
     return path
 
 
+COMPUTE_COLORS = {"forward": "tab:blue", "backward": "tab:green", "wait": "tab:red"}
+
+
+def legend_handles() -> list[Any]:
+    """What `draw`'s colours mean, for a figure's legend."""
+    from matplotlib.patches import Patch
+
+    meanings = [("tab:blue", "forward"), ("tab:green", "backward"),
+                ("tab:red", "waiting for the last all-reduces"),
+                ("tab:orange", "an all-reduce in flight (colours alternate)")]  # fmt: skip
+    return [Patch(color=color, label=label) for color, label in meanings]
+
+
 def draw(axes: Any, steps: Sequence[StepTimeline], t0: float | None = None) -> None:
     """Draw the steps' lanes on matplotlib `axes`, in ms from `t0` (default: the first start)."""
     t0 = min(step.start for step in steps) if t0 is None else t0
     lanes = [(step, lane) for step in steps for lane in (COMPUTE, COMM)]
-    colors = {"forward": "tab:blue", "backward": "tab:green", "wait": "tab:red"}
+    colors = COMPUTE_COLORS
     for row, (step, lane) in enumerate(lanes):
         for span in (s for s in step.spans if s.lane == lane):
             color = colors.get(span.name, "tab:orange" if _label(span) in "02468" else "tab:brown")

@@ -108,6 +108,10 @@ def timelines(designs: dict[str, Sequence[StepTimeline]], path: str | Path) -> P
         axes.set_title(title, fontsize=10, loc="left")
         axes.set_xlabel("")
     panels[-1, 0].set_xlabel("ms since the step's forward began")
+    handles = timeline_views.legend_handles()
+    panels[-1, 0].legend(
+        handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=4, fontsize=8
+    )
     return save(figure, path)
 
 
