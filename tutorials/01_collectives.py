@@ -30,11 +30,11 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from common import add_plot_option, fmt_bytes, say, say_all_ranks, section
+from common import add_plot_option, end_chapter, fmt_bytes, say, say_all_ranks, section
 
 from miniddp import collectives
 from miniddp.collectives import Message
-from miniddp.env import cleanup, init_distributed
+from miniddp.env import init_distributed
 from miniddp.figures import draw
 
 SWEEP_ROUNDS = 5  # interleaved rounds per size: enough for a first look, not a benchmark
@@ -377,7 +377,7 @@ def main() -> None:
         counted steps match the schedule, the ring sends the fewest bytes per rank, and async
         collectives finish in issue order.""")
     )
-    cleanup()
+    end_chapter()
 
 
 if __name__ == "__main__":

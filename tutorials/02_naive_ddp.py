@@ -25,6 +25,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 from common import (
+    end_chapter,
     fmt_bytes,
     make_dataset,
     make_model,
@@ -37,7 +38,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
-from miniddp.env import cleanup, init_distributed
+from miniddp.env import init_distributed
 from miniddp.sampler import DistributedSampler
 from miniddp.steps import NaiveDDP
 from miniddp.steps.__main__ import label
@@ -236,7 +237,7 @@ def main() -> None:
         f"Verified on {world_size} ranks: NaiveDDP trains as one process on the global batch of "
         f"{global_batch} (within {TOLERANCE:.0e}), {exact} torch's DDP, replicas identical."
     )
-    cleanup()
+    end_chapter()
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import textwrap
 import torch.distributed as dist
 from common import (
     check_claims,
+    end_chapter,
     ladder_model,
     say,
     say_claims,
@@ -34,7 +35,7 @@ from common import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from miniddp.env import cleanup, init_distributed
+from miniddp.env import init_distributed
 from miniddp.steps import NaiveDDP, OverlapDDP
 
 STEPS = 3
@@ -111,7 +112,7 @@ def main() -> None:
         f"NaiveDDP, {parameters - 1} of them launched before backward's last gradient (NaiveDDP: "
         f"0); its gradients are one process's within {TOLERANCE:.0e} and {exact} torch's DDP."
     )
-    cleanup()
+    end_chapter()
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import textwrap
 import torch.distributed as dist
 from common import (
     check_claims,
+    end_chapter,
     ladder_model,
     say,
     say_claims,
@@ -38,7 +39,7 @@ from common import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from miniddp.env import cleanup, init_distributed
+from miniddp.env import init_distributed
 from miniddp.steps import BucketedDDP, OverlapDDP
 
 STEPS = 3
@@ -129,7 +130,7 @@ def main() -> None:
         f"gradient; its gradients are one process's within {TOLERANCE:.0e} and {exact} "
         "torch's DDP."
     )
-    cleanup()
+    end_chapter()
 
 
 if __name__ == "__main__":

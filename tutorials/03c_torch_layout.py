@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from common import (
     compare_gradients,
+    end_chapter,
     fmt_bytes,
     make_model,
     rung_layout,
@@ -41,7 +42,7 @@ from common import (
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from miniddp.env import cleanup, init_distributed
+from miniddp.env import init_distributed
 from miniddp.steps import TorchLayoutDDP
 
 LEARNING_RATE = 0.1
@@ -184,7 +185,7 @@ def main() -> None:
         f"gradient-ready order, the same layout as torch's DDP, bit-identical gradients; "
         f"{buckets - 1} of {buckets} all-reduces launched before backward's last gradient."
     )
-    cleanup()
+    end_chapter()
 
 
 if __name__ == "__main__":

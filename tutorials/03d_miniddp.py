@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from common import (
     check_claims,
+    end_chapter,
     ladder_model,
     say,
     say_all_ranks,
@@ -42,7 +43,7 @@ from miniddp import MiniDDP
 from miniddp.buckets import Bucket
 from miniddp.collectives import Message, record_messages
 from miniddp.comm_hooks import all_reduce_hook
-from miniddp.env import cleanup, init_distributed
+from miniddp.env import init_distributed
 from miniddp.faults import wait_for
 from miniddp.model_checks import parameters_not_reached, verify_same_model_on_every_rank
 from miniddp.steps.__main__ import diff, label
@@ -192,7 +193,7 @@ def main() -> None:
         f"01's ring, {2 * (world_size - 1)} messages each, the bytes of its formula; gradients "
         f"one process's within {TOLERANCE:.0e} and {exact} torch's DDP."
     )
-    cleanup()
+    end_chapter()
 
 
 if __name__ == "__main__":

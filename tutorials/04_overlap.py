@@ -31,7 +31,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from common import add_link_option, add_plot_option, fmt_bytes, say, section
+from common import add_link_option, add_plot_option, end_chapter, fmt_bytes, say, section
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -39,7 +39,7 @@ from miniddp import MiniDDP
 from miniddp.baselines import DeferredMiniDDP, NoCommunication
 from miniddp.bench.paired import paired_ratio, time_interleaved
 from miniddp.bench.workloads import Workload
-from miniddp.env import cleanup, init_distributed
+from miniddp.env import init_distributed
 from miniddp.figures import draw
 from miniddp.link import all_reduce_hook, simulated_link
 from miniddp.overlap_model import predict_step, uniform_buckets
@@ -290,7 +290,7 @@ def main() -> None:
             torch's gradients; buckets beat naive and deferred launch; the best bucket size (up
             to ties) is within 2x of the model's, and the overlap within 0.1 of it.""")
     dist.barrier()
-    cleanup()
+    end_chapter()
 
 
 if __name__ == "__main__":

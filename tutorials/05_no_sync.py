@@ -25,6 +25,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 from common import (
+    end_chapter,
     fmt_bytes,
     make_dataset,
     make_model,
@@ -38,7 +39,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 from miniddp import MiniDDP
-from miniddp.env import cleanup, init_distributed
+from miniddp.env import init_distributed
 
 MICRO_BATCH = 4  # samples per rank per micro-step
 OPTIMIZER_STEPS = 3
@@ -235,7 +236,7 @@ def main() -> None:
         f"parameters match one process within {TOLERANCE:.0e}; replicas identical; "
         f"forward outside no_sync still costs {k} x {buckets} all-reduces."
     )
-    cleanup()
+    end_chapter()
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import make_dataset, say, say_all_ranks, section
+from common import end_chapter, make_dataset, say, say_all_ranks, section
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -58,7 +58,7 @@ from miniddp.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
-from miniddp.env import DistEnv, cleanup, init_distributed
+from miniddp.env import DistEnv, init_distributed
 
 SEED = 0
 SAMPLES_PER_RANK = 48
@@ -383,7 +383,7 @@ def main() -> None:
         "the checkpoint does not."
     )
     say(f"final-params-sha256: {final_sha}")
-    cleanup()
+    end_chapter()
 
 
 if __name__ == "__main__":

@@ -23,13 +23,13 @@ import textwrap
 
 import torch
 import torch.distributed as dist
-from common import add_plot_option, fmt_bytes, say, section
+from common import add_plot_option, end_chapter, fmt_bytes, say, section
 from torch import nn
 
 from miniddp import MiniDDP, ZeroRedundancyOptimizer, full_state_dict, fully_shard
 from miniddp.collectives import traffic
 from miniddp.comm_hooks import all_reduce_hook
-from miniddp.env import cleanup, init_distributed
+from miniddp.env import init_distributed
 from miniddp.sharding import Formula, ddp_buckets, measure_memory, reduce_scatter_hook
 
 STEPS = 3
@@ -215,7 +215,7 @@ def main() -> None:
     assert RUNS["zero3"]["sent"] == 3 * (world - 1) * RUNS["zero3"]["owned"] * 4
     assert RUNS["zero3"]["memory"].total < RUNS["zero2"]["memory"].total or world == 1
     say("All claims hold: every byte where the formula says, and DDP's training, sharded.")
-    cleanup()
+    end_chapter()
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import textwrap
 
 import torch
 import torch.distributed as dist
-from common import make_model, say, section, step_batches, train_steps
+from common import end_chapter, make_model, say, section, step_batches, train_steps
 from mistakes import (
     correct_loop,
     hook_averages_weights,
@@ -36,7 +36,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from miniddp import MiniDDP
-from miniddp.env import cleanup, init_distributed
+from miniddp.env import init_distributed
 from miniddp.steps import NaiveDDP, OverlapDDP
 
 STEPS = 3
@@ -198,7 +198,7 @@ def main() -> None:
         f"\nVerified on {world_size} ranks: each of the five mistakes shows its symptom (replicas "
         f"apart, gradients x{K}, {K}x the all-reduces, a silent step) and each fix removes it."
     )
-    cleanup()
+    end_chapter()
 
 
 if __name__ == "__main__":

@@ -21,13 +21,21 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from common import make_dataset, make_model, parameter_checksum, say, say_all_ranks, section
+from common import (
+    end_chapter,
+    make_dataset,
+    make_model,
+    parameter_checksum,
+    say,
+    say_all_ranks,
+    section,
+)
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from miniddp import MiniDDP
-from miniddp.env import cleanup, init_distributed
+from miniddp.env import init_distributed
 from miniddp.faults import CollectiveFailed
 
 SHORT_TIMEOUT = timedelta(seconds=3)  # how long the demonstration waits for a silent rank
@@ -167,7 +175,7 @@ def main() -> None:
         "naming the rank that ran out; with model.join(), and a block run twice with "
         "static_graph=True, MiniDDP trains bit for bit like torch's DDP."
     )
-    cleanup()
+    end_chapter()
 
 
 if __name__ == "__main__":
