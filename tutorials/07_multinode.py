@@ -37,7 +37,6 @@ import torch
 import torch.distributed as dist
 from common import (
     add_link_option,
-    end_chapter,
     fmt_bytes,
     make_dataset,
     make_model,
@@ -49,7 +48,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from miniddp import MiniDDP
-from miniddp.env import DistEnv, init_distributed
+from miniddp.env import DistEnv, cleanup, init_distributed
 from miniddp.link import simulated_link
 from miniddp.sampler import DistributedSampler
 from miniddp.timeline import recording, split_steps, summarize
@@ -364,7 +363,7 @@ def main() -> None:
         f"every replica is identical after training ({len(BUCKET_CAPS) + 1} models), and "
         "with small buckets all-reduces start while backward runs."
     )
-    end_chapter()
+    cleanup()
 
 
 if __name__ == "__main__":

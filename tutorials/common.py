@@ -258,7 +258,9 @@ def end_chapter() -> None:
     Most chapters compare with torch's own DDP, and its reducer keeps gloo's process group alive
     past `destroy_process_group()`: tearing that down with the interpreter aborted about one
     run in 30 here ("terminate called without an active exception", SIGABRT, after the chapter
-    had verified everything). `os._exit` skips that teardown; output is flushed first.
+    had verified everything). `os._exit` skips that teardown; output is flushed first. Not for
+    chapter 07: there rank 0's process hosts the store the other node's torchrun still needs
+    once its workers have ended.
     """
     cleanup()
     sys.stdout.flush()
