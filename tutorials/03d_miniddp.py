@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from common import (
+    LADDER_TOLERANCE,
     check_claims,
     end_chapter,
     ladder_model,
@@ -50,8 +51,6 @@ from miniddp.steps.__main__ import diff, label
 
 STEPS = 3  # one bucket, the rebuild, then a step with the rebuilt buckets
 BATCH = 16  # samples per rank per step
-# float32 rounding is ~1e-7 relative; three steps of a tiny MLP stay far below this.
-TOLERANCE = 1e-5
 ROOT = Path(miniddp.__file__).resolve().parents[1]
 
 # (what MiniDDP adds to rung 4, the code that does it, where it is shown or specified)
@@ -186,12 +185,12 @@ def main() -> None:
     dist.all_reduce(promised, op=dist.ReduceOp.MIN)
     assert promised.item() == 1, "some bucket's ring sent other messages than the ring promises"
     assert ddp.all_reduce_count == 1 + (STEPS - 1) * len(buckets), ddp.all_reduce_count
-    exact = check_claims(one_process_gap, torch_equal, torch_gap, world_size, TOLERANCE)
+    exact = check_claims(one_process_gap, torch_equal, torch_gap, world_size, LADDER_TOLERANCE)
     dist.barrier()  # every rank has passed its own checks
     say(
         f"Verified on {world_size} ranks: MiniDDP's {len(buckets)} buckets went over chapter "
         f"01's ring, {2 * (world_size - 1)} messages each, the bytes of its formula; gradients "
-        f"one process's within {TOLERANCE:.0e} and {exact} torch's DDP."
+        f"one process's within {LADDER_TOLERANCE:.0e} and {exact} torch's DDP."
     )
     end_chapter()
 
