@@ -34,6 +34,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from miniddp.events import EventRecorder
+from miniddp.layout import bucket_caps
 from miniddp.steps import shared
 
 
@@ -72,7 +73,7 @@ class BucketedDDP(nn.Module, EventRecorder):
 
     def __init__(self, module: nn.Module, *, bucket_cap_mb: float | None = None) -> None:
         super().__init__()
-        cap = shared.bucket_cap_bytes(25 if bucket_cap_mb is None else bucket_cap_mb)
+        _, cap = bucket_caps(bucket_cap_mb)  # in bytes: 25 MiB, unless bucket_cap_mb says
         self.module = module
         self.world_size = dist.get_world_size()
         self.param_names, self.params = shared.trainable_parameters(module, "BucketedDDP")

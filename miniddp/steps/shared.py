@@ -5,14 +5,11 @@ Each name says what it does; none of it changes from one rung to the next.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
-
-MiB = 2**20
 
 
 def trainable_parameters(module: nn.Module, wrapper: str) -> tuple[list[str], list[nn.Parameter]]:
@@ -33,17 +30,6 @@ def broadcast_from_rank0(tensors: Iterable[torch.Tensor]) -> None:
     with torch.no_grad():
         for tensor in tensors:
             dist.broadcast(tensor, src=0)
-
-
-def bucket_cap_bytes(bucket_cap_mb: float) -> int:
-    """A bucket cap in bytes, from MiB (2**20 bytes), as torch counts it."""
-    is_number = isinstance(bucket_cap_mb, (int, float)) and not isinstance(bucket_cap_mb, bool)
-    if not is_number or not 0 < bucket_cap_mb < math.inf:
-        raise ValueError(
-            f"bucket_cap_mb must be a positive, finite number of MiB, got {bucket_cap_mb!r}. "
-            "Use e.g. 25 (torch's default), 1, or 0.0001 to give every parameter its own bucket."
-        )
-    return int(bucket_cap_mb * MiB)
 
 
 def unfinished_backward() -> RuntimeError:

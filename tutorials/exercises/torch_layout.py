@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
+from miniddp.layout import MiB, bucket_caps
 from miniddp.steps import shared
 
 
@@ -68,9 +69,9 @@ class TorchLayoutDDP(nn.Module):
     def __init__(self, module: nn.Module, *, bucket_cap_mb: float | None = None) -> None:
         super().__init__()
         if bucket_cap_mb is None:  # torch's default: a small first bucket, to start sending soon
-            self.caps = (shared.MiB, 25 * shared.MiB)
+            self.caps = (MiB, 25 * MiB)
         else:
-            self.caps = (shared.bucket_cap_bytes(bucket_cap_mb),) * 2
+            self.caps = bucket_caps(bucket_cap_mb)  # in bytes, the first bucket's and the rest's
         self.module = module
         self.world_size = dist.get_world_size()
         self.param_names, self.params = shared.trainable_parameters(module, "TorchLayoutDDP")
