@@ -56,6 +56,12 @@ _BITS = ("bit", "kbit", "mbit", "gbit", "tbit")
 # bits per second with decimal prefixes; stored as bytes per second.
 _TIME_UNITS = {unit: Fraction(1, 1000**power) for power, unit in enumerate(("s", "ms", "us", "ns"))}
 _RATE_UNITS = {unit: Fraction(1000**power, 8) for power, unit in enumerate(_BITS)}
+_LARGEST = Fraction(1e300)  # past any real link, and still a float
+# field -> (what it is, its units, whether it must be > 0 rather than >= 0, a valid value)
+_FIELDS = {
+    "alpha": ("a time", _TIME_UNITS, False, "alpha=200us"),
+    "bandwidth": ("a rate", _RATE_UNITS, True, "bandwidth=1gbit"),
+}
 
 
 class BadLink(ValueError, argparse.ArgumentTypeError):
@@ -88,18 +94,21 @@ class Link:
         """ "alpha=200us,bandwidth=1gbit" -> Link; "none", "" or None -> None (the bare machine)."""
         if text is None or text.strip().lower() in ("", "none"):
             return None
-        fields = {}
+        fields: dict[str, str] = {}
         for part in text.lower().split(","):
-            name, sep, value = part.partition("=")
+            name, sep, value = (piece.strip() for piece in part.partition("="))
             if not sep:
                 raise BadLink(text, f"{part.strip()!r} is not name=value")
-            fields[name.strip()] = value.strip()
-        if sorted(fields) != ["alpha", "bandwidth"]:
-            raise BadLink(text, "give exactly alpha and bandwidth")
-        return Link(
-            alpha=_quantity(fields["alpha"], _TIME_UNITS, text),
-            bandwidth=_quantity(fields["bandwidth"], _RATE_UNITS, text),
-        )
+            if name not in _FIELDS:
+                raise BadLink(text, f"{name!r} is not a field of a link: give alpha and bandwidth")
+            if name in fields:
+                raise BadLink(text, f"{name} is given twice")
+            fields[name] = value
+        missing = [name for name in _FIELDS if name not in fields]
+        if missing:
+            are = "is" if len(missing) == 1 else "are"
+            raise BadLink(text, f"{' and '.join(missing)} {are} missing: give alpha and bandwidth")
+        return Link(**{name: _quantity(name, fields[name], text) for name in _FIELDS})
 
     def __str__(self) -> str:
         bits = self.bandwidth * 8
@@ -107,11 +116,25 @@ class Link:
         return f"alpha={self.alpha * 1e6:g}us,bandwidth={bits / 1000**power:g}{_BITS[power]}"
 
 
-def _quantity(value: str, units: dict[str, Fraction], text: str) -> float:
-    match = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)\s*([a-z]+)", value)
-    if match is None or match.group(2) not in units:
-        raise BadLink(text, f"{value!r} is not a number >= 0 with a unit ({', '.join(units)})")
-    return float(Fraction(match.group(1)) * units[match.group(2)])
+def _quantity(field: str, value: str, text: str) -> float:
+    """One field's value: a number and a unit, such as 200us or 1gbit, checked against its bound."""
+    kind, units, positive, example = _FIELDS[field]
+    match = re.fullmatch(r"([-+]?[0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)\s*([a-z]*)", value)
+    number = Fraction(match.group(1)) if match else None
+    if number is None:
+        problem = "is not a number"
+    elif number < 0 or (positive and number == 0):
+        problem = "is negative" if number < 0 else "is zero"
+    elif not match.group(2):
+        problem = "has no unit"
+    elif match.group(2) not in units:
+        problem = f"has an unknown unit, {match.group(2)!r}"
+    elif number * units[match.group(2)] > _LARGEST:
+        problem = "is too large"
+    else:
+        return float(number * units[match.group(2)])
+    wanted = f"{kind} {'> 0' if positive else '>= 0'} with a unit ({', '.join(units)})"
+    raise BadLink(text, f"{field}={value} {problem}; {field} must be {wanted}, e.g. {example}")
 
 
 def wire_bytes(collective: str, nbytes: int, world_size: int) -> float:

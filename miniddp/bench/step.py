@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from miniddp.bench import backend_for
+from miniddp.bench.options import whole_number, writable_file, writable_folder
 from miniddp.bench.paired import (
     paired_ratio,
     paired_ratio_interval,
@@ -40,7 +41,7 @@ from miniddp.bench.paired import (
 from miniddp.bench.variants import VARIANT_HELP, VARIANTS
 from miniddp.bench.workloads import Workload, workloads
 from miniddp.env import cleanup, init_distributed
-from miniddp.link import ENVIRONMENT_VARIABLE, EXAMPLE, Link, simulated_link
+from miniddp.link import ENVIRONMENT_VARIABLE, EXAMPLE, BadLink, Link, simulated_link
 from miniddp.timeline import gather, recording, split_steps, summarize
 from miniddp.timeline_views import write_chrome_trace
 
@@ -207,16 +208,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--variants", default=",".join(VARIANTS), help="comma-separated (default: all)"
     )
-    parser.add_argument("--iters", type=int, default=30, help="timed iterations (default 30)")
     parser.add_argument(
-        "--trace-iters", type=int, default=5, help="recorded iterations per variant (default 5)"
+        "--iters", type=whole_number(at_least=1), default=30, help="timed iterations (default 30)"
     )
-    parser.add_argument("--trace-dir", help="write a Chrome trace per model and variant here")
-    parser.add_argument("--json", metavar="PATH", help="also write every figure here")
+    parser.add_argument(
+        "--trace-iters",
+        type=whole_number(at_least=0),
+        default=5,
+        help="recorded iterations per variant, for overlap and tail (default 5; 0: none)",
+    )
+    parser.add_argument(
+        "--trace-dir", type=writable_folder, help="write a Chrome trace per model and variant here"
+    )
+    parser.add_argument(
+        "--json", metavar="PATH", type=writable_file, help="also write every figure here"
+    )
     parser.add_argument(
         "--link",
         type=Link.parse,
-        default=os.environ.get(ENVIRONMENT_VARIABLE, "none"),  # parsed like the flag
+        default=argparse.SUPPRESS,  # not given: $MINIDDP_LINK's, read below
         help=f"a simulated link for every variant, e.g. {EXAMPLE} (default: "
         f"${ENVIRONMENT_VARIABLE}, else none: the bare machine)",
     )
@@ -228,14 +238,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "rank has a GPU of its own, else over gloo, ranks sharing the GPUs",
     )
     args = parser.parse_args(argv)
+    if "link" not in args:
+        try:
+            args.link = Link.parse(os.environ.get(ENVIRONMENT_VARIABLE))
+        except BadLink as error:
+            parser.error(f"${ENVIRONMENT_VARIABLE} (the default of --link): {error}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device (torch.cuda.is_available() is False)")
     args.models = args.models.split(",")
     args.variants = args.variants.split(",")
-    unknown = [m for m in args.models if m not in ("mlp", "transformer", "deep")]
-    unknown += [v for v in args.variants if v not in VARIANTS]
-    if unknown:
-        parser.error(f"unknown model or variant: {', '.join(unknown)}")
+    unknown_models = [m for m in args.models if m not in ("mlp", "transformer", "deep")]
+    if unknown_models:
+        named = ", ".join(map(repr, unknown_models))
+        parser.error(f"--models: unknown {named}; choose from mlp, transformer, deep")
+    unknown_variants = [v for v in args.variants if v not in VARIANTS]
+    if unknown_variants:
+        named = ", ".join(map(repr, unknown_variants))
+        parser.error(f"--variants: unknown {named}; choose from {', '.join(VARIANTS)}")
     return args
 
 

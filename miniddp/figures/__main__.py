@@ -21,12 +21,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+from miniddp.bench.options import whole_number, writable_folder
 from miniddp.figures import draw, record
 
 REPO = Path(__file__).resolve().parents[2]
 CHAPTER_04 = REPO / "tutorials" / "04_overlap.py"
 CHAPTER_04_TIMEOUT_S = 300
 CHAPTER_04_FIGURES = ("04_timelines.png", "04_sweep.png")
+FIGURE_SETS = ("00", "01", "03", "04")
 
 
 def run_chapter_04(out: Path, iters: int) -> None:
@@ -53,16 +55,33 @@ def run_chapter_04(out: Path, iters: int) -> None:
               f"(exit {done.returncode}); run it alone to see why", file=sys.stderr)  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m miniddp.figures", description=__doc__)
-    parser.add_argument("--out", type=Path, required=True, help="folder for the PNGs")
-    parser.add_argument("--only", default="00,01,03,04", help="chapters to draw, e.g. 01,03")
-    parser.add_argument("--iters", type=int, default=6, help="chapter 04's timed iterations")
-    args = parser.parse_args(argv)
-    chosen = set(args.only.split(","))
-    unknown = chosen - {"00", "01", "03", "04"}
+def figure_sets(text: str) -> set[str]:
+    """--only: which chapters' figures to draw."""
+    chosen = set(text.split(","))
+    unknown = chosen - set(FIGURE_SETS)
     if unknown:
-        parser.error(f"unknown figure set {sorted(unknown)}; choose from 00, 01, 03, 04")
+        raise argparse.ArgumentTypeError(
+            f"unknown figure set {', '.join(map(repr, sorted(unknown)))}; choose from "
+            f"{', '.join(FIGURE_SETS)}, comma-separated"
+        )
+    return chosen
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m miniddp.figures",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--out", type=writable_folder, required=True, help="folder for the PNGs (made if missing)"
+    )
+    parser.add_argument("--only", type=figure_sets, default="00,01,03,04", help="e.g. 01,03")
+    parser.add_argument(
+        "--iters", type=whole_number(at_least=1), default=6, help="chapter 04's timed iterations"
+    )
+    args = parser.parse_args(argv)
+    args.out, chosen = Path(args.out), args.only
     args.out.mkdir(parents=True, exist_ok=True)
     written = []
     if chosen & {"01", "03"}:
