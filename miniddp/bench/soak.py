@@ -29,40 +29,33 @@ import torch.distributed as dist
 from torch import nn
 
 from miniddp import MiniDDP
+from miniddp.bench.options import whole_number
 from miniddp.bench.paired import paired_ratio, paired_ratio_interval
 from miniddp.env import cleanup, init_distributed
 from miniddp.faults import CollectiveFailed
 
 
-def parse(argv: list[str]) -> argparse.Namespace:
+def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m miniddp.bench soak", description=__doc__)
-    parser.add_argument("--minutes", type=positive(float), default=10.0, help="how long to train")
-    parser.add_argument("--hogs", type=at_least(0), default=1, help="CPU-burning processes")
-    parser.add_argument("--width", type=at_least(1), default=2048, help="of each Linear layer")
-    parser.add_argument("--depth", type=at_least(1), default=6, help="Linear layers (25.2M)")
-    parser.add_argument("--batch", type=at_least(1), default=8, help="rows per rank and step")
-    parser.add_argument("--check-every", type=at_least(1), default=10, help="steps per check")
+    parser.add_argument("--minutes", type=positive_minutes, default=10.0, help="how long")
+    parser.add_argument("--hogs", type=whole_number(at_least=0), default=1, help="CPU burners")
+    parser.add_argument("--width", type=whole_number(at_least=1), default=2048, help="per layer")
+    parser.add_argument("--depth", type=whole_number(at_least=1), default=6, help="Linear layers")
+    parser.add_argument("--batch", type=whole_number(at_least=1), default=8, help="rows per rank")
+    parser.add_argument(
+        "--check-every", type=whole_number(at_least=1), default=10, help="steps between checks"
+    )
     return parser.parse_args(argv)
 
 
-def positive(kind: type) -> object:
-    def convert(text: str) -> float:
-        value = kind(text)
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return value
-
-    return convert
-
-
-def at_least(low: int) -> object:
-    def convert(text: str) -> int:
-        value = int(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text}")
-        return value
-
-    return convert
+def positive_minutes(text: str) -> float:
+    try:
+        minutes = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of minutes") from None
+    if not 0 < minutes < math.inf:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}; e.g. --minutes 10")
+    return minutes
 
 
 def resident_mib() -> float:
@@ -177,7 +170,7 @@ def report(everyone: list[dict], args: argparse.Namespace, load: tuple[float, fl
 
 
 def main(argv: list[str]) -> None:
-    args = parse(argv)
+    args = parse_args(argv)
     init_distributed()
     spin = [sys.executable, "-c", "while True: pass"]
     hogs = [subprocess.Popen(spin) for _ in range(args.hogs)] if dist.get_rank() == 0 else []
