@@ -8,7 +8,7 @@ usage() {
     cat <<EOF
 Usage: ./launch.sh [--emulate-nodes N [--link-rate RATE] [--loopback]] [SCRIPT [ARGS...]]
 
-Runs SCRIPT (default: tutorials/03c_torch_layout.py) under torchrun, one process per rank.
+Runs SCRIPT (default: tutorials/03_bucketing.py) under torchrun, one process per rank.
 
 Options, to try a multi-node job on this one machine:
   --emulate-nodes N  run SCRIPT as an N-node job: one torchrun agent per node, NPROC processes
@@ -85,7 +85,7 @@ fi
 # cores. torchrun sets 1 itself only when NPROC > 1, and with a warning; we say it up front.
 if [[ "$DEVICE" == cpu && -z "${OMP_NUM_THREADS:-}" ]]; then export OMP_NUM_THREADS=1; fi
 
-if [[ $# -eq 0 ]]; then set -- "$REPO_DIR/tutorials/03c_torch_layout.py"; fi
+if [[ $# -eq 0 ]]; then set -- "$REPO_DIR/tutorials/03_bucketing.py"; fi
 
 if [[ -n "$EMULATE_NODES" ]]; then
     export NPROC LINK_RATE NETWORK
