@@ -210,3 +210,46 @@ def test_the_learners_error_is_shown_once_with_its_line(tmp_path):
     assert "raised on ranks 0, 1" in short and "pool.py" not in short, short
     elsewhere = RankFailure("RuntimeError", "x", raised.replace(str(path), "/other.py"))
     assert your_error_first({0: elsewhere}, path) is None  # not the learner's: the full report
+
+
+# What a learner might write for exercise 5: no_sync() sets a flag, each forward reads it (and
+# refreshes the buffers only after a synced forward), the hook obeys what the forward decided.
+NO_SYNC_SOLVED = """
+    import contextlib
+    import torch
+    from miniddp.steps.torch_layout import TorchLayoutDDP
+
+    class NoSyncDDP(TorchLayoutDDP):
+        claims = TorchLayoutDDP.claims | {"no-sync"}
+        wants_sync = syncing = True
+
+        @contextlib.contextmanager
+        def no_sync(self):
+            self.wants_sync = False
+            try:
+                yield
+            finally:
+                self.wants_sync = True
+
+        def forward(self, *inputs, **kwargs):
+            after_synced = self.syncing
+            self.syncing = self.wants_sync and torch.is_grad_enabled()
+            if after_synced:
+                return super().forward(*inputs, **kwargs)
+            return self.module(*inputs, **kwargs)
+
+        def _on_gradient_ready(self, index, param):
+            if self.syncing:
+                super()._on_gradient_ready(index, param)
+"""
+NO_SYNC_CLAIMS = frozenset({"batchnorm", "mixed-dtypes", "torch-layout", "no-sync"})
+
+
+def test_the_no_sync_stub_fails_and_a_solution_passes_its_claims(rank_pools, tmp_path):
+    stub = f"{EXERCISES / 'no_sync.py'}:NoSyncDDP"
+    assert load_implementation(stub).claims == NO_SYNC_CLAIMS
+    with pytest.raises(RankError, match="NotImplementedError: TODO exercise 5 "):
+        check_claims(rank_pools, stub, 2, FIXED_SPEC, NO_SYNC_CLAIMS)
+    solved = f"{write_class(tmp_path, NO_SYNC_SOLVED)}:NoSyncDDP"
+    check_claims(rank_pools, solved, 3, FIXED_SPEC, NO_SYNC_CLAIMS)  # torch's bits at W = 3
+    check_no_sync(rank_pools, solved)

@@ -120,7 +120,7 @@ def check_buckets(rank_pools, implementation: str, world_size: int = 2) -> None:
     spec = dataclasses.replace(BUCKETS_SPEC, implementation=implementation)
     results = rank_pools(world_size).run(train_recording_all_reduces, spec, timeout=120)
     idea = (
-        "the idea of buckets (exercise 3, chapter 03b) is one all-reduce per bucket: walk the "
+        "the idea of buckets (exercise 3, chapter 03) is one all-reduce per bucket: walk the "
         "gradients in reverse registration order, each (dtype, device) filling a flat tensor "
         "until it holds bucket_cap_mb, and all-reduce each flat tensor once"
     )
@@ -161,7 +161,7 @@ def check_torch_layout_at_default_caps(rank_pools, implementation: str, world_si
             f"torch-layout, rank {rank}: on a 2.9 MB model at bucket_cap_mb=None the buckets "
             f"after the rebuild are {ours}, torch's are {theirs}. torch caps the first bucket "
             "at 1 MiB, so that the first all-reduce leaves early in backward, and every later "
-            "one at 25 MiB (exercise 4, chapter 03c): at the default, the two caps differ."
+            "one at 25 MiB (exercise 4, chapter 03e): at the default, the two caps differ."
         )
         for step, (a, b) in enumerate(zip(result["ours"]["grads"], result["torch"]["grads"])):
             for name, mine, torchs in zip(result["ours"]["names"], a, b):
