@@ -223,6 +223,10 @@ NO_SYNC_SOLVED = """
         claims = TorchLayoutDDP.claims | {"no-sync"}
         wants_sync = syncing = True
 
+        def __init__(self, module, *, bucket_cap_mb=None, broadcast_buffers=True):
+            super().__init__(module, bucket_cap_mb=bucket_cap_mb)
+            self.broadcast_buffers = broadcast_buffers
+
         @contextlib.contextmanager
         def no_sync(self):
             self.wants_sync = False
@@ -234,8 +238,10 @@ NO_SYNC_SOLVED = """
         def forward(self, *inputs, **kwargs):
             after_synced = self.syncing
             self.syncing = self.wants_sync and torch.is_grad_enabled()
-            if after_synced:
+            if after_synced and self.broadcast_buffers:
                 return super().forward(*inputs, **kwargs)
+            if self._ready_order and torch.is_grad_enabled():
+                self._rebuild_buckets()
             return self.module(*inputs, **kwargs)
 
         def _on_gradient_ready(self, index, param):

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
 from miniddp.steps.torch_layout import TorchLayoutDDP
 
@@ -30,6 +31,16 @@ class NoSyncDDP(TorchLayoutDDP):
     holds the average over the ranks of everything accumulated since the last synced step."""
 
     claims = TorchLayoutDDP.claims | {"no-sync"}
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        bucket_cap_mb: float | None = None,
+        broadcast_buffers: bool = True,
+    ) -> None:
+        super().__init__(module, bucket_cap_mb=bucket_cap_mb)
+        self.broadcast_buffers = broadcast_buffers  # torch's option; the no-sync claim takes it
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -47,8 +58,9 @@ class NoSyncDDP(TorchLayoutDDP):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """TODO 3. Rung 4's forward broadcasts rank 0's buffers (BatchNorm's statistics) every
         time. torch's DDP does so only in a forward that follows a synced one: inside no_sync
-        each rank's statistics run on alone until the step ends. The checks compare buffers
-        with torch's, bit for bit, so yours must follow the same rule."""
+        each rank's statistics run on alone until the step ends; with broadcast_buffers=False,
+        never. The checks compare buffers with torch's, bit for bit, so yours must follow the
+        same rule."""
         return super().forward(*inputs, **kwargs)
 
     def _on_gradient_ready(self, index: int, param: torch.Tensor) -> None:
