@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from miniddp.figures import draw, record
+from miniddp.figures import draw, memory, record
 
 REPO = Path(__file__).resolve().parents[2]
 CHAPTER_04 = REPO / "tutorials" / "04_overlap.py"
@@ -56,13 +56,13 @@ def run_chapter_04(out: Path, iters: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m miniddp.figures", description=__doc__)
     parser.add_argument("--out", type=Path, required=True, help="folder for the PNGs")
-    parser.add_argument("--only", default="00,01,03,04", help="chapters to draw, e.g. 01,03")
+    parser.add_argument("--only", default="00,01,03,04,08", help="chapters to draw, e.g. 01,03")
     parser.add_argument("--iters", type=int, default=6, help="chapter 04's timed iterations")
     args = parser.parse_args(argv)
     chosen = set(args.only.split(","))
-    unknown = chosen - {"00", "01", "03", "04"}
+    unknown = chosen - {"00", "01", "03", "04", "08"}
     if unknown:
-        parser.error(f"unknown figure set {sorted(unknown)}; choose from 00, 01, 03, 04")
+        parser.error(f"unknown figure set {sorted(unknown)}; choose from 00, 01, 03, 04, 08")
     args.out.mkdir(parents=True, exist_ok=True)
     written = []
     if chosen & {"01", "03"}:
@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> None:
         written.append(
             draw.accumulation(record.accumulation_losses(), args.out / "00_accumulation.png", title)
         )
+    if "08" in chosen:
+        written.append(memory.memory_per_rank(args.out / "08_memory.png"))
     if "04" in chosen:
         run_chapter_04(args.out, args.iters)
         written += [args.out / name for name in CHAPTER_04_FIGURES]
