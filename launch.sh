@@ -8,7 +8,7 @@ usage() {
     cat <<EOF
 Usage: ./launch.sh [--emulate-nodes N [--link-rate RATE] [--loopback]] [SCRIPT [ARGS...]]
 
-Runs SCRIPT (default: tutorials/03c_torch_layout.py) under torchrun, one process per rank.
+Runs SCRIPT (default: tutorials/03_bucketing.py) under torchrun, one process per rank.
 
 Options, to try a multi-node job on this one machine:
   --emulate-nodes N  run SCRIPT as an N-node job: one torchrun agent per node, NPROC processes
@@ -83,7 +83,7 @@ if [[ -n "${MAX_RESTARTS:-}" ]] && ! [[ "$MAX_RESTARTS" =~ ^(0|[1-9][0-9]*)$ ]];
     fail_usage "MAX_RESTARTS is how many times torchrun may restart the workers, a whole" \
         "number >= 0 (got '$MAX_RESTARTS')"
 fi
-if [[ $# -eq 0 ]]; then set -- "$REPO_DIR/tutorials/03c_torch_layout.py"; fi
+if [[ $# -eq 0 ]]; then set -- "$REPO_DIR/tutorials/03_bucketing.py"; fi
 if [[ ! -f "$1" ]]; then
     what=$([[ -d "$1" ]] && echo "'$1' is a folder" || echo "there is no file '$1'")
     fail_usage "$what (looked in $PWD); give the path of a Python script, e.g." \

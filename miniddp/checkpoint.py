@@ -10,7 +10,7 @@ in the checkpoint. Resuming *exactly* (the same bits as a run that never stopped
     RNG states   every rank's: dropout and random augmentation draw from them, each rank its own
     buckets      MiniDDP's bucket layout: with 3 or more ranks gloo's sums depend on where each
                  gradient sits in its bucket, and a fresh wrapper would start again from its
-                 first-step layout (chapter 03c)
+                 first-step layout (chapter 03e)
 
 Model and optimizer are the same on every rank after each step (that is what DDP guarantees),
 so one copy is enough. RNG states differ per rank, so they are gathered to rank 0 and saved as a

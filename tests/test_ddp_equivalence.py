@@ -29,6 +29,7 @@ from tests.harness.equivalence import (
     check_replicas_identical,
     train_specs,
 )
+from tests.harness.idea_checks import check_ideas
 from tests.harness.properties import property_settings
 from tests.workloads import (
     ModelSpec,
@@ -175,6 +176,14 @@ def test_your_ddp_on_one_fixed_example(rank_pools, your_ddp, world_size):
     here, in seconds, before hypothesis searches (and shrinks) random ones."""
     implementation, claims = your_ddp
     check_claims(rank_pools, implementation, world_size, FIXED_SPEC, claims)
+
+
+def test_your_ddp_carries_the_idea_it_claims(rank_pools, your_ddp):
+    """The exercises' ideas that gradients cannot show (tests/harness/idea_checks.py): with
+    `--ddp-claims buckets`, one all-reduce per bucket; torch-layout, torch's two default caps;
+    no-sync, nothing sent inside no_sync(). Without such a claim, nothing to check."""
+    implementation, claims = your_ddp
+    check_ideas(rank_pools, implementation, claims)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

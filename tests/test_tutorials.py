@@ -14,7 +14,7 @@ from tests.harness.processes import child_env, run_in_own_session, tail
 
 REPO = Path(__file__).resolve().parents[1]
 # Globbed at collection time, so a new chapter is tested without touching this file; a chapter
-# is a number, perhaps a letter (03a_overlap.py: chapter 03 comes in parts), then a name.
+# is a number, perhaps a letter (02b_overlap.py: chapter 02 comes in parts), then a name.
 CHAPTERS = sorted((REPO / "tutorials").glob("[0-9][0-9]*_*.py"))
 TIMEOUT_SECONDS = 240
 # Inherited values would change what launch.sh runs.

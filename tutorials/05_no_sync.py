@@ -92,7 +92,7 @@ def torch_ddp_counting(model: nn.Module, bucket_cap_mb: float) -> DistributedDat
 
 def warm_up(ddp: nn.Module, micro_batches) -> None:
     """Two plain steps, gradients discarded: the first records the gradient order, the second's
-    forward rebuilds the buckets (chapter 03c). The layout is fixed from then on."""
+    forward rebuilds the buckets (chapter 03e). The layout is fixed from then on."""
     for _ in range(2):
         accumulate(ddp, micro_batches[:1], "without no_sync")
 

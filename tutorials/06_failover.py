@@ -23,7 +23,7 @@ Why a checkpoint must hold more than the model (the mistakes of well-known tutor
   only checkpoint. Rank 0 writes, into a temporary file renamed over the old one.
 - `torch.load` without `map_location`: every rank loads onto the GPU that saved the tensors.
 - With 3 or more ranks, even MiniDDP's bucket layout: gloo's sums depend on where each gradient
-  sits in its bucket, and a fresh wrapper starts again from its first-step layout (chapter 03c).
+  sits in its bucket, and a fresh wrapper starts again from its first-step layout (chapter 03e).
 
 Why ranks may change across restarts: each attempt is a new rendezvous. torchrun documents that
 RANK is not stable between restarts (nodes are ranked by sorting their descriptors in each round,

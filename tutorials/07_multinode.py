@@ -273,8 +273,9 @@ def explain_bucket_caps(results: dict[str, Timed], link_rate: str) -> None:
     )
     if len(results["torch default"].model.buckets) == 1:
         say(
-            "torch's default caps only the first bucket, at 1 MiB: this whole model fits in it, "
-            "so it gets\none bucket too. Real models are far bigger than 1 MiB."
+            "torch's default caps the first bucket at 1 MiB and every later one at 25 MiB: this "
+            "whole model fits\nin the first, so it gets one bucket too. Real models are far "
+            "bigger than 1 MiB."
         )
     if link_rate:
         say(

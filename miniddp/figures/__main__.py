@@ -22,13 +22,13 @@ import tempfile
 from pathlib import Path
 
 from miniddp.bench.options import whole_number, writable_folder
-from miniddp.figures import draw, record
+from miniddp.figures import draw, memory, record
 
 REPO = Path(__file__).resolve().parents[2]
 CHAPTER_04 = REPO / "tutorials" / "04_overlap.py"
 CHAPTER_04_TIMEOUT_S = 300
 CHAPTER_04_FIGURES = ("04_timelines.png", "04_sweep.png")
-FIGURE_SETS = ("00", "01", "03", "04")
+FIGURE_SETS = ("00", "01", "03", "04", "08")
 
 
 def run_chapter_04(out: Path, iters: int) -> None:
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--out", type=writable_folder, required=True, help="folder for the PNGs (made if missing)"
     )
-    parser.add_argument("--only", type=figure_sets, default="00,01,03,04", help="e.g. 01,03")
+    parser.add_argument("--only", type=figure_sets, default=",".join(FIGURE_SETS), help="e.g. 01,03")
     parser.add_argument(
         "--iters", type=whole_number(at_least=1), default=6, help="chapter 04's timed iterations"
     )
@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> None:
         written.append(
             draw.accumulation(record.accumulation_losses(), args.out / "00_accumulation.png", title)
         )
+    if "08" in chosen:
+        written.append(memory.memory_per_rank(args.out / "08_memory.png"))
     if "04" in chosen:
         run_chapter_04(args.out, args.iters)
         written += [args.out / name for name in CHAPTER_04_FIGURES]

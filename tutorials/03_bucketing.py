@@ -1,9 +1,9 @@
-"""Chapter 03b: rung 3 of the ladder, buckets: gradients travel together in a few flat tensors,
+"""Chapter 03: rung 3 of the ladder, buckets: gradients travel together in a few flat tensors,
 launched in a fixed order.
 
-    torchrun --nproc_per_node=2 tutorials/03b_bucketing.py [--bucket-cap-mb 0.004]
+    torchrun --nproc_per_node=2 tutorials/03_bucketing.py [--bucket-cap-mb 0.004]
 
-Rung 2 (chapter 03a) sent one all-reduce per gradient tensor the moment it was ready. Two things
+Rung 2 (chapter 02b) sent one all-reduce per gradient tensor the moment it was ready. Two things
 are wrong with that. Every message pays a fixed cost (a round trip, a kernel launch), so P small
 tensors cost P of them: a model with hundreds of biases and norms pays hundreds. And each rank
 launches in the order its own backward produced gradients, an order nothing forces to agree
@@ -48,7 +48,7 @@ BATCH = 16  # samples per rank per step
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Chapter 03b: rung 3, gradient buckets.")
+    parser = argparse.ArgumentParser(description="Chapter 03: rung 3, gradient buckets.")
     parser.add_argument(
         "--bucket-cap-mb",
         type=float,
@@ -59,7 +59,7 @@ def main() -> None:
     env = init_distributed()
     world_size = env.world_size
     batches = step_batches(STEPS, BATCH, world_size, env.rank)
-    say(f"Chapter 03b: buckets on {world_size} ranks, backend {env.backend}, {env.device}")
+    say(f"Chapter 03: buckets on {world_size} ranks, backend {env.backend}, {env.device}")
 
     section("1. What rung 3 adds to rung 2")
     say_rung_diff(2, 3)
@@ -108,7 +108,7 @@ def main() -> None:
         when they do. A model that registers a layer it runs first last, or a branch that runs
         late, leaves a bucket waiting for one late gradient. And with 3 or more ranks gloo's
         bits depend on where each gradient sits in its bucket, so only torch's own layout gives
-        torch's bits. Rung 4 (chapter 03c) stops guessing.""")
+        torch's bits. Rung 4 (chapter 03e) stops guessing.""")
     )
 
     section("4. Check the claim")

@@ -1,9 +1,9 @@
-"""Chapter 03d: rung 5, MiniDDP: what torch's layout still lacked, and MiniDDP's buckets over
+"""Chapter 03f: rung 5, MiniDDP: what torch's layout still lacked, and MiniDDP's buckets over
 chapter 01's ring.
 
-    torchrun --nproc_per_node=2 tutorials/03d_miniddp.py [--bucket-cap-mb 0.004]
+    torchrun --nproc_per_node=2 tutorials/03f_miniddp.py [--bucket-cap-mb 0.004]
 
-Rung 4 (chapter 03c) averages gradients exactly as torch's DistributedDataParallel does, as long
+Rung 4 (chapter 03e) averages gradients exactly as torch's DistributedDataParallel does, as long
 as nothing unusual happens. MiniDDP (miniddp/ddp.py), the top of the ladder, keeps rung 4's
 buckets and adds what real training needs: accumulation without communication, parameters
 that get no gradient, a choice about buffers, swappable communication, and errors that name
@@ -88,13 +88,13 @@ def ring_bytes(nbytes: int, numel: int, world_size: int, rank: int) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Chapter 03d: MiniDDP, over chapter 01's ring.")
+    parser = argparse.ArgumentParser(description="Chapter 03f: MiniDDP, over chapter 01's ring.")
     parser.add_argument("--bucket-cap-mb", type=float, default=0.004, help="bucket cap in MiB")
     args = parser.parse_args()
     env = init_distributed()
     world_size, rank = env.world_size, env.rank
     batches = step_batches(STEPS, BATCH, world_size, rank)
-    say(f"Chapter 03d: MiniDDP on {world_size} ranks, backend {env.backend}, {env.device}")
+    say(f"Chapter 03f: MiniDDP on {world_size} ranks, backend {env.backend}, {env.device}")
 
     section("1. What MiniDDP adds to rung 4")
     changes = diff(4, 5).splitlines()[2:]  # without the two file-name lines

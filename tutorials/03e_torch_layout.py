@@ -1,10 +1,10 @@
-"""Chapter 03c: rung 4 of the ladder, torch's layout: one bucket at first, then buckets in the
+"""Chapter 03e: rung 4 of the ladder, torch's layout: one bucket at first, then buckets in the
 order gradients really came.
 
-    torchrun --nproc_per_node=2 tutorials/03c_torch_layout.py [--bucket-cap-mb 0.5]
+    torchrun --nproc_per_node=2 tutorials/03e_torch_layout.py [--bucket-cap-mb 0.5]
     ./launch.sh                                   (runs this chapter by default)
 
-Rung 3 (chapter 03b) laid its buckets out once, at construction, on a guess: gradients arrive in
+Rung 3 (chapter 03) laid its buckets out once, at construction, on a guess: gradients arrive in
 reverse registration order. TorchLayoutDDP (rung 4, miniddp/steps/torch_layout.py) does what
 torch's DistributedDataParallel does instead, and this chapter follows one model through its
 first two steps, numbered from 0 as the timeline numbers them:
@@ -78,7 +78,7 @@ def step(model: TorchLayoutDDP, optimizer, output: torch.Tensor, targets) -> lis
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Chapter 03c: rung 4, torch's bucket layout.")
+    parser = argparse.ArgumentParser(description="Chapter 03e: rung 4, torch's bucket layout.")
     parser.add_argument(
         "--bucket-cap-mb",
         type=float,
@@ -89,7 +89,7 @@ def main() -> None:
     env = init_distributed()
     world_size = env.world_size
     batches = step_batches(STEPS, BATCH, world_size, env.rank)
-    say(f"Chapter 03c: torch's layout on {world_size} ranks, backend {env.backend}, {env.device}")
+    say(f"Chapter 03e: torch's layout on {world_size} ranks, backend {env.backend}, {env.device}")
 
     section("1. What rung 4 adds to rung 3")
     say_rung_diff(3, 4)

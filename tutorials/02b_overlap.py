@@ -1,7 +1,7 @@
-"""Chapter 03a: rung 2 of the ladder, overlap: each gradient's all-reduce starts the moment
+"""Chapter 02b: rung 2 of the ladder, overlap: each gradient's all-reduce starts the moment
 backward has produced it.
 
-    torchrun --nproc_per_node=2 tutorials/03a_overlap.py
+    torchrun --nproc_per_node=2 tutorials/02b_overlap.py
 
 Chapter 02's NaiveDDP (rung 1) waited for the whole backward, then sent one blocking all-reduce
 per gradient. Yet backward makes the gradients one at a time, last layer first, and the network
@@ -47,7 +47,7 @@ def main() -> None:
     env = init_distributed()
     world_size = env.world_size
     batches = step_batches(STEPS, BATCH, world_size, env.rank)
-    say(f"Chapter 03a: overlap on {world_size} ranks, backend {env.backend}, {env.device}")
+    say(f"Chapter 02b: overlap on {world_size} ranks, backend {env.backend}, {env.device}")
 
     section("1. What rung 2 adds to rung 1")
     say_rung_diff(1, 2)
@@ -85,7 +85,7 @@ def main() -> None:
         backward produces gradients, and collectives are matched by their order, the k-th
         all-reduce of one rank with the k-th of every other. That is the same order on every
         rank only because every rank runs the same graph: a parameter used on one rank only would
-        pair one rank's weight with another rank's bias. Rung 3 (chapter 03b) fixes the order.""")
+        pair one rank's weight with another rank's bias. Rung 3 (chapter 03) fixes the order.""")
     )
 
     section("3. Check the claim")
@@ -99,7 +99,7 @@ def main() -> None:
         Each rank multiplies its gradient by the float 1/W and the all-reduce sums, as torch does.
         With 2 ranks a + b = b + a, so that is torch's bits whatever the packing; with more
         ranks gloo's order of additions depends on each gradient's place in torch's buckets,
-        which only rung 4 (chapter 03c) copies (this run: W = {world_size}).""")
+        which only rung 4 (chapter 03e) copies (this run: W = {world_size}).""")
     )
 
     assert all(c == (parameters, 0) for c in counts[NaiveDDP]), counts[NaiveDDP]
