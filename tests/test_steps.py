@@ -64,12 +64,15 @@ def test_each_rung_above_torchs_layout_adds_its_idea(before, after, added, remov
     assert any(line.startswith("-") and removed in line for line in lines)
 
 
-def test_diff_shows_code_hunks_only_unless_asked_for_all():
-    """Chapters print code hunks; `--all` (what a chapter's --diff asks for) adds the prose."""
-    code = steps_command("diff", "2", "3").stdout
-    everything = steps_command("diff", "--all", "2", "3").stdout
-    assert "Rung 3, buckets" in everything and "Rung 3, buckets" not in code
-    assert "+def assign_buckets" in code and len(code) < len(everything)
+def test_diff_code_leaves_out_the_changes_that_are_only_prose():
+    """What chapters print: the docstring's new story is told by the chapter itself."""
+    everything = steps_command("diff", "4", "5").stdout
+    code = steps_command("diff", "--code", "4", "5").stdout
+    assert "+++ miniddp/steps/no_sync.py" in code and "+    def no_sync" in code
+    assert "+Why the forward decides" in everything and "Why the forward decides" not in code
+    changed = [line for line in code.splitlines()[2:] if line[:1] in "+-"]
+    kept = [line for line in everything.splitlines()[2:] if line[:1] in "+-"]
+    assert set(changed) < set(kept)
 
 
 @pytest.mark.parametrize("args", [("diff", "0", "3"), ("show", "9"), ("diff", "1", "x")])
@@ -158,6 +161,21 @@ def test_a_parameter_unused_on_one_rank_only_raises_there_without_a_hang(pool2, 
     assert isinstance(outcomes[0], RankFailure) and "extra.weight" in outcomes[0].message
     assert outcomes[1] == "synchronized"
     assert pool2.alive
+
+
+@pytest.mark.parametrize("rung", [5, 6, 7])
+def test_no_sync_skips_the_all_reduces_of_all_but_the_last_micro_step(pool2, rung):
+    """Three micro-steps per optimizer step, the first two inside no_sync(); one step to learn
+    the gradient order, so the buckets are rebuilt before the counted ones."""
+    for counts, buckets in pool2.run(steps_tasks.all_reduces_per_micro_step, rung, 3):
+        assert counts == [[0, 0, buckets]] * 2, counts
+
+
+@pytest.mark.parametrize("case", ["twice", "after_a_backward"])
+def test_a_comm_hook_registered_twice_or_late_is_refused(pool2, case):
+    for outcome in pool2.run_expecting_errors(steps_tasks.register_hook, case, timeout=60):
+        assert isinstance(outcome, RankFailure) and outcome.type_name == "RuntimeError"
+        assert ("only be called once" if case == "twice" else "before the first") in outcome.message
 
 
 BAD_CONSTRUCTION = {
