@@ -10,6 +10,7 @@ Where the data comes from:
 - 04: chapter 04 itself, under torchrun on 2 ranks over its simulated link, with `--plot`: the
   ladder's timelines and the bucket-size sweep come from a real, timed run.
 - 00: one process trains the same model on one big batch and on micro-batches.
+- 05: 2 gloo ranks time k micro-steps of rung 5 under no_sync, then the synced one.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from miniddp.figures import draw, record
+from miniddp.figures import draw, no_sync, record
 
 REPO = Path(__file__).resolve().parents[2]
 CHAPTER_04 = REPO / "tutorials" / "04_overlap.py"
@@ -56,13 +57,13 @@ def run_chapter_04(out: Path, iters: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m miniddp.figures", description=__doc__)
     parser.add_argument("--out", type=Path, required=True, help="folder for the PNGs")
-    parser.add_argument("--only", default="00,01,03,04", help="chapters to draw, e.g. 01,03")
+    parser.add_argument("--only", default="00,01,03,04,05", help="chapters to draw, e.g. 01,03")
     parser.add_argument("--iters", type=int, default=6, help="chapter 04's timed iterations")
     args = parser.parse_args(argv)
     chosen = set(args.only.split(","))
-    unknown = chosen - {"00", "01", "03", "04"}
+    unknown = chosen - {"00", "01", "03", "04", "05"}
     if unknown:
-        parser.error(f"unknown figure set {sorted(unknown)}; choose from 00, 01, 03, 04")
+        parser.error(f"unknown figure set {sorted(unknown)}; choose from 00, 01, 03, 04, 05")
     args.out.mkdir(parents=True, exist_ok=True)
     written = []
     if chosen & {"01", "03"}:
@@ -80,6 +81,11 @@ def main(argv: list[str] | None = None) -> None:
         written.append(
             draw.accumulation(record.accumulation_losses(), args.out / "00_accumulation.png", title)
         )
+    if "05" in chosen:
+        with tempfile.TemporaryDirectory() as work_dir:
+            written.append(
+                no_sync.draw(no_sync.record(Path(work_dir)), args.out / "05_no_sync.png")
+            )
     if "04" in chosen:
         run_chapter_04(args.out, args.iters)
         written += [args.out / name for name in CHAPTER_04_FIGURES]
