@@ -19,19 +19,20 @@ as in torch's DDP:
   included for the ranks that did not use it.
 
 The layout changes too: the graph may differ from one iteration to the next, so no
-gradient-ready order is worth recording. The buckets are built at construction with torch's
-caps (a small first one) in reverse registration order, and never rebuilt.
+gradient-ready order is worth recording. The buckets are built once, at construction, as torch
+builds them: parameters walked in registration order with torch's caps (the small first cap
+goes to the first-registered parameters), buckets launched in the reverse order; never rebuilt.
 
 The rest is rung 5's: no_sync() decided at forward, torch's bucket layout (one bucket per dtype
 at first, rebuilt once from rank 0's order, unless find_unused_parameters), gradients copied
 into their slices scaled by 1/W, buckets launched strictly in index order: bitwise torch's DDP at
 any world size.
 
-What it costs: the graph walk at every synced forward (a Python loop over the graph's nodes:
-torch warns about it in its docs), one small all-reduce of P integers per synced step, and no
-rebuilt layout. What it lacks (the next rung, comm_hooks.py, adds it): a way to change what
-happens to a full bucket (compress it, use another all-reduce), and gradients living in the
-buckets instead of being copied in and out.
+What it costs: the graph walk at every synced forward (a Python loop over the graph's nodes;
+torch warns at run time when the flag finds nothing unused, for this cost), one small all-reduce
+of P integers per synced step, and no rebuilt layout. What it lacks (the next rung,
+comm_hooks.py, adds it): a way to change what happens to a full bucket (compress it, use another
+all-reduce), and gradients living in the buckets instead of being copied in and out.
 """
 
 from __future__ import annotations
