@@ -23,6 +23,7 @@ FIGURES = [
     "03_buckets.png",
     "04_timelines.png",
     "04_sweep.png",
+    "05_no_sync.png",
     "08_memory.png",
 ]
 TIMEOUT_SECONDS = 300

@@ -22,13 +22,13 @@ import tempfile
 from pathlib import Path
 
 from miniddp.bench.options import whole_number, writable_folder
-from miniddp.figures import draw, memory, record
+from miniddp.figures import draw, memory, no_sync, record
 
 REPO = Path(__file__).resolve().parents[2]
 CHAPTER_04 = REPO / "tutorials" / "04_overlap.py"
 CHAPTER_04_TIMEOUT_S = 300
 CHAPTER_04_FIGURES = ("04_timelines.png", "04_sweep.png")
-FIGURE_SETS = ("00", "01", "03", "04", "08")
+FIGURE_SETS = ("00", "01", "03", "04", "05", "08")
 
 
 def run_chapter_04(out: Path, iters: int) -> None:
@@ -101,6 +101,11 @@ def main(argv: list[str] | None = None) -> None:
         written.append(
             draw.accumulation(record.accumulation_losses(), args.out / "00_accumulation.png", title)
         )
+    if "05" in chosen:
+        with tempfile.TemporaryDirectory() as work_dir:
+            written.append(
+                no_sync.draw(no_sync.record(Path(work_dir)), args.out / "05_no_sync.png")
+            )
     if "08" in chosen:
         written.append(memory.memory_per_rank(args.out / "08_memory.png"))
     if "04" in chosen:
