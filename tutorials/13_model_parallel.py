@@ -38,6 +38,7 @@ from miniddp.bench.paired import time_interleaved
 from miniddp.bench.workloads import Workload
 from miniddp.env import init_distributed
 from miniddp.link import Link, simulated_link, wire_bytes
+from miniddp.sharding import MemoryPerRank, ddp_buckets, measure_memory
 from miniddp.tensor_parallel import (
     TinyGPT,
     TransformerBlock,
@@ -134,6 +135,28 @@ def block_formulas(width: int, layers: int, world: int) -> tuple[int, int]:
     return layers * (12 * h * h + 13 * h), layers * ((12 * h * h + 7 * h) // world + 6 * h)
 
 
+def memory_in_training(size: Size, design: str) -> MemoryPerRank:
+    """This rank's bytes before its second AdamW step (Adam's state exists from the first),
+    counted from the storages (miniddp.sharding.measure_memory, chapter 08)."""
+    module = data_parallel(size) if design == "DP" else tensor_parallel(size)
+    model = module.module if design == "DP" else module
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        step_loss(module, global_batch(size)).backward()
+        memory = measure_memory(model.parameters(), optimizer, ddp_buckets(module))
+        optimizer.step()
+        optimizer.zero_grad()
+    return memory
+
+
+def adam_formula(elements: int, tensors: int, buckets: bool) -> MemoryPerRank:
+    """fp32 AdamW: 4 bytes of weight, 4 of gradient, (DP) 4 of bucket, 8 of moments an element,
+    and a 4-byte step count a tensor."""
+    return MemoryPerRank(
+        4 * elements, 4 * elements, 4 * elements * buckets, 8 * elements + 4 * tensors
+    )
+
+
 def say_prose(text: str) -> None:
     say(textwrap.dedent(text).rstrip())
 
@@ -147,23 +170,34 @@ def section_holdings(size: Size, world: int) -> bool:
         attention's output projection and the MLP's second layer a block of input columns
         (rowwise); the LayerNorms and the rowwise biases stay whole on every rank.""")
     dp_formula, tp_formula = block_formulas(size.width, size.layers, world)
-    dp_count, tp_count = local_elements(build(size)), local_elements(tensor_parallel(size))
-    say(f"  {size.layers} blocks of width H = {size.width}, {HEADS} heads, W = {world}:")
-    for name, counted, formula, what in (
-        ("DP", dp_count, dp_formula, "L(12H² + 13H)"),
-        ("TP", tp_count, tp_formula, "L((12H² + 7H)/W + 6H)"),
+    tensors = len(list(build(size).parameters()))  # the same count split or not
+    say(
+        f"  {size.layers} blocks of width H = {size.width}, {HEADS} heads, W = {world}; "
+        "elements of parameters per rank, and bytes in AdamW training, counted:"
+    )
+    exact = True
+    for design, formula, what in (
+        ("DP", dp_formula, "L(12H² + 13H)"),
+        ("TP", tp_formula, "L((12H² + 7H)/W + 6H)"),
     ):
+        counted = local_elements(tensor_parallel(size) if design == "TP" else build(size))
+        memory = memory_in_training(size, design)
+        expected = adam_formula(formula, tensors, buckets=design == "DP")
+        exact &= counted == formula and memory == expected
+        say(f"  {design}  {counted:>9,} elements (formula {what} = {formula:,})")
         say(
-            f"  {name}  {counted:>9,} elements = {fmt_bytes(4 * counted):>9} of parameters, "
-            f"{fmt_bytes(16 * counted):>9} with gradients and Adam   formula {what} = "
-            f"{formula:,}"
+            f"      parameters {fmt_bytes(memory.parameters)}, gradients "
+            f"{fmt_bytes(memory.gradients)}, buckets {fmt_bytes(memory.buckets)}, Adam "
+            f"{fmt_bytes(memory.optimizer_state)}: {fmt_bytes(memory.total)} "
+            f"({'=' if memory == expected else '!='} the formula's {fmt_bytes(expected.total)})"
         )
     say_prose("""\
         TP also splits the activations inside a block (the MLP's B·T·4H hidden is B·T·4H/W a
         rank), where DP splits them by batch; but TP keeps the residual stream B·T·H whole on
         every rank. ZeRO-3 (chapter 08) shards the parameters too, but gathers each layer whole
-        to compute it; TP never does: each rank multiplies by its own block only.""")
-    return (dp_count, tp_count) == (dp_formula, tp_formula)
+        to compute it; TP never does: each rank multiplies by its own block only, so no rank
+        ever holds a whole weight, and needs no bucket to send its gradients in.""")
+    return exact
 
 
 def scaled_difference(mine: torch.Tensor, reference: torch.Tensor) -> float:
@@ -305,7 +339,7 @@ def section_vocabulary(world: int) -> float:
         {tuple(logits.shape)} of ({batch}, {length}, {vocab}). The loss
         log sum_v exp(z_v) - z_target is a max, a sum and a pick over v: three all-reduces of
         one number a token ({sent}), never the B·T·V = {batch * length * vocab:,} logits.""")
-    difference = float((loss - reference).abs())
+    difference = float((loss - reference).detach().abs())
     say(
         f"  loss {loss.item():.6f}, one process {reference.item():.6f}: difference {difference:.1e}"
     )
