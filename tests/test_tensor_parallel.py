@@ -31,12 +31,14 @@ ONE_PROCESS_TOLERANCE = 1e-5  # shard-shaped matmuls and a W-term sum: rounding,
 
 @st.composite
 def specs(draw, world_size: int) -> TPSpec:
-    """A random model whose split sizes W divides: heads a multiple of W, vocabulary too."""
+    """A random model whose split sizes W divides: heads a multiple of W, vocabulary too. Widths
+    from 4: a LayerNorm over 2 features is ill-conditioned (its output is always +-1, and its
+    backward divides by |x1 - x2| / 2), so any rounding grows without bound there."""
     heads = world_size * draw(st.integers(1, 2))
     return TPSpec(
         model=draw(st.sampled_from(tasks.MODELS)),
         seed=draw(st.integers(0, 1000)),
-        width=heads * draw(st.integers(1, 3)),
+        width=heads * draw(st.integers(-(-4 // heads), 3)),
         heads=heads,
         vocab=world_size * draw(st.integers(2, 5)),
         batch=draw(st.integers(1, 3)),
