@@ -358,10 +358,22 @@ def refusals() -> dict[str, str]:
             return f"{type(error).__name__}: {error}"
         return "nothing raised"
 
-    odd = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 4))
+    odd = nn.Sequential(nn.Linear(4, 6), nn.Linear(4, 5))
     three_heads = tp.CausalSelfAttention(width=6, heads=3)
+    gpt = tp.TinyGPT(vocab=8, width=4, heads=2, layers=1, length=2)
+    tp.parallelize_module(gpt, None, tp.plan_for(gpt))
     return {
-        "odd size": outcome(lambda: tp.parallelize_module(odd, None, {"0": tp.ColwiseParallel()})),
+        "unchanged after": outcome(
+            lambda: tp.parallelize_module(
+                odd, None, {"0": tp.ColwiseParallel(), "1": tp.ColwiseParallel()}
+            )
+        )
+        + f" / {type(odd[0]).__name__}",
+        "token id": outcome(lambda: gpt(torch.tensor([[0, 8]]))),
+        "target": outcome(
+            lambda: tp.vocab_parallel_cross_entropy(torch.zeros(2, 4), torch.tensor([3, -100]))
+        ),
+        "odd size": outcome(lambda: tp.parallelize_module(odd, None, {"1": tp.ColwiseParallel()})),
         "unknown name": outcome(
             lambda: tp.parallelize_module(odd, None, {"2": tp.ColwiseParallel()})
         ),

@@ -118,13 +118,19 @@ def test_vocab_parallel_cross_entropy_never_gathers_the_logits(pool2):
 def test_misuse_is_refused_with_the_problem_and_the_fix(pool2):
     for messages in pool2.run(tasks.refusals):
         odd = messages["odd size"]
-        assert odd.startswith("ValueError") and "0.weight of shape (5, 4)" in odd
+        assert odd.startswith("ValueError") and "1.weight of shape (5, 4)" in odd
         assert "5 is not divisible by 2" in odd and "multiple of 2" in odd
+        # refused before anything was swapped: the entry that would split stays whole
+        unchanged = messages["unchanged after"]
+        assert unchanged.startswith("ValueError") and unchanged.endswith("/ Linear")
         assert (
             messages["unknown name"].startswith("ValueError") and "'2'" in messages["unknown name"]
         )
-        assert "is a ReLU" in messages["not a linear"] and "nn.Linear" not in messages["heads"]
+        assert "is a ReLU" in messages["not a linear"]
         assert "divides its heads" in messages["heads"]
+        # an id no rank owns would silently read zeros: refused, as one process refuses it
+        assert messages["token id"].startswith("IndexError") and "[0, 8)" in messages["token id"]
+        assert messages["target"].startswith("IndexError") and "ignore_index" in messages["target"]
 
 
 def test_without_a_process_group_it_says_how_to_launch():

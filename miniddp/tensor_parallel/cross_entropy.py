@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from miniddp.tensor_parallel.shards import group_size_and_rank
+from miniddp.tensor_parallel.shards import group_size_and_rank, refuse_ids_outside
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -34,7 +34,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(
         ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: dist.ProcessGroup | None
     ) -> torch.Tensor:
-        _, rank = group_size_and_rank(group)
+        world_size, rank = group_size_and_rank(group)
+        refuse_ids_outside(target, world_size * logits.shape[-1], "target")
         vocab_start = rank * logits.shape[-1]
         local_target = target - vocab_start
         elsewhere = (local_target < 0) | (local_target >= logits.shape[-1])

@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from miniddp.tensor_parallel.communications import reduce_from_tensor_parallel
-from miniddp.tensor_parallel.shards import group_size_and_rank, local_parameter
+from miniddp.tensor_parallel.shards import group_size_and_rank, local_parameter, refuse_ids_outside
 
 
 def _refuse_options(embedding: nn.Embedding, name: str) -> None:
@@ -42,9 +42,11 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = local_parameter(embedding.weight, 0, group, f"{name}.weight")
         world_size, rank = group_size_and_rank(group)
         self.num_embeddings, self.embedding_dim = self.weight.shape
+        self.vocab_size = world_size * self.num_embeddings
         self.vocab_start = rank * self.num_embeddings  # this rank owns [start, start + rows)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        refuse_ids_outside(ids, self.vocab_size, "token id")
         local = ids - self.vocab_start
         elsewhere = (local < 0) | (local >= self.num_embeddings)
         rows = F.embedding(local.masked_fill(elsewhere, 0), self.weight)

@@ -46,6 +46,9 @@ def parallelize_module(
             raise TypeError(
                 f"plan[{name!r}] is {style!r}: give ColwiseParallel() or RowwiseParallel()"
             )
+    # Split everything first, then swap: a refused entry leaves the model as it was.
+    split = {name: style.apply(names[name], group, name) for name, style in plan.items()}
+    for name, replacement in split.items():
         parent_name, _, child = name.rpartition(".")
-        setattr(module.get_submodule(parent_name), child, style.apply(names[name], group, name))
+        setattr(module.get_submodule(parent_name), child, replacement)
     return module

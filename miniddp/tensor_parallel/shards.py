@@ -45,3 +45,14 @@ def local_parameter(
 ) -> torch.nn.Parameter:
     """A plain nn.Parameter holding this rank's chunk (no DTensor: the shard is the tensor)."""
     return torch.nn.Parameter(local_chunk(param, dim, group, where), param.requires_grad)
+
+
+def refuse_ids_outside(ids: torch.Tensor, vocab_size: int, what: str) -> None:
+    """An id no rank owns would be looked up by none, and read as zeros, silently: refuse it, as
+    one process's nn.Embedding and cross-entropy would."""
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise IndexError(
+            f"a {what} outside [0, {vocab_size}): got ids from {int(ids.min())} to "
+            f"{int(ids.max())}. Every id must name a row of the vocabulary (ignore_index is "
+            "not supported: drop those positions before the loss)"
+        )
