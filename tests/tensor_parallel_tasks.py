@@ -322,11 +322,16 @@ def all_reduces_of_one_step(spec: TPSpec) -> dict:
 
 def cross_entropy_against_one_process(seed: int, tokens: int, vocab: int) -> dict:
     """vocab_parallel_cross_entropy on this rank's slice of the logits, against F.cross_entropy
-    on all of them: the loss, the logits' gradient (this rank's slice), and the numbers sent."""
+    on all of them (one process) and against torch's `loss_parallel` on the same slice: the
+    loss, the logits' gradient (this rank's slice), and the numbers each all-reduce sent."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import loss_parallel
+
     g = torch.Generator().manual_seed(seed)
     logits = (10 * torch.randn(tokens, vocab, generator=g)).requires_grad_()  # wide: exp(z) large
     target = torch.randint(vocab, (tokens,), generator=g)
     mine = chunk_of(logits.detach(), -1).clone().requires_grad_()
+    theirs = mine.detach().clone().requires_grad_()
     sent, original = [], dist.all_reduce
 
     def counting(tensor, *args, **kwargs):
@@ -338,12 +343,17 @@ def cross_entropy_against_one_process(seed: int, tokens: int, vocab: int) -> dic
         ours = tp.vocab_parallel_cross_entropy(mine, target)
     finally:
         dist.all_reduce = original
-    reference = F.cross_entropy(logits, target)
     ours.backward()
+    reference = F.cross_entropy(logits, target)
     reference.backward()
+    with loss_parallel():
+        torchs = F.cross_entropy(DTensor.from_local(theirs, torch_mesh(), [Shard(-1)]), target)
+        torchs.backward()
     return {
-        "loss": float((ours - reference).abs()),
-        "grad": float((mine.grad - chunk_of(logits.grad, -1)).abs().max()),
+        "loss": scaled_difference(ours.detach(), reference.detach()),
+        "grad": scaled_difference(mine.grad, chunk_of(logits.grad, -1)),
+        "torch loss bitwise": torch.equal(ours.detach(), local(torchs).detach()),
+        "torch grad bitwise": torch.equal(mine.grad, theirs.grad),
         "sent": sent,
     }
 

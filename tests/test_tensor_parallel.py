@@ -105,13 +105,15 @@ def test_a_block_talks_twice_forward_and_twice_backward(pool2, fused_qkv):
         assert sizes["backward"] == [activation] * (2 if fused_qkv else 4)
 
 
-def test_vocab_parallel_cross_entropy_never_gathers_the_logits(pool2):
+@pytest.mark.parametrize("tokens, vocab", [(6, 10), (1, 2), (13, 64)])
+def test_vocab_parallel_cross_entropy_never_gathers_the_logits(pool2, tokens, vocab):
     """Three all-reduces of one number a token (max, sum of exp, target logit) instead of the
-    tokens x vocabulary logits; loss and gradient within 1e-6 of F.cross_entropy (the sum of exp
-    is added in W pieces)."""
-    tokens, vocab = 6, 10
+    tokens x vocabulary logits. Loss and gradient bitwise torch's `loss_parallel` on the same
+    slices (softmax taken as exp(log_softmax), as torch's is), and within 1e-6 of one process's
+    F.cross_entropy, scaled by their size (the sum of exp is added in W pieces)."""
     for result in pool2.run(tasks.cross_entropy_against_one_process, 3, tokens, vocab):
         assert result["sent"] == [tokens] * 3
+        assert result["torch loss bitwise"] and result["torch grad bitwise"], result
         assert result["loss"] <= 1e-6 and result["grad"] <= 1e-6, result
 
 

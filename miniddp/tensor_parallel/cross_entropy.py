@@ -43,15 +43,18 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         largest = logits.max(dim=-1).values  # no gradient flows through m: it cancels
         dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
-        exp = (logits - largest.unsqueeze(-1)).exp()
-        total = exp.sum(dim=-1)
+        shifted = logits - largest.unsqueeze(-1)
+        total = shifted.exp().sum(dim=-1)
         dist.all_reduce(total, group=group)
         rows = torch.arange(logits.shape[0], device=logits.device)
-        target_logit = (logits[rows, local_target] - largest).masked_fill(elsewhere, 0.0)
+        target_logit = shifted[rows, local_target].masked_fill(elsewhere, 0.0)
         dist.all_reduce(target_logit, group=group)
 
-        ctx.save_for_backward(exp.div_(total.unsqueeze(-1)), local_target, elsewhere)
-        return total.log() - target_logit
+        log_total = total.log()
+        # softmax as exp(log_softmax), not exp / S: torch's loss_parallel's order, so its bits
+        softmax = (shifted - log_total.unsqueeze(-1)).exp()
+        ctx.save_for_backward(softmax, local_target, elsewhere)
+        return log_total - target_logit
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None]:
