@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import add_link_option, end_chapter, fmt_bytes, say, section
+from common import add_link_option, end_chapter, fmt_bytes, say, say_all_ranks, section
 from torch import nn
 from torch.nn import functional as F
 
@@ -42,6 +42,7 @@ from miniddp.sharding import MemoryPerRank, ddp_buckets, measure_memory
 from miniddp.tensor_parallel import (
     TinyGPT,
     TransformerBlock,
+    mesh_groups,
     mesh_ranks,
     parallelize_module,
     plan_for,
@@ -250,8 +251,10 @@ def section_wire(size: Size, world: int) -> dict[str, list[int]]:
     activation, psi = size.tokens * size.width, local_elements(build(size))
     say(f"  all-reduces a rank issues in one step ({size.tokens} tokens, Ψ = {psi:,}):")
     for name, sizes in counted.items():
+        noun = "all-reduce" if len(sizes) == 1 else "all-reduces"
         say(
-            f"  {name:<12} {len(sizes):>3} all-reduces, {fmt_bytes(4 * sum(sizes)):>9} "
+            f"  {name:<12} {len(sizes):>3} {noun:<11} "
+            f"{fmt_bytes(4 * sum(sizes)):>9} "
             f"({', '.join(f'{n:,}' for n in sizes[:4])}{' ...' if len(sizes) > 4 else ''})"
         )
     say_prose(f"""\
@@ -281,9 +284,10 @@ def section_speed(sizes: list[Size], link: Link | None, world: int) -> dict[str,
     say_prose(f"""\
         Both designs on the link {link} (miniddp/link.py: each collective runs, and completes
         when such a link would have delivered it), timed over {ITERS} interleaved steps.
-        Predicted: the link's busy time for the all-reduces counted above. The rest of a step
-        is compute, and TP's holds one more cost: what it does not split (the LayerNorms, the
-        residual adds) every rank repeats on the whole batch, where DP's ranks share it.""")
+        Predicted: the link's busy time for each design's all-reduces, counted as in section
+        3. The rest of a step is compute, and TP's holds one more cost: what it does not split
+        (the LayerNorms, the residual adds) every rank repeats on the whole batch, where DP's
+        ranks share it.""")
     winners = {}
     for size in sizes:
         x, y = global_batch(size)
@@ -339,14 +343,45 @@ def section_vocabulary(world: int) -> float:
         {tuple(logits.shape)} of ({batch}, {length}, {vocab}). The loss
         log sum_v exp(z_v) - z_target is a max, a sum and a pick over v: three all-reduces of
         one number a token ({sent}), never the B·T·V = {batch * length * vocab:,} logits.""")
-    difference = float((loss - reference).detach().abs())
+    difference = scaled_difference(loss, reference)
     say(
-        f"  loss {loss.item():.6f}, one process {reference.item():.6f}: difference {difference:.1e}"
+        f"  loss {loss.item():.6f}, one process {reference.item():.6f}: difference "
+        f"{difference:.1e} of its size (the sum of exp added in W pieces)"
     )
     return difference if sent == [batch * length] * 3 else float("inf")
 
 
-def section_mesh(world: int) -> None:
+def dp_by_tp(size: Size, world: int) -> float:
+    """Train one step on a (W/2) x 2 mesh: TP in each pair, MiniDDP across the pairs, each pair
+    on its rows of the global batch; the largest difference from one process on all of it."""
+    mesh = mesh_groups(dp=world // 2, tp=2)
+    say_all_ranks(
+        f"mesh row {mesh.dp_rank} (a replica), column {mesh.tp_rank} (a shard): TP with "
+        f"ranks {mesh_ranks(world // 2, 2)[0][mesh.dp_rank]}, DP with "
+        f"{mesh_ranks(world // 2, 2)[1][mesh.tp_rank]}"
+    )
+    whole, split = build(size), build(size)
+    plan: dict = {}
+    for index, block in enumerate(split):
+        plan |= plan_for(block, str(index))
+    parallelize_module(split, mesh.tp_group, plan)
+    replica = MiniDDP(split, process_group=mesh.dp_group)
+    x, y = global_batch(size)
+    share = len(x) // (world // 2)
+    rows = slice(mesh.dp_rank * share, (mesh.dp_rank + 1) * share)
+    F.mse_loss(whole(x), y).backward()
+    F.mse_loss(replica(x[rows]), y[rows]).backward()
+    worst, full = 0.0, dict(whole.named_parameters())
+    for name, param in split.named_parameters():
+        reference = full[name].grad
+        if param.shape != reference.shape:  # a shard: the chunk of the TP column it is
+            dim = next(d for d in range(param.dim()) if param.shape[d] != reference.shape[d])
+            reference = torch.chunk(reference, 2, dim)[mesh.tp_rank]
+        worst = max(worst, scaled_difference(param.grad, reference))
+    return worst
+
+
+def section_mesh(size: Size, world: int) -> float | None:
     section("6. Both at once: DP x TP on a mesh")
     tp_rows, dp_columns = mesh_ranks(dp=2, tp=4)
     say_prose(f"""\
@@ -360,9 +395,18 @@ def section_mesh(world: int) -> None:
         it goes inside a machine, on NVLink (hundreds of GB/s). The ranks with the same TP
         index hold the same shards, so they are the replicas DP averages: MiniDDP(model,
         process_group=dp_group), one gradient all-reduce a step that hides behind backward,
-        can cross the slower network between machines. tests/test_tensor_parallel.py trains a
-        2 x 2 mesh this way and matches one process on the global batch.""")
+        can cross the slower network between machines.""")
     say(f"  The split, drawn: {FIGURE} (python -m miniddp.figures --only 13)")
+    if world < 4 or world % 2:
+        say("  With 4 ranks (NPROC=4 ./launch.sh tutorials/13_model_parallel.py) this section")
+        say("  trains a 2 x 2 mesh; tests/test_tensor_parallel.py does it on every run.")
+        return None
+    difference = dp_by_tp(size, world)
+    say(
+        f"  One step on the {world // 2} x 2 mesh, against one process on the whole batch: "
+        f"gradient shards within {difference:.1e}"
+    )
+    return difference
 
 
 def main() -> None:
@@ -385,7 +429,7 @@ def main() -> None:
     ]
     winners = section_speed(speeds, args.link, world)
     loss_difference = section_vocabulary(world)
-    section_mesh(world)
+    mesh_difference = section_mesh(model_size, world)
 
     section("Checks")
     activation = model_size.tokens * model_size.width
@@ -396,6 +440,7 @@ def main() -> None:
     assert sum(counted["DP step"]) == local_elements(build(model_size))
     assert loss_difference <= 1e-6, "the vocabulary-parallel loss is not one process's"
     assert all(winners.values()), f"the byte count did not name the faster design: {winners}"
+    assert mesh_difference is None or mesh_difference <= TOLERANCE, "DP x TP is not one process"
     dist.barrier()  # every rank has passed its own checks
     claims = "and where each wins, as the bytes predict" if winners else "(speed: needs --link)"
     say(
