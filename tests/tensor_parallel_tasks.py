@@ -245,6 +245,10 @@ def largest_differences(spec: TPSpec, kinds: tuple[str, ...] = ("ours", "torch")
             },
         }
     report["shapes"] = {n: tuple(p.shape) for n, p in ours.named_parameters()}
+    report["types"] = {
+        "parameters": sorted({type(p).__name__ for p in ours.parameters()}),
+        "output": type(ours(batch(spec, 0)[0])).__name__,
+    }
     return report
 
 

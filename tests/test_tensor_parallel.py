@@ -71,6 +71,8 @@ def test_one_block_equals_one_process_and_torch_bitwise(pool2):
     assert shapes["attention.q.weight"] == (4, 8) and shapes["attention.out.weight"] == (8, 4)
     assert shapes["mlp.up.weight"] == (16, 8) and shapes["mlp.down.weight"] == (8, 16)
     assert shapes["attention_norm.weight"] == (8,) and shapes["mlp_norm.bias"] == (8,)
+    # plain tensors throughout: a shard is an nn.Parameter, an output a torch.Tensor (no DTensor)
+    assert results[0]["types"] == {"parameters": ["Parameter"], "output": "Tensor"}
 
 
 @property_settings(max_examples=6)
