@@ -8,7 +8,7 @@ The vocabulary (Megatron-LM, Shoeybi et al. 2019):
     mesh                    TP groups inside DP groups: a 2-D grid of ranks (mesh.py)
 
     communications.py   f and g: identity / all-reduce, and the reverse backward
-    shards.py           torch's chunk rule, and the error when W does not divide a size
+    shards.py           torch's chunk rule; refusing sizes W does not divide, ids no rank owns
     linear.py           ColwiseLinear, RowwiseLinear
     embedding.py        VocabParallelEmbedding (rowwise), ColwiseEmbedding
     cross_entropy.py    the loss from vocabulary-sharded logits, never gathered
@@ -17,8 +17,9 @@ The vocabulary (Megatron-LM, Shoeybi et al. 2019):
     blocks.py           MLP, CausalSelfAttention, TransformerBlock, TinyGPT, and plan_for
     mesh.py             mesh_groups(dp, tp): DP x TP
 
-    model = parallelize_module(TransformerBlock(256, 8), tp_group, plan_for(block))
-    # same as torch's: parallelize_module(block, mesh, {"attention.q": ColwiseParallel(), ...})
+    block = TransformerBlock(256, 8)
+    parallelize_module(block, tp_group, plan_for(block))  # {"attention.q": ColwiseParallel(), ...}
+    # torch's: torch.distributed.tensor.parallel.parallelize_module(block, mesh, the same plan)
 """
 
 from miniddp.tensor_parallel.blocks import (
