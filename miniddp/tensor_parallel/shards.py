@@ -4,6 +4,9 @@ Keeping torch's rule (not, say, an interleaved one) is what lets one test hold M
 parallelism and torch's side by side, shard for shard. Unlike torch's DTensor, a size that W does
 not divide is refused: uneven chunks would give the ranks different shapes, and a module that
 infers its heads from its projection's size would then compute nonsense on some rank.
+
+The same holds for what indexes a vocabulary split by rows: a token id or target outside it is
+owned by no rank, would be read as zeros by all, and is refused instead.
 """
 
 from __future__ import annotations
