@@ -25,6 +25,7 @@ FIGURES = [
     "04_sweep.png",
     "05_no_sync.png",
     "08_memory.png",
+    "13_tensor_parallel.png",
 ]
 TIMEOUT_SECONDS = 300
 

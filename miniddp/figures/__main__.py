@@ -22,13 +22,13 @@ import tempfile
 from pathlib import Path
 
 from miniddp.bench.options import whole_number, writable_folder
-from miniddp.figures import draw, memory, no_sync, record
+from miniddp.figures import draw, memory, no_sync, record, tensor_parallel
 
 REPO = Path(__file__).resolve().parents[2]
 CHAPTER_04 = REPO / "tutorials" / "04_overlap.py"
 CHAPTER_04_TIMEOUT_S = 300
 CHAPTER_04_FIGURES = ("04_timelines.png", "04_sweep.png")
-FIGURE_SETS = ("00", "01", "03", "04", "05", "08")
+FIGURE_SETS = ("00", "01", "03", "04", "05", "08", "13")
 
 
 def run_chapter_04(out: Path, iters: int) -> None:
@@ -111,6 +111,8 @@ def main(argv: list[str] | None = None) -> None:
     if "04" in chosen:
         run_chapter_04(args.out, args.iters)
         written += [args.out / name for name in CHAPTER_04_FIGURES]
+    if "13" in chosen:
+        written.append(tensor_parallel.column_row_split(args.out / "13_tensor_parallel.png"))
     for path in written:
         print(path)
 
