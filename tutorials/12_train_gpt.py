@@ -30,35 +30,41 @@ replicas included, takes about 2 minutes on a laptop's two cores.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import math
 import os
 import textwrap
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from char_corpus import Corpus, Windows, load_corpus
-from common import add_plot_option, end_chapter, fmt_bytes, say, say_all_ranks, section
+from common import add_plot_option, end_chapter, say, section
+from side_by_side import Agreement, Replica, ascii_curves, build_replica, params_sha256, say_memory
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
-from miniddp import DistributedSampler, MiniDDP, ZeroRedundancyOptimizer
-from miniddp import full_state_dict, fully_shard
+from miniddp import DistributedSampler
 from miniddp.checkpoint import Progress, load_checkpoint, save_checkpoint
 from miniddp.env import DistEnv, init_distributed
-from miniddp.models.gpt import GPT, GPTConfig, next_character_loss, parameter_groups
-from miniddp.sharding import Formula, ddp_buckets, measure_memory, reduce_scatter_hook
+from miniddp.models.gpt import GPTConfig, next_character_loss
 
-# How far one process on the global batch may land from DDP after the first steps: its sums
-# run in another order (W·K micro-batches accumulated in one process against K per rank and an
-# all-reduce), ~1e-7 relative per step; AdamW's division by √v amplifies that where v is tiny.
+# How far one process on the global batch may land from DDP after its steps: its sums run in
+# another order (W·K micro-batches accumulated in one process, against K per rank and then an
+# all-reduce), ~1e-7 relative per step, and AdamW's division by √v magnifies that where v is tiny.
 ONE_PROCESS_TOLERANCE = 1e-4
-SHARD_TOLERANCE = 1e-4  # beyond W = 2, where the ring and gloo add in different orders
+# ZeRO-2 and fully_shard clip by a norm summed over shards, in another order than torch's
+# clip_grad_norm_: the same factor up to rounding, whenever clipping acts (and beyond W = 2, the
+# ring and gloo add gradients in different orders too).
+SHARDED_TOLERANCE = 1e-4
+LABELS = {
+    "miniddp": "MiniDDP",
+    "torch": "torch's DDP",
+    "zero1": "ZeRO-1",
+    "zero2": "ZeRO-2",
+    "zero3": "fully_shard",
+}
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,11 @@ class Settings:
     compare: bool = True
     shard: str | None = None
 
+    def model(self, vocabulary: int) -> GPTConfig:
+        return GPTConfig(
+            vocabulary, self.context, self.width, self.layers, self.heads, self.dropout
+        )
+
 
 def learning_rate(step: int, s: Settings) -> float:
     """Linear warmup over `warmup` steps (Adam's moments are noise at first: small steps while
@@ -104,8 +115,12 @@ class Batches:
 
     def __init__(self, windows: Windows, world: int, s: Settings) -> None:
         self.windows, self.batch, self.accum = windows, s.batch, s.accum
-        self.samplers = [DistributedSampler(windows, num_replicas=world, rank=r, shuffle=True,
-                                            seed=s.seed, drop_last=True) for r in range(world)]  # fmt: skip
+        self.samplers = [
+            DistributedSampler(
+                windows, num_replicas=world, rank=r, shuffle=True, seed=s.seed, drop_last=True
+            )
+            for r in range(world)
+        ]
         self.steps_per_epoch = len(self.samplers[0]) // (s.batch * s.accum)
         if self.steps_per_epoch == 0:
             raise ValueError(
@@ -131,72 +146,6 @@ class Batches:
 def dropout_seed(s: Settings, step: int, micro: int, rank: int, world: int) -> int:
     """One seed per (step, micro-step, rank): the masks that micro-batch draws, in any replica."""
     return s.seed * 1_000_003 + (step * s.accum + micro) * world + rank
-
-
-@dataclass
-class Replica:
-    """One way of training the same GPT: what forward is called on, the GPT inside, its
-    optimizer, how to skip gradient sync, and how to clip; plus what it recorded."""
-
-    name: str
-    model: nn.Module
-    module: GPT
-    optimizer: torch.optim.Optimizer
-    no_sync: Callable[[], AbstractContextManager]
-    clip: Callable[[float], torch.Tensor]
-    train_losses: list[float] = field(default_factory=list)
-    val_losses: list[tuple[int, float]] = field(default_factory=list)
-    seconds: float = 0.0
-
-    def parameters(self) -> dict[str, torch.Tensor]:
-        """Every full parameter by name (a collective under fully_shard: it gathers them)."""
-        return full_state_dict(self.module) if self.name == "zero3" else self.module.state_dict()
-
-
-def build_gpt(vocabulary: int, s: Settings) -> GPT:
-    """The same initial weights on every rank and in every replica: a seeded, forked RNG."""
-    config = GPTConfig(vocabulary, s.context, s.width, s.layers, s.heads, s.dropout)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(s.seed)
-        return GPT(config)
-
-
-def clip_all(parameters: list[nn.Parameter]) -> Callable[[float], torch.Tensor]:
-    """torch's clip_grad_norm_: scale every gradient by min(1, max_norm / ‖all gradients‖)."""
-    return lambda max_norm: nn.utils.clip_grad_norm_(parameters, max_norm)
-
-
-def build_replica(design: str, vocabulary: int, s: Settings) -> Replica:
-    """`design`: miniddp, torch, one-process, zero1, zero2 or zero3; AdamW for all of them."""
-    module = build_gpt(vocabulary, s)
-    adamw = {"lr": s.lr, "betas": (0.9, 0.95)}
-    if design == "zero3":
-        for block in module.blocks:
-            fully_shard(block)  # the blocks first, then the root for the embeddings and norm
-        fully_shard(module)
-        optimizer = torch.optim.AdamW(parameter_groups(module, s.weight_decay), **adamw)
-
-        @contextmanager
-        def no_sync():  # FSDP2's spelling: accumulate full gradients, reduce-scatter later
-            module.set_requires_gradient_sync(False)
-            try:
-                yield
-            finally:
-                module.set_requires_gradient_sync(True)
-
-        return Replica(design, module, module, optimizer, no_sync, clip_all(list(module.parameters())))
-    groups = parameter_groups(module, s.weight_decay)
-    if design == "one-process":
-        optimizer = torch.optim.AdamW(groups, **adamw)
-        return Replica(design, module, module, optimizer, nullcontext, clip_all(list(module.parameters())))
-    model = DistributedDataParallel(module) if design == "torch" else MiniDDP(module)
-    if design in ("zero1", "zero2"):
-        optimizer = ZeroRedundancyOptimizer(groups, torch.optim.AdamW, **adamw)
-        if design == "zero2":
-            model.register_comm_hook(optimizer, reduce_scatter_hook)
-    else:
-        optimizer = torch.optim.AdamW(groups, **adamw)
-    return Replica(design, model, module, optimizer, model.no_sync, clip_all(list(module.parameters())))
 
 
 def train_step(
@@ -241,86 +190,52 @@ def validation_loss(replica: Replica, windows: Windows, s: Settings, env: DistEn
     return (summed[0] / summed[1]).item()
 
 
-@dataclass
-class Agreement:
-    """How a replica compares with MiniDDP's after each step: bitwise, else the largest gap."""
-
-    steps: int = 0
-    bitwise_steps: int = 0
-    largest_loss_gap: float = 0.0
-    largest_parameter_gap: float = 0.0
-
-    def record(self, losses: tuple[float, float], ours: dict, theirs: dict) -> None:
-        pairs = [(ours[name], theirs[name]) for name in ours]
-        bitwise = losses[0] == losses[1] and all(torch.equal(a, b) for a, b in pairs)
-        gap = max((a.double() - b.double()).abs().max().item() for a, b in pairs)
-        self.steps += 1
-        self.bitwise_steps += bitwise
-        self.largest_loss_gap = max(self.largest_loss_gap, abs(losses[0] - losses[1]))
-        self.largest_parameter_gap = max(self.largest_parameter_gap, gap)
-
-    def on_every_rank(self) -> Agreement:
-        """The worst of every rank's (a collective)."""
-        worst = torch.tensor([self.bitwise_steps == self.steps, -self.largest_loss_gap,
-                              -self.largest_parameter_gap], dtype=torch.float64)  # fmt: skip
-        dist.all_reduce(worst, op=dist.ReduceOp.MIN)
-        bitwise = self.steps if worst[0].item() == 1.0 else 0
-        return Agreement(self.steps, bitwise, -worst[1].item(), -worst[2].item())
-
-
-def params_sha256(module: dict[str, torch.Tensor]) -> str:
-    """A fingerprint of the exact bits of every parameter, in state-dict order."""
-    digest = hashlib.sha256()
-    for name, tensor in module.items():
-        digest.update(name.encode())
-        digest.update(bytes(tensor.detach().cpu().contiguous().view(torch.uint8).flatten()))
-    return digest.hexdigest()
-
-
-def ascii_curves(curves: dict[str, list[float]], marks: str = "*o", width: int = 60,
-                 height: int = 12) -> str:  # fmt: skip
-    """Loss against step, one mark per curve ('#' where they fall on the same cell)."""
-    longest = max(len(values) for values in curves.values())
-    low = min(min(values) for values in curves.values())
-    high = max(max(values) for values in curves.values())
-    grid = [[" "] * width for _ in range(height)]
-    for mark, values in zip(marks, curves.values()):
-        for column in range(width):
-            chunk = values[column * longest // width : (column + 1) * longest // width]
-            if not chunk:
-                continue
-            row = round((high - sum(chunk) / len(chunk)) / (high - low + 1e-12) * (height - 1))
-            grid[row][column] = "#" if grid[row][column] not in (" ", mark) else mark
-    lines = [f"{high - (high - low) * r / (height - 1):6.2f} |{''.join(row)}"
-             for r, row in enumerate(grid)]  # fmt: skip
-    lines.append(f"{'':6} +{'-' * width}\n{'':8}step 1{'':>{width - 12}}{longest:>5}")
-    legend = ", ".join(f"{mark} {name}" for mark, name in zip(marks, curves))
-    return "\n".join(lines + [f"{'':8}{legend}, # both"])
-
-
 def parse_args() -> tuple[Settings, argparse.Namespace]:
     parser = argparse.ArgumentParser(description="Chapter 12: train a character-level GPT.")
     defaults = Settings()
     for name, value in asdict(defaults).items():
         if isinstance(value, bool) or name in ("data", "max_characters", "shard"):
             continue
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value,
-                            help=f"(default {value})")  # fmt: skip
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=type(value),
+            default=value,
+            help=f"(default {value})",
+        )
     parser.add_argument("--data", type=Path, help="a text file to train on (default: stdlib)")
     parser.add_argument("--max-characters", type=int, help="use only the text's first N")
-    parser.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
-                        help="also train torch's DDP and check it bit for bit (default on)")  # fmt: skip
-    parser.add_argument("--shard", choices=("zero1", "zero2", "zero3"),
-                        help="also train the sharded design and check it against MiniDDP")  # fmt: skip
-    parser.add_argument("--one-process-steps", type=int, default=10, metavar="N",
-                        help="rank 0 trains one process on the global batch for N steps")  # fmt: skip
+    parser.add_argument(
+        "--compare",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also train torch's DDP and check it bit for bit (default on)",
+    )
+    parser.add_argument(
+        "--shard",
+        choices=("zero1", "zero2", "zero3"),
+        help="also train the sharded design and check it against MiniDDP",
+    )
+    parser.add_argument(
+        "--one-process-steps",
+        type=int,
+        default=10,
+        metavar="N",
+        help="rank 0 trains one process on the global batch for N steps",
+    )
     parser.add_argument("--log-every", type=int, default=10, metavar="N")
     parser.add_argument("--checkpoint-every", type=int, default=25, metavar="N")
     parser.add_argument("--checkpoint-dir", type=Path, help="(default: ./checkpoints/12_...)")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from --checkpoint-dir (automatic after a torchrun restart)")  # fmt: skip
-    parser.add_argument("--crash-at-step", type=int, metavar="K",
-                        help="the last rank exits abruptly after step K, on the first attempt")  # fmt: skip
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from --checkpoint-dir (automatic after a torchrun restart)",
+    )
+    parser.add_argument(
+        "--crash-at-step",
+        type=int,
+        metavar="K",
+        help="the last rank exits abruptly after step K, on the first attempt",
+    )
     add_plot_option(parser)
     args = parser.parse_args()
     chosen = {name: getattr(args, name) for name in asdict(defaults)}
@@ -331,210 +246,284 @@ def parse_args() -> tuple[Settings, argparse.Namespace]:
     return settings, args
 
 
+@dataclass
+class Training:
+    """One run of the chapter: its replicas, their data, and what they recorded so far, with
+    the three phases of its life: start (fresh, or resumed), train, report and check."""
+
+    s: Settings
+    args: argparse.Namespace
+    env: DistEnv
+    corpus: Corpus
+    replicas: dict[str, Replica]
+    batches: Batches
+    validation: Windows
+    path: Path  # the checkpoint
+    start: int = 0
+    agreements: dict[str, Agreement] = field(default_factory=dict)
+    one_process: dict[str, float] = field(default_factory=dict)  # its largest gaps, when run
+
+    @property
+    def ours(self) -> Replica:
+        return self.replicas["miniddp"]
+
+    def start_or_resume(self) -> None:
+        """Resume from the checkpoint after a torchrun restart (or with --resume); otherwise
+        delete an earlier run's, so a crash before our first save cannot resume that one."""
+        self.agreements = {name: Agreement() for name in self.replicas if name != "miniddp"}
+        if (self.args.resume or self.env.restart_count > 0) and self.path.exists():
+            # Every replica was bitwise MiniDDP's at every save, so one checkpoint fits them all.
+            for replica in self.replicas.values():
+                loaded = load_checkpoint(self.path, replica.model, replica.optimizer)
+            if loaded.extra["settings"] != asdict(self.s):
+                raise ValueError(
+                    f"{self.path} was written by a run with other settings "
+                    f"({loaded.extra['settings']}): pass another --checkpoint-dir, or no --resume"
+                )
+            self.start = loaded.progress.step
+            for name, replica in self.replicas.items():
+                replica.train_losses = loaded.extra["train_losses"][name]
+                replica.val_losses = [tuple(v) for v in loaded.extra["val_losses"][name]]
+            self.agreements = {n: Agreement(**a) for n, a in loaded.extra["agreements"].items()}
+            self.one_process = loaded.extra["one_process"]
+            say(
+                f"resumed from step {self.start} (epoch {loaded.progress.epoch}, step "
+                f"{loaded.progress.batches_done} of it) out of {self.path}"
+            )
+            return
+        if self.env.is_main:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.unlink(missing_ok=True)
+        dist.barrier()  # nobody looks for a checkpoint before it is gone
+        for replica in self.replicas.values():
+            replica.val_losses.append(
+                (0, validation_loss(replica, self.validation, self.s, self.env))
+            )
+        vocabulary = len(self.corpus.vocabulary)
+        say(
+            f"step 0: validation loss {self.ours.val_losses[0][1]:.3f} nats per character "
+            f"(a uniform guess over the characters: ln {vocabulary} = {math.log(vocabulary):.3f})"
+        )
+
+    def train(self) -> None:
+        """Every replica takes each step on the same windows and seeds; then the checks."""
+        s, env, world = self.s, self.env, self.env.world_size
+        solo = None  # the one-process replica: rank 0, from step 0, for the first few steps
+        if env.is_main and self.start == 0 and self.args.one_process_steps > 0:
+            solo = build_replica(
+                "one-process", s.model(len(self.corpus.vocabulary)), s.seed, s.lr, s.weight_decay
+            )
+        tokens_per_step = world * s.accum * s.batch * s.context
+        began = time.perf_counter()
+        for step in range(self.start, s.steps):
+            mine = self.batches.of_rank(env.rank, step)
+            micro = [(dropout_seed(s, step, k, env.rank, world), w) for k, w in enumerate(mine)]
+            results = {name: train_step(r, micro, s, step) for name, r in self.replicas.items()}
+            means = torch.stack([loss for loss, _ in results.values()])
+            dist.all_reduce(means)  # every rank's loss: their mean is the global batch's
+            for replica, mean in zip(self.replicas.values(), (means / world).tolist()):
+                replica.train_losses.append(mean)
+            reference = self.ours.parameters()
+            for name, agreement in self.agreements.items():
+                losses = (results["miniddp"][0].item(), results[name][0].item())
+                agreement.record(losses, reference, self.replicas[name].parameters())
+            if solo is not None and step < self.args.one_process_steps:
+                self.compare_one_process(solo, step, reference)
+            done = step + 1
+            if done % s.eval_every == 0 or done == s.steps:
+                for replica in self.replicas.values():
+                    loss = validation_loss(replica, self.validation, s, env)
+                    replica.val_losses.append((done, loss))
+            if done % self.args.log_every == 0 or done in (self.start + 1, s.steps):
+                rates = "  ".join(
+                    f"{name} {tokens_per_step * (done - self.start) / r.seconds:,.0f}"
+                    for name, r in self.replicas.items()
+                )
+                left = (time.perf_counter() - began) / (done - self.start) * (s.steps - done)
+                val = self.ours.val_losses[-1]
+                val = f"  val {val[1]:.3f}" if val[0] == done else ""
+                say(
+                    f"step {done:4d}/{s.steps}  loss {self.ours.train_losses[-1]:.3f}{val}  lr "
+                    f"{learning_rate(step, s):.1e}  |g| {results['miniddp'][1].item():.2f}  "
+                    f"tokens/s {rates}  ETA {left:.0f} s"
+                )
+            if done % self.args.checkpoint_every == 0 or done == s.steps:
+                self.save(done)
+            if self.args.crash_at_step == done and env.restart_count == 0 and env.rank == world - 1:
+                print(f"[rank {env.rank}] exits abruptly after step {done}", flush=True)
+                os._exit(1)  # no cleanup and no exception, like a segfault or the OOM killer
+        say(f"steps {self.start + 1}..{s.steps} took {time.perf_counter() - began:.0f} s")
+
+    def compare_one_process(self, solo: Replica, step: int, reference: dict) -> None:
+        """Rank 0 alone: every rank's micro-batches of this step, with each one's dropout seed."""
+        world = self.env.world_size
+        everyone = [
+            (dropout_seed(self.s, step, k, rank, world), windows)
+            for rank in range(world)
+            for k, windows in enumerate(self.batches.of_rank(rank, step))
+        ]
+        loss, _ = train_step(solo, everyone, self.s, step)
+        gaps = [
+            (a.double() - b.double()).abs().max().item()
+            for a, b in zip(solo.parameters().values(), reference.values())
+        ]
+        loss_gap = abs(loss.item() - self.ours.train_losses[-1])
+        self.one_process = {
+            "steps": step + 1,
+            "parameters": max(gaps),
+            "loss": max(self.one_process.get("loss", 0.0), loss_gap),
+        }
+
+    def save(self, done: int) -> None:
+        """An atomic checkpoint of MiniDDP's replica (rank 0 writes a temporary file, renamed
+        over the old one), with what the report needs: the curves and the agreements so far."""
+        agreements = {n: asdict(a.on_every_rank()) for n, a in self.agreements.items()}
+        extra = {
+            "settings": asdict(self.s),
+            "agreements": agreements,
+            "one_process": self.one_process,
+            "train_losses": {n: r.train_losses for n, r in self.replicas.items()},
+            "val_losses": {n: r.val_losses for n, r in self.replicas.items()},
+        }
+        save_checkpoint(
+            self.path, self.ours.model, self.ours.optimizer, self.batches.progress(done), extra
+        )
+
+    def report(self) -> bool:
+        """Sections 4 and 5: the curves, how each replica agreed, memory, and a sample. Returns
+        whether the sharded replica's memory is the formula's (True without --shard)."""
+        section("4. Curve for curve")
+        shown = {"MiniDDP": self.ours.train_losses}
+        for name in [n for n in self.replicas if n != "miniddp"][:1]:
+            shown[name] = self.replicas[name].train_losses
+        say("training loss, nats per character (each step's mean over every rank's windows):")
+        say(ascii_curves(shown))
+        say("validation loss: " + ", ".join(f"{v:.3f} at {n}" for n, v in self.ours.val_losses))
+        self.agreements = {n: a.on_every_rank() for n, a in self.agreements.items()}
+        for name, agreement in self.agreements.items():
+            say(f"{name} against MiniDDP: {agreement}")
+        if self.one_process:
+            say(
+                f"one process on the global batch with accumulation, the first "
+                f"{self.one_process['steps']} steps: largest loss gap "
+                f"{self.one_process['loss']:.1e}, parameter gap "
+                f"{self.one_process['parameters']:.1e} (tolerance {ONE_PROCESS_TOLERANCE:.0e})"
+            )
+        else:
+            say("one process on the global batch: not run (resumed, or --one-process-steps 0)")
+        if self.args.plot and self.env.is_main:
+            from miniddp.figures import draw
+
+            runs = {LABELS[n]: (r.train_losses, r.val_losses) for n, r in self.replicas.items()}
+            title = f"Chapter 12: a character-level GPT on {self.env.world_size} ranks"
+            say(f"wrote {draw.loss_curves(runs, self.args.plot / '12_loss.png', title)}")
+        formula_holds = True
+        if self.s.shard:
+            psi = sum(p.numel() for p in self.ours.module.parameters())
+            formula_holds = say_memory(self.replicas[self.s.shard], psi, self.env.world_size)
+
+        section("5. What the model learned")
+        if self.env.is_main:
+            vocabulary = self.corpus.vocabulary
+            prompt = "def " if set("def ") <= set(vocabulary) else self.corpus.text[0]
+            encoded = torch.tensor([[vocabulary.index(c) for c in prompt]])
+            generator = torch.Generator().manual_seed(self.s.seed)
+            sampled = self.ours.module.generate(encoded, 300, generator)
+            say(f"300 characters sampled from MiniDDP's model after {prompt!r}:")
+            say(textwrap.indent(self.corpus.decode(sampled[0]), "    | "))
+        return formula_holds
+
+    def check(self, formula_holds: bool) -> None:
+        section("Checks")
+        first, last = self.ours.val_losses[0][1], self.ours.val_losses[-1][1]
+        say(
+            f"validation loss {first:.3f} -> {last:.3f}: down {first - last:.2f} nats per character"
+        )
+        for name, agreement in self.agreements.items():
+            if name in ("torch", "zero1"):  # the same sums, in the same order
+                assert agreement.bitwise, f"{name} is not bitwise MiniDDP's: {agreement}"
+            else:
+                assert agreement.largest_parameter_gap <= SHARDED_TOLERANCE, f"{name}: {agreement}"
+                assert agreement.largest_loss_gap <= SHARDED_TOLERANCE, f"{name}: {agreement}"
+        if self.one_process:
+            assert self.one_process["parameters"] <= ONE_PROCESS_TOLERANCE, self.one_process
+            assert self.one_process["loss"] <= ONE_PROCESS_TOLERANCE, self.one_process
+        assert formula_holds, "the sharded replica's memory differs from the formula's"
+        if self.s.steps >= 100:
+            assert first - last >= 1.0, "the validation loss should fall by a nat or more"
+        sha = params_sha256(self.ours.parameters())
+        dist.barrier()  # every rank has passed its own checks
+        compared = ", ".join(self.agreements) or "no other replica (--no-compare)"
+        say(
+            f"Verified on {self.env.world_size} ranks: MiniDDP trained a GPT, and {compared} "
+            "trained it step for step alike, bitwise where the maths allows."
+        )
+        say(f"final-val-loss: {last:.6f}")
+        say(f"final-params-sha256: {sha}")
+
+
 def main() -> None:
     s, args = parse_args()
     env = init_distributed()
     world = env.world_size
-    corpus: Corpus = load_corpus(args.data, s.max_characters)
-    say(f"Chapter 12: a character-level GPT on {world} ranks, backend {env.backend}; torchrun "
-        f"attempt {env.restart_count}")  # fmt: skip
+    corpus = load_corpus(args.data, s.max_characters)
+    say(
+        f"Chapter 12: a character-level GPT on {world} ranks, backend {env.backend}; torchrun "
+        f"attempt {env.restart_count}"
+    )
 
     section("1. The text")
-    train_windows, val_windows = Windows(corpus.train, s.context), Windows(corpus.validation, s.context)
-    batches = Batches(train_windows, world, s)
-    tokens_per_step = world * s.accum * s.batch * s.context
-    say(f"{corpus.source}: {len(corpus.text):,} characters, {len(corpus.vocabulary)} distinct, "
-        f"SHA-256 {corpus.sha256[:16]}...")  # fmt: skip
-    say(f"training on the first {len(corpus.train):,}, validating on the last "
-        f"{len(corpus.validation):,}; {len(train_windows):,} training windows of {s.context} + 1")  # fmt: skip
-    say(f"an epoch is {batches.steps_per_epoch} steps of {world} ranks x {s.accum} micro-steps x "
-        f"{s.batch} windows = {tokens_per_step:,} characters; a sample of the text:")  # fmt: skip
-    middle = len(corpus.train) // 2
-    say(textwrap.indent(corpus.decode(corpus.train[middle : middle + 240]), "    | "))
-
-    section("2. The model and its replicas")
-    vocabulary = len(corpus.vocabulary)
-    designs = ["miniddp"] + ["torch"] * s.compare + ([s.shard] if s.shard else [])
-    replicas = {design: build_replica(design, vocabulary, s) for design in designs}
-    ours = replicas["miniddp"]
-    groups = ours.optimizer.param_groups
-    psi = sum(p.numel() for p in ours.module.parameters())
-    say(f"GPT: {s.layers} blocks, width {s.width}, {s.heads} heads, context {s.context}, dropout "
-        f"{s.dropout}; {psi:,} parameters in {len(list(ours.module.parameters()))} tensors (the "
-        f"head is the token embedding); AdamW, weight decay {s.weight_decay} on "
-        f"{len(groups[0]['params'])} matrices, none on {len(groups[1]['params'])} biases and gains")  # fmt: skip
-    say(f"replicas, each from the same weights: {', '.join(replicas)}")
-    directory = args.checkpoint_dir or Path(
-        "checkpoints", f"12_train_gpt-{world}ranks-{hashlib.sha256(repr(s).encode()).hexdigest()[:8]}"
+    windows = Windows(corpus.train, s.context)
+    batches = Batches(windows, world, s)
+    say(
+        f"{corpus.source}: {len(corpus.text):,} characters, {len(corpus.vocabulary)} distinct, "
+        f"SHA-256 {corpus.sha256[:16]}...; the first {len(corpus.train):,} train, the last "
+        f"{len(corpus.validation):,} are held out. A sample:"
     )
-    path = directory / "checkpoint.pt"
-    start, agreements, one_process_gaps = 0, {name: Agreement() for name in designs[1:]}, {}
-    if (args.resume or env.restart_count > 0) and path.exists():
-        for name, replica in replicas.items():  # bitwise equal at every save, so one file fits all
-            loaded = load_checkpoint(path, replica.model, replica.optimizer)
-        if loaded.extra["settings"] != asdict(s):
-            raise ValueError(f"{path} was written with other settings: {loaded.extra['settings']}")
-        start = loaded.progress.step
-        for name, replica in replicas.items():
-            replica.train_losses = loaded.extra["train_losses"][name]
-            replica.val_losses = [tuple(v) for v in loaded.extra["val_losses"][name]]
-        agreements = {n: Agreement(**a) for n, a in loaded.extra["agreements"].items()}
-        one_process_gaps = loaded.extra["one_process_gaps"]
-        say(f"resumed from step {start} (epoch {loaded.progress.epoch}, step "
-            f"{loaded.progress.batches_done} of it): {path}")  # fmt: skip
-    else:
-        if env.is_main:
-            directory.mkdir(parents=True, exist_ok=True)
-            path.unlink(missing_ok=True)  # an earlier run's: a crash now must not resume it
-        dist.barrier()
-        for replica in replicas.values():
-            replica.val_losses.append((0, validation_loss(replica, val_windows, s, env)))
-        say(f"step 0: validation loss {ours.val_losses[0][1]:.3f} nats per character "
-            f"(a uniform guess: ln {vocabulary} = {math.log(vocabulary):.3f})")  # fmt: skip
-    solo = None
-    if env.is_main and start == 0 and args.one_process_steps > 0:
-        solo = build_replica("one-process", vocabulary, s)
+    middle = len(corpus.train) // 2
+    say(textwrap.indent(corpus.decode(corpus.train[middle : middle + 200]), "    | "))
+    say(
+        f"{len(windows):,} training windows of {s.context} + 1 characters; an epoch is "
+        f"{batches.steps_per_epoch} steps of {world} ranks x {s.accum} micro-steps x {s.batch} "
+        "windows"
+    )
+
+    section("2. The model, and its replicas")
+    config = s.model(len(corpus.vocabulary))
+    designs = ["miniddp"] + ["torch"] * s.compare + [s.shard] * bool(s.shard)
+    replicas = {d: build_replica(d, config, s.seed, s.lr, s.weight_decay) for d in designs}
+    module, groups = replicas["miniddp"].module, replicas["miniddp"].optimizer.param_groups
+    say(
+        f"GPT: {s.layers} blocks, width {s.width}, {s.heads} heads, context {s.context}, dropout "
+        f"{s.dropout}: {sum(p.numel() for p in module.parameters()):,} parameters in "
+        f"{len(list(module.parameters()))} tensors (the head is the token embedding). AdamW: "
+        f"weight decay {s.weight_decay} on {len(groups[0]['params'])} matrices, none on "
+        f"{len(groups[1]['params'])} biases and gains. Replicas, from the same weights: "
+        f"{', '.join(replicas)}"
+    )
+    key = f"12_train_gpt-{world}ranks-{params_sha256({repr(s): torch.zeros(0)})[:8]}"
+    path = (args.checkpoint_dir or Path("checkpoints", key)) / "checkpoint.pt"
+    run = Training(
+        s, args, env, corpus, replicas, batches, Windows(corpus.validation, s.context), path
+    )
+    run.start_or_resume()
 
     section("3. Train")
-    say(f"{s.steps} steps: warmup {s.warmup}, then cosine {s.lr:g} -> {s.min_lr:g}; clip at "
-        f"{s.clip}; validation every {s.eval_every} steps, a checkpoint every "
-        f"{args.checkpoint_every} into {directory}")  # fmt: skip
-    began = time.perf_counter()
+    say(
+        f"{s.steps} steps of {world * s.accum * s.batch * s.context:,} characters: warmup "
+        f"{s.warmup}, then cosine {s.lr:g} -> {s.min_lr:g}; clip at {s.clip}; validation every "
+        f"{s.eval_every} steps on {s.eval_windows} held-out windows; a checkpoint every "
+        f"{args.checkpoint_every} in {path.parent}"
+    )
     try:
-        for step in range(start, s.steps):
-            mine = batches.of_rank(env.rank, step)
-            micro = [(dropout_seed(s, step, k, env.rank, world), w) for k, w in enumerate(mine)]
-            results = {name: train_step(r, micro, s, step) for name, r in replicas.items()}
-            means = torch.stack([loss for loss, _ in results.values()])
-            dist.all_reduce(means)
-            for replica, mean in zip(replicas.values(), (means / world).tolist()):
-                replica.train_losses.append(mean)
-            reference = ours.parameters()
-            for name, agreement in agreements.items():
-                losses = (results["miniddp"][0].item(), results[name][0].item())
-                agreement.record(losses, reference, replicas[name].parameters())
-            if solo is not None and step < args.one_process_steps:
-                everyone = [(dropout_seed(s, step, k, r, world), w)
-                            for r in range(world) for k, w in enumerate(batches.of_rank(r, step))]  # fmt: skip
-                loss, _ = train_step(solo, everyone, s, step)
-                gaps = [(a.double() - b.double()).abs().max().item()
-                        for a, b in zip(solo.parameters().values(), reference.values())]  # fmt: skip
-                one_process_gaps = {"steps": step + 1, "parameters": max(gaps),
-                                    "loss": max(one_process_gaps.get("loss", 0.0),
-                                                abs(loss.item() - ours.train_losses[-1]))}  # fmt: skip
-            done = step + 1
-            if done % s.eval_every == 0 or done == s.steps:
-                for replica in replicas.values():
-                    replica.val_losses.append((done, validation_loss(replica, val_windows, s, env)))
-            if done % args.log_every == 0 or done == s.steps or done == start + 1:
-                rates = "  ".join(f"{name} {tokens_per_step * (done - start) / r.seconds / 1e3:.1f}k"
-                                  for name, r in replicas.items())  # fmt: skip
-                left = (time.perf_counter() - began) / (done - start) * (s.steps - done)
-                val = f"  val {ours.val_losses[-1][1]:.3f}" if ours.val_losses[-1][0] == done else ""
-                say(f"step {done:4d}/{s.steps}  loss {ours.train_losses[-1]:.3f}{val}  lr "
-                    f"{learning_rate(step, s):.1e}  |g| {results['miniddp'][1].item():.2f}  "
-                    f"tokens/s: {rates}  ETA {left:.0f} s")  # fmt: skip
-            if done % args.checkpoint_every == 0 or done == s.steps:
-                combined = {n: asdict(a.on_every_rank()) for n, a in agreements.items()}
-                extra = {"settings": asdict(s), "agreements": combined,
-                         "one_process_gaps": one_process_gaps,
-                         "train_losses": {n: r.train_losses for n, r in replicas.items()},
-                         "val_losses": {n: r.val_losses for n, r in replicas.items()}}  # fmt: skip
-                save_checkpoint(path, ours.model, ours.optimizer, batches.progress(done), extra)
-            if args.crash_at_step == done and env.restart_count == 0 and env.rank == world - 1:
-                print(f"[rank {env.rank}] exits abruptly after step {done}", flush=True)
-                os._exit(1)  # no cleanup and no exception, like a segfault or the OOM killer
+        run.train()
     except RuntimeError as error:
         # A peer died and our collective failed: leave at once (os._exit: a normal exit can
         # abort in gloo's threads), for torchrun to restart everyone from the checkpoint.
-        print(f"[rank {env.rank}] a collective failed: {str(error).strip()[:120]}", flush=True)
+        print(f"[rank {env.rank}] a collective failed: {str(error).strip()}", flush=True)
         os._exit(1)
-    minutes = (time.perf_counter() - began) / 60
-    say(f"trained steps {start + 1}..{s.steps} in {minutes:.1f} minutes")
-    report_and_check(replicas, agreements, one_process_gaps, corpus, s, env, args)
-
-
-def report_and_check(replicas, agreements, one_process_gaps, corpus, s, env, args) -> None:
-    ours = replicas["miniddp"]
-    section("4. Curve for curve")
-    others = [name for name in replicas if name != "miniddp"]
-    shown = {"MiniDDP": ours.train_losses}
-    if others:
-        shown[others[0]] = replicas[others[0]].train_losses
-    say("training loss, nats per character (the mean over every rank's windows):")
-    say(ascii_curves(shown))
-    say("validation loss: " + ", ".join(f"step {step} {value:.3f}" for step, value in ours.val_losses))
-    agreements = {name: agreement.on_every_rank() for name, agreement in agreements.items()}
-    for name, a in agreements.items():
-        say(f"{name} against MiniDDP: bit for bit after {a.bitwise_steps} of {a.steps} steps "
-            f"(largest loss gap {a.largest_loss_gap:.1e}, parameter gap {a.largest_parameter_gap:.1e})")  # fmt: skip
-    if one_process_gaps:
-        say(f"one process on the global batch with accumulation, {one_process_gaps['steps']} "
-            f"steps: largest loss gap {one_process_gaps['loss']:.1e}, parameters "
-            f"{one_process_gaps['parameters']:.1e} (tolerance {ONE_PROCESS_TOLERANCE:.0e})")  # fmt: skip
-    else:
-        say("one process on the global batch: not run (this attempt resumed, or --one-process-steps 0)")
-    if args.plot and env.is_main:
-        from miniddp.figures import draw
-
-        curves = {("MiniDDP" if n == "miniddp" else n): (r.train_losses, r.val_losses)
-                  for n, r in replicas.items()}  # fmt: skip
-        written = draw.loss_curves(curves, args.plot / "12_loss.png",
-                                   f"char-level GPT, {env.world_size} ranks")  # fmt: skip
-        say(f"wrote {written}")
-    if s.shard:
-        say_memory(replicas[s.shard], s, env)
-
-    section("5. What the model learned")
-    if env.is_main:
-        prompt = "def " if set("def ") <= set(corpus.vocabulary) else corpus.text[0]
-        encoded = torch.tensor([[corpus.vocabulary.index(c) for c in prompt]])
-        sampled = ours.module.generate(encoded, 300, torch.Generator().manual_seed(s.seed))
-        say(f"300 characters sampled after {prompt!r}:")
-        say(textwrap.indent(corpus.decode(sampled[0]), "    | "))
-    dist.barrier()
-
-    section("Checks")
-    final_val = ours.val_losses[-1][1]
-    fell = ours.val_losses[0][1] - final_val
-    say(f"validation loss {ours.val_losses[0][1]:.3f} -> {final_val:.3f}: down {fell:.2f} nats per character")
-    for name, a in agreements.items():
-        if name == "torch" or (name == "zero1") or env.world_size == 2:
-            assert a.bitwise_steps == a.steps, f"{name} differs from MiniDDP: {a}"
-        else:
-            assert a.largest_parameter_gap <= SHARD_TOLERANCE, f"{name}: {a}"
-    if one_process_gaps:
-        assert one_process_gaps["parameters"] <= ONE_PROCESS_TOLERANCE, one_process_gaps
-        assert one_process_gaps["loss"] <= ONE_PROCESS_TOLERANCE, one_process_gaps
-    if s.steps >= 100:
-        assert fell >= 1.0, "the validation loss should fall by a nat per character or more"
-    sha = params_sha256(ours.parameters())
-    dist.barrier()  # every rank has passed its own checks
-    say(f"Verified on {env.world_size} ranks: {', '.join(agreements) or 'MiniDDP alone'} "
-        "trained step for step as MiniDDP, bit for bit where the maths allows.")  # fmt: skip
-    say(f"final-val-loss: {final_val:.6f}")
-    say(f"final-params-sha256: {sha}")
+    run.check(run.report())
     end_chapter()
-
-
-def say_memory(replica: Replica, vocabulary: int, s: Settings, env: DistEnv) -> None:
-    """Each rank's bytes after the last step, by kind, beside the formula's (chapter 08)."""
-    params = list(replica.module.parameters())
-    psi = sum(p.numel() for p in build_gpt(vocabulary, s).parameters())
-    mine = params  # zero3: this rank's padded shards
-    if replica.name != "zero3":
-        rank = replica.optimizer.rank
-        mine = [p for p in params if replica.optimizer.owner_of(p) == rank]
-    measured = measure_memory(params, replica.optimizer, ddp_buckets(replica.model))
-    formula = Formula(replica.name, psi, len(mine), env.world_size)
-    expected = formula.expected(sum(p.numel() for p in mine))
-    kinds = ("parameters", "gradients", "buckets", "optimizer_state")
-    say(f"{replica.name} memory per rank after the last step, measured (formula):")
-    say_all_ranks("  ".join(f"{kind} {fmt_bytes(getattr(measured, kind))} "
-                            f"({fmt_bytes(getattr(expected, kind))})" for kind in kinds))  # fmt: skip
-    ddp = Formula("ddp", psi, len(params) if replica.name != "zero3" else 0, env.world_size)
-    say(f"  total {fmt_bytes(measured.total)}; plain DDP's formula: {fmt_bytes(ddp.expected().total)}")
-    return measured == expected
 
 
 if __name__ == "__main__":

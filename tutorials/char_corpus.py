@@ -25,9 +25,21 @@ import torch
 
 # Pure-Python modules, as distributions ship them unpatched; about 1.1 MB on Python 3.11.
 STDLIB_MODULES = (
-    "argparse", "ast", "dataclasses", "datetime", "difflib", "enum", "functools",
-    "inspect", "pathlib", "pickle", "statistics", "subprocess", "threading", "typing",
-)  # fmt: skip
+    "argparse",
+    "ast",
+    "dataclasses",
+    "datetime",
+    "difflib",
+    "enum",
+    "functools",
+    "inspect",
+    "pathlib",
+    "pickle",
+    "statistics",
+    "subprocess",
+    "threading",
+    "typing",
+)
 TRAIN_FRACTION = 0.9
 
 
@@ -53,7 +65,9 @@ def stdlib_text() -> tuple[str, str]:
     """The default text: STDLIB_MODULES of this interpreter, each as a comment naming it, then
     its source. Returns (where from, text)."""
     folder = Path(sysconfig.get_paths()["stdlib"])
-    parts = [f"# {name}.py\n{(folder / f'{name}.py').read_text()}" for name in sorted(STDLIB_MODULES)]
+    parts = [
+        f"# {name}.py\n{(folder / f'{name}.py').read_text()}" for name in sorted(STDLIB_MODULES)
+    ]
     return f"{len(parts)} modules of the standard library in {folder}", "".join(parts)
 
 

@@ -155,17 +155,20 @@ def accumulation(losses: dict[str, Sequence[float]], path: str | Path, title: st
 
 
 def loss_curves(
-    runs: dict[str, tuple[Sequence[float], Sequence[tuple[int, float]]]], path: str | Path, title: str
+    runs: dict[str, tuple[Sequence[float], Sequence[tuple[int, float]]]],
+    path: str | Path,
+    title: str,
 ) -> Path:
-    """Training loss per step (a line) and validation loss (dots joined), one colour per run;
-    later runs dashed and thinner, so a run equal to the first lies visibly on top of it."""
+    """Training loss per step (a line) and validation loss (dots), one colour per run; later
+    runs dashed and thinner, so that a run equal to the first lies visibly on top of it."""
     figure, axes = plt.subplots(figsize=(8, 4.5))
     for number, (label, (train, validation)) in enumerate(runs.items()):
-        style = {"linestyle": "-" if number == 0 else (0, (4, 3)), "linewidth": 2.5 - number}
-        axes.plot(range(1, len(train) + 1), train, color=f"C{number}", label=f"{label}: training", **style)
+        style = {"color": f"C{number}", "linewidth": max(0.8, 2.5 - 0.9 * number)}
+        style["linestyle"] = "-" if number == 0 else (0, (4, 3))
+        axes.plot(range(1, len(train) + 1), train, label=f"{label}: training", **style)
         steps, values = zip(*validation)
-        axes.plot(steps, values, marker="o", color=f"C{number + 2}",
-                  label=f"{label}: validation", **style)  # fmt: skip
+        size = max(3, 9 - 3 * number)
+        axes.plot(steps, values, marker="o", markersize=size, label=f"{label}: validation", **style)
     axes.set_xlabel("optimizer step")
     axes.set_ylabel("loss, nats per character")
     axes.set_title(title, fontsize=10)
