@@ -163,12 +163,13 @@ def loss_curves(
     runs dashed and thinner, so that a run equal to the first lies visibly on top of it."""
     figure, axes = plt.subplots(figsize=(8, 4.5))
     for number, (label, (train, validation)) in enumerate(runs.items()):
-        style = {"color": f"C{number}", "linewidth": max(0.8, 2.5 - 0.9 * number)}
+        style = {"linewidth": max(0.8, 2.5 - 0.9 * number)}
         style["linestyle"] = "-" if number == 0 else (0, (4, 3))
-        axes.plot(range(1, len(train) + 1), train, label=f"{label}: training", **style)
+        training = {"color": f"C{2 * number}", "label": f"{label}: training"}
+        axes.plot(range(1, len(train) + 1), train, **training, **style)
         steps, values = zip(*validation)
-        size = max(3, 9 - 3 * number)
-        axes.plot(steps, values, marker="o", markersize=size, label=f"{label}: validation", **style)
+        held_out = {"color": f"C{2 * number + 1}", "label": f"{label}: validation"}
+        axes.plot(steps, values, marker="o", markersize=max(3, 9 - 3 * number), **held_out, **style)
     axes.set_xlabel("optimizer step")
     axes.set_ylabel("loss, nats per character")
     axes.set_title(title, fontsize=10)
