@@ -20,7 +20,7 @@ In the same job, from the same weights, torch's DistributedDataParallel trains a
 so both draw the same dropout masks, and the chapter checks that every training loss and every
 parameter are bitwise equal after every optimizer step. For the first steps, rank 0 also trains
 a third copy alone, on the whole global batch with accumulation: one process, equal to DDP up to
-the order of its sums. `--shard` trains the sharded design instead of torch's DDP beside MiniDDP.
+the order of its sums. `--shard` adds a sharded replica, checked against MiniDDP the same way.
 
 Measured, the default run on 2 CPU ranks (docs/figures/12_loss.png): the validation loss falls
 from 4.37 nats per character to 2.27 in 200 steps, 2.10 nats; 2.27 nats is a perplexity of 9.7
