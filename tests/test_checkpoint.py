@@ -158,7 +158,8 @@ def test_every_rank_gets_its_own_rng_state_back(pool2: RankPool, tmp_path: Path)
     for rank, (after_save, after_load) in enumerate(results):
         assert after_save == after_load, f"rank {rank} did not get its own RNG state back"
     assert results[0][0] != results[1][0], "the ranks were seeded differently"
-    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
+    written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert written == ["checkpoint.pt", "checkpoint.pt.rng/rank1.pt"], "rank 1 writes its own"
 
 
 def test_resume_with_another_world_size_is_refused_unless_allowed(
