@@ -10,6 +10,8 @@ Where the data comes from:
 - 04: chapter 04 itself, under torchrun on 2 ranks over its simulated link, with `--plot`: the
   ladder's timelines and the bucket-size sweep come from a real, timed run.
 - 00: one process trains the same model on one big batch and on micro-batches.
+- 12 (only when asked, `--only 12`: a 3-minute training run): chapter 12 under torchrun on 2
+  ranks with `--plot`, its GPT's loss curves on MiniDDP and torch's DDP.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ REPO = Path(__file__).resolve().parents[2]
 CHAPTER_04 = REPO / "tutorials" / "04_overlap.py"
 CHAPTER_04_TIMEOUT_S = 300
 CHAPTER_04_FIGURES = ("04_timelines.png", "04_sweep.png")
+CHAPTER_12 = REPO / "tutorials" / "12_train_gpt.py"
+CHAPTER_12_TIMEOUT_S = 900
 
 
 def run_chapter_04(out: Path, iters: int) -> None:
@@ -53,16 +57,38 @@ def run_chapter_04(out: Path, iters: int) -> None:
               f"(exit {done.returncode}); run it alone to see why", file=sys.stderr)  # fmt: skip
 
 
+def run_chapter_12(out: Path) -> Path:
+    """Chapter 12's default run under torchrun on 2 ranks, with --plot; its checkpoints in a
+    temporary folder. Like chapter 04, it checks its own claims: here, the picture."""
+    figure = out / "12_loss.png"
+    figure.unlink(missing_ok=True)
+    with tempfile.TemporaryDirectory() as checkpoints:
+        command = [
+            *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"),
+            *(str(CHAPTER_12), "--plot", str(out), "--checkpoint-dir", checkpoints),
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        done = subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=CHAPTER_12_TIMEOUT_S
+        )
+    if done.returncode != 0 or not figure.exists():
+        output = (done.stdout + done.stderr)[-4000:]
+        raise RuntimeError(f"chapter 12 failed (exit {done.returncode}):\n{output}")
+    return figure
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m miniddp.figures", description=__doc__)
     parser.add_argument("--out", type=Path, required=True, help="folder for the PNGs")
-    parser.add_argument("--only", default="00,01,03,04", help="chapters to draw, e.g. 01,03")
+    parser.add_argument(
+        "--only", default="00,01,03,04", help="chapters to draw, e.g. 01,03 (12: only if named)"
+    )
     parser.add_argument("--iters", type=int, default=6, help="chapter 04's timed iterations")
     args = parser.parse_args(argv)
     chosen = set(args.only.split(","))
-    unknown = chosen - {"00", "01", "03", "04"}
+    unknown = chosen - {"00", "01", "03", "04", "12"}
     if unknown:
-        parser.error(f"unknown figure set {sorted(unknown)}; choose from 00, 01, 03, 04")
+        parser.error(f"unknown figure set {sorted(unknown)}; choose from 00, 01, 03, 04, 12")
     args.out.mkdir(parents=True, exist_ok=True)
     written = []
     if chosen & {"01", "03"}:
@@ -83,6 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     if "04" in chosen:
         run_chapter_04(args.out, args.iters)
         written += [args.out / name for name in CHAPTER_04_FIGURES]
+    if "12" in chosen:
+        written.append(run_chapter_12(args.out))
     for path in written:
         print(path)
 
