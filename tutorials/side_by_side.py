@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from miniddp import MiniDDP, ZeroRedundancyOptimizer, full_state_dict, fully_shard
 from miniddp.models.gpt import GPT, GPTConfig, parameter_groups
 from miniddp.sharding import Formula, ddp_buckets, measure_memory, reduce_scatter_hook
+from miniddp.sharding import clip_grad_norm_ as sharded_clip_grad_norm_
 
 DESIGNS = ("miniddp", "torch", "one-process", "zero1", "zero2", "zero3")
 BETAS = (0.9, 0.95)  # nanoGPT's: a shorter memory for the second moment than Adam's 0.999
@@ -82,8 +83,13 @@ def build_replica(
         optimizer = ZeroRedundancyOptimizer(groups, torch.optim.AdamW, lr=lr, betas=BETAS)
     else:
         optimizer = torch.optim.AdamW(groups, lr=lr, betas=BETAS)
-    clip = _clip_sharded if design in ("zero2", "zero3") else nn.utils.clip_grad_norm_
-    clip_mine = _clip(clip, params)
+    # ZeRO-2 and fully_shard: a rank holds only its share of the gradients, so the norm is a
+    # sum over the ranks. Everywhere else every rank holds them all: torch's own clipping.
+    clip = sharded_clip_grad_norm_ if design in ("zero2", "zero3") else nn.utils.clip_grad_norm_
+
+    def clip_mine(max_norm: float) -> torch.Tensor:
+        return clip(params, max_norm)
+
     if design == "zero3":
         return Replica(design, module, module, optimizer, _no_gradient_sync(module), clip_mine)
     if design == "one-process":
@@ -92,16 +98,6 @@ def build_replica(
     if design == "zero2":
         model.register_comm_hook(optimizer, reduce_scatter_hook)
     return Replica(design, model, module, optimizer, model.no_sync, clip_mine)
-
-
-def _clip(clip: Callable, params: list[nn.Parameter]) -> Callable[[float], torch.Tensor]:
-    return lambda max_norm: clip(params, max_norm)
-
-
-def _clip_sharded(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    from miniddp.sharding import clip_grad_norm_  # the true norm, across the shards
-
-    return clip_grad_norm_(params, max_norm)
 
 
 def _no_gradient_sync(module: nn.Module) -> Callable[[], AbstractContextManager]:
