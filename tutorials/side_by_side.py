@@ -156,7 +156,7 @@ def params_sha256(parameters: dict[str, torch.Tensor]) -> str:
     digest = hashlib.sha256()
     for name, tensor in parameters.items():
         digest.update(name.encode())
-        digest.update(bytes(tensor.detach().cpu().contiguous().view(torch.uint8).flatten()))
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
