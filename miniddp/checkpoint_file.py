@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 FORMAT = "miniddp-checkpoint"
+RNG_FORMAT = "miniddp-checkpoint-rng"  # one rank's RNG state, beside the checkpoint
 VERSION = 1
 REQUIRED_KEYS = {"model", "optimizer", "buckets", "progress", "world_size", "rng", "extra"}
 
@@ -65,7 +66,34 @@ def read_checkpoint(
     except Exception as error:
         raise CheckpointError(f"{path} is corrupt: {_first_line(error)}") from None
     _check_contents(checkpoint, path)
+    checkpoint["rng"] = [
+        state if state is not None else _rng_beside(path, rank, checkpoint, map_location)
+        for rank, state in enumerate(checkpoint["rng"])
+    ]
     return checkpoint
+
+
+def rng_path(path: Path, rank: int) -> Path:
+    """Where rank `rank` (not 0: its state is in the checkpoint) writes its RNG state."""
+    return path.with_name(f"{path.name}.rng") / f"rank{rank}.pt"
+
+
+def _rng_beside(
+    path: Path, rank: int, checkpoint: dict[str, Any], map_location: torch.device | str
+) -> dict[str, Any] | None:
+    """Rank `rank`'s RNG state from its file beside the checkpoint, if it belongs to this save
+    (the ranks write them before rank 0 says the checkpoint is written: one from an older save
+    is a leftover, and a checkpoint saved by rank 0 alone has none)."""
+    beside = rng_path(path, rank)
+    if not beside.is_file() or "save_id" not in checkpoint:
+        return None
+    try:
+        entry = torch.load(beside, map_location=map_location, weights_only=True)
+    except Exception as error:
+        raise CheckpointError(f"{beside} is corrupt: {_first_line(error)}") from None
+    if not isinstance(entry, dict) or entry.get("format") != RNG_FORMAT:
+        raise CheckpointError(f"{beside} is not a MiniDDP RNG state file.")
+    return entry["rng"] if entry.get("save_id") == checkpoint["save_id"] else None
 
 
 def _check_contents(checkpoint: Any, path: Path) -> None:
@@ -104,18 +132,23 @@ def _check_contents(checkpoint: Any, path: Path) -> None:
 
 
 def mismatch_with(
-    checkpoint: dict[str, Any], module: nn.Module, optimizer: torch.optim.Optimizer | None
+    checkpoint: dict[str, Any],
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    full_shapes: dict[str, torch.Size] | None = None,
 ) -> str | None:
     """Why `checkpoint` cannot be loaded into `module` and `optimizer`, or None if it can:
-    what `load_state_dict` would find out only halfway through loading."""
+    what `load_state_dict` would find out only halfway through loading. A fully sharded
+    module passes the full shapes of its state (its checkpoints hold the full state)."""
     saved, current = checkpoint["model"], module.state_dict()
-    for key, tensor in current.items():
+    shapes = full_shapes or {key: tensor.shape for key, tensor in current.items()}
+    for key, shape in shapes.items():
         theirs = saved.get(key)
-        if isinstance(theirs, torch.Tensor) and theirs.shape != tensor.shape:
+        if isinstance(theirs, torch.Tensor) and theirs.shape != shape:
             return (
                 f"{key!r} has shape {tuple(theirs.shape)} in the checkpoint and "
-                f"{tuple(tensor.shape)} in this model"
-            )
+                f"{tuple(shape)} in this model"
+            ) + _sharded_hint(theirs.shape, shape, checkpoint["world_size"])
     missing = [key for key in current if key not in saved]
     if missing:
         return f"this model has {_first_few(missing)}, which the checkpoint lacks"
@@ -137,6 +170,19 @@ def mismatch_with(
                 f"parameters in the checkpoint and {len(ours['params'])} here"
             )
     return None
+
+
+def _sharded_hint(saved: torch.Size, here: torch.Size, world_size: int) -> str:
+    """A 1-D entry of ceil(n/W) elements where this model has n is a shard: the file holds one
+    rank's `model.state_dict()` of a fully sharded model, not the full state."""
+    n = torch.Size(here).numel()
+    if len(saved) == 1 and world_size > 1 and saved[0] == -(-n // world_size) != n:
+        return (
+            f" (a shard: its {saved[0]} elements are a 1/{world_size} of {n}, cut for "
+            f"W = {world_size}; save fully sharded models with save_checkpoint on every rank, "
+            "which writes the full state, or convert with miniddp.sharding.full_state_dict)"
+        )
+    return ""
 
 
 def _first_few(keys: list[str]) -> str:

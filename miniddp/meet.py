@@ -73,6 +73,47 @@ def leave_together(group: dist.ProcessGroup | None = None) -> None:
     meet(CLEANUP, f"The ranks ran different numbers of steps: {SAME_STEPS}.", group)
 
 
+def tell_the_others(word_on: str, word: str, group: dist.ProcessGroup | None = None) -> None:
+    """Post `word` (e.g. "" for "the checkpoint is written", or why not) for whichever ranks
+    wait on `word_on` in `hear_from`; this rank does not wait for them, nor need they come."""
+    board = board_of(group)
+    board.store.set(board.key("word", word_on), word)
+
+
+def hear_from(rank: int, word_on: str, advice: str, group: dist.ProcessGroup | None = None) -> str:
+    """Wait for `rank`'s word on `word_on` (`tell_the_others`), and return it; raise
+    `CollectiveFailed` as soon as `rank` is seen elsewhere (at a meeting point, waiting on a
+    collective that this rank, being here, will not join, or stopped), ending with `advice`.
+    Unlike `meet`, only this rank waits: the speaker goes on without knowing who listened."""
+    board = board_of(group)
+    key = board.key("word", word_on)
+    seconds = board.timeout.total_seconds()
+    deadline = time.monotonic() + seconds
+    pause = FIRST_POLL_S
+    while not board.store.check([key]):
+        where = _where_is(board, rank, word_on)
+        if not where and board.fault_flagged_by() is not None:
+            where = f"a fault was flagged by rank {board.fault_flagged_by()}"
+        if not where and time.monotonic() > deadline:
+            where = (
+                f"said nothing within the process group's timeout ({seconds:g} s), and is not "
+                "waiting on a collective that MiniDDP watches: its process died, or it is "
+                "stuck or busy elsewhere"
+            )
+        if where:
+            board.broken = True
+            lines = [
+                f"{word_on} on rank {board.rank} cannot go on: it waits for rank {rank}'s word.",
+                f"  rank {rank}: {where}",
+                f"  {advice}",
+                f"  {UNUSABLE}",
+            ]
+            raise CollectiveFailed("\n".join(lines), word_on, [rank])
+        time.sleep(pause)
+        pause = min(2 * pause, POLL_S)
+    return board.store.get(key).decode()
+
+
 def _meet(board: Board, point: str, advice: str) -> None:
     board.arrive(point)
     arrived: set[int] = set()

@@ -75,3 +75,61 @@ def load_expecting_error(path: str) -> str:
     except CheckpointError as error:
         return str(error)
     return "no error"
+
+
+def dropout_training(seed: int) -> tuple[MiniDDP, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Dropout(0.3), nn.Linear(16, 1))
+    ddp = MiniDDP(model)
+    return ddp, torch.optim.Adam(ddp.parameters(), lr=0.01)
+
+
+def train_steps(ddp: MiniDDP, optimizer: torch.optim.Optimizer, steps: int) -> None:
+    inputs = torch.linspace(-1, 1, 32).reshape(8, 4) + dist.get_rank()
+    for _ in range(steps):
+        optimizer.zero_grad()
+        ddp(inputs).pow(2).mean().backward()
+        optimizer.step()
+
+
+def rank0_idiom(path: str) -> dict:
+    """torch's idiom: `if rank == 0: save_checkpoint(...)`, `dist.barrier()`, then
+    load_checkpoint on every rank into a fresh wrapper. Returns what was saved and what came
+    back, the draws after the save and after the load, and the warnings the load gave."""
+    import warnings
+
+    torch.manual_seed(100 + dist.get_rank())
+    ddp, optimizer = dropout_training(seed=0)
+    train_steps(ddp, optimizer, 2)
+    if dist.get_rank() == 0:
+        save_checkpoint(path, ddp, optimizer, Progress(step=2, epoch=0, batches_done=2))
+    dist.barrier()
+    after_save = draws()
+    saved = [p.detach().clone() for p in ddp.parameters()]
+    saved_optimizer = optimizer.state_dict()
+    fresh, fresh_optimizer = dropout_training(seed=1)
+    draws()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = load_checkpoint(path, fresh, fresh_optimizer)
+    return {
+        "saved": saved,
+        "loaded": [p.detach().clone() for p in fresh.parameters()],
+        "saved_optimizer": saved_optimizer,
+        "loaded_optimizer": fresh_optimizer.state_dict(),
+        "progress": loaded.progress,
+        "rng_restored": loaded.rng_restored,
+        "ranks_without_rng": loaded.ranks_without_rng,
+        "same_draws": after_save == draws(),
+        "warnings": [str(w.message) for w in caught],
+    }
+
+
+def save_with_unconsolidated_zero(path: str) -> None:
+    from miniddp import ZeroRedundancyOptimizer
+
+    ddp = MiniDDP(nn.Linear(4, 2))
+    optimizer = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam, lr=0.01)
+    ddp(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    save_checkpoint(path, ddp, optimizer, Progress(1, 0, 1))

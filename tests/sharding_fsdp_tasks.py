@@ -169,3 +169,65 @@ def evaluation_between_steps(spec: FsdpSpec) -> dict:
             with torch.no_grad():
                 outputs[kind].append(model(x))
     return outputs
+
+
+def resumes_through_save_checkpoint(spec: FsdpSpec, path: str) -> dict:
+    """The issue's repro, through miniddp.checkpoint: `steps` steps, save_checkpoint on every
+    rank, a fresh sharded model (other weights) resumed by load_checkpoint, `steps` more; and
+    2·steps straight. Also the full parameters just before the save and just after the load."""
+    from miniddp.checkpoint import Progress, load_checkpoint, save_checkpoint
+
+    straight = train("ours", replace(spec, steps=2 * spec.steps))["params"][-1]
+    first = train("ours", spec)
+    before = full_parameters("ours", first["model"])
+    save_checkpoint(path, first["model"], first["optimizer"], Progress(spec.steps, 0, spec.steps))
+    model = shard("ours", build_model(replace(spec, seed=spec.seed + 1)), spec)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01)
+    step = load_checkpoint(path, model, optimizer).progress.step
+    after = full_parameters("ours", model)
+    resumed = train("ours", spec, model, optimizer, first_step=step)["params"][-1]
+    return {"straight": straight, "resumed": resumed, "before": before, "after": after}
+
+
+def resume_at_this_world_size(spec: FsdpSpec, path: str) -> dict:
+    """Load a checkpoint saved at another world size into a model sharded for this one, and
+    train on: the full parameters after the load and after `steps` more."""
+    from miniddp.checkpoint import load_checkpoint
+
+    model = shard("ours", build_model(replace(spec, seed=spec.seed + 1)), spec)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01)
+    loaded = load_checkpoint(path, model, optimizer, allow_world_size_change=True)
+    after = full_parameters("ours", model)
+    state = optimizer.state_dict()["state"]
+    resumed = train("ours", spec, model, optimizer, first_step=loaded.progress.step)
+    return {
+        "after": after,
+        "resumed": resumed["params"][-1],
+        "steps": [s["step"] for s in state.values()],
+    }
+
+
+def tied_across_units(library: str) -> None:
+    """The issue's repro: m[1] shares m[0]'s weight, m[1] sharded alone, then the root."""
+    if library == "ours":
+        apply = fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard as apply
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[1].weight = model[0].weight
+    apply(model[1])
+    apply(model)
+    model(torch.randn(2, 4)).sum().backward()  # torch refuses at its first forward
+
+
+def child_after_root() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    fully_shard(model)
+    fully_shard(model[0])
+
+
+def child_called_on_its_own() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    fully_shard(model)
+    model[0](torch.randn(2, 4))

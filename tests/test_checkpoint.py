@@ -158,7 +158,8 @@ def test_every_rank_gets_its_own_rng_state_back(pool2: RankPool, tmp_path: Path)
     for rank, (after_save, after_load) in enumerate(results):
         assert after_save == after_load, f"rank {rank} did not get its own RNG state back"
     assert results[0][0] != results[1][0], "the ranks were seeded differently"
-    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
+    written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert written == ["checkpoint.pt", "checkpoint.pt.rng/rank1.pt"], "rank 1 writes its own"
 
 
 def test_resume_with_another_world_size_is_refused_unless_allowed(
@@ -188,3 +189,34 @@ def test_failed_write_on_rank0_raises_on_every_rank(pool2: RankPool, tmp_path: P
         assert isinstance(outcome, RankFailure), f"rank {rank} did not raise"
         assert outcome.type_name == "CheckpointError", outcome
         assert f"Rank 0 could not write the checkpoint {tmp_path}" in outcome.message
+
+
+def test_torchs_rank0_idiom_saves_and_every_rank_resumes(pool2: RankPool, tmp_path: Path) -> None:
+    """`if rank == 0: save_checkpoint(...)`; `dist.barrier()`; load on every rank. Rank 0 used
+    to raise CheckpointError after ~35 s (rank 1 sat in a barrier MiniDDP cannot see). Now rank
+    0 writes model, optimizer, progress and its RNG state; every rank resumes them exactly, and
+    rank 0 alone says, once, that rank 1's RNG state is not in the checkpoint."""
+    results = pool2.run(checkpoint_tasks.rank0_idiom, str(tmp_path / "checkpoint.pt"))
+    for rank, result in enumerate(results):
+        assert all(torch.equal(a, b) for a, b in zip(result["saved"], result["loaded"]))
+        saved, loaded = result["saved_optimizer"], result["loaded_optimizer"]
+        for index, state in saved["state"].items():
+            assert all(torch.equal(v, loaded["state"][index][k]) for k, v in state.items())
+        assert result["progress"] == Progress(step=2, epoch=0, batches_done=2)
+        assert result["ranks_without_rng"] == (1,)
+        assert result["rng_restored"] == result["same_draws"] == (rank == 0)
+    [warning] = results[0]["warnings"]
+    assert "saved by rank 0 alone" in warning and "rank 1" in warning
+    assert results[1]["warnings"] == []
+
+
+def test_saving_an_unconsolidated_zero_optimizer_says_so_on_every_rank(
+    pool2: RankPool, tmp_path: Path
+) -> None:
+    """It was a plain RuntimeError on rank 0, and rank 1 then blamed uneven steps."""
+    outcomes = pool2.run_expecting_errors(
+        checkpoint_tasks.save_with_unconsolidated_zero, str(tmp_path / "zero.pt")
+    )
+    for outcome in outcomes:
+        assert isinstance(outcome, RankFailure) and outcome.type_name == "CheckpointError"
+        assert "consolidate_state_dict(to=0) on every rank" in outcome.message

@@ -11,30 +11,25 @@ from __future__ import annotations
 from pathlib import Path
 
 from miniddp.checkpoint import read_checkpoint
-from tests.faulty_ranks import PROCESS_GROUP_TIMEOUT_S, record_detection, run_ranks
+from tests.faulty_ranks import FAULT_STEP, PROCESS_GROUP_TIMEOUT_S, record_detection, run_ranks
 
 # Far more than the ~0.1-1.1 s measured, and still less than a timeout-based path would take
 # here: the 2 s process-group timeout, then the 1 s grace period of faults.py.
 WITHIN_S = 5 * PROCESS_GROUP_TIMEOUT_S
 
 
-def test_saving_on_rank_0_alone_is_refused_at_once(tmp_path: Path) -> None:
+def test_saving_on_rank_0_alone_trains_on(tmp_path: Path) -> None:
     """`if rank == 0: save_checkpoint(...)`, the usual idiom with torch's DDP, while rank 1
-    trains on. It used to hang until the timeout, then fail in gloo's words."""
+    trains on. Rank 0 writes model, optimizer, progress and its own RNG state without waiting
+    for anyone (it used to raise CheckpointError, and before that hang until the timeout);
+    both ranks finish training."""
     run = run_ranks(tmp_path, "save-alone", "miniddp", victim=0)
-    saver, trainer = run.raised(0), run.raised(1)
-    assert saver["type"] == "CheckpointError", saver
-    assert "rank 1: waits on collective #" in saver["message"]
-    assert "Call save_checkpoint on every rank, not under `if rank == 0:`" in saver["message"]
-    assert trainer["type"] == "CollectiveFailed", trainer
-    assert (
-        "rank 0: waiting on #" in trainer["message"] and "save_checkpoint()" in trainer["message"]
-    )
-    assert read_checkpoint(tmp_path / "store.checkpoint.pt")["progress"]["step"] == 1
     for rank in (0, 1):
-        seconds = run.detection_s(rank, victim=0)
-        record_detection(f"save_checkpoint on rank 0 alone: rank {rank}", seconds)
-        assert seconds < WITHIN_S
+        assert run.first(rank, "raised") is None, run.outputs[rank][-3000:]
+        assert run.first(rank, "finished") is not None, run.outputs[rank][-3000:]
+    checkpoint = read_checkpoint(tmp_path / "store.checkpoint.pt")
+    assert checkpoint["progress"]["step"] == FAULT_STEP
+    assert checkpoint["rng"][0] is not None and checkpoint["rng"][1] is None
 
 
 def test_loading_on_one_rank_alone_is_refused_before_the_buckets_change(tmp_path: Path) -> None:
@@ -54,16 +49,16 @@ def test_loading_on_one_rank_alone_is_refused_before_the_buckets_change(tmp_path
 
 
 def test_killing_rank_0_while_it_writes_names_it_on_the_survivor(tmp_path: Path) -> None:
-    """The survivor waits for rank 0's word that the file is written. Rank 0 is killed
-    (SIGKILL) halfway through the write: the survivor gets the named CollectiveFailed, not
-    gloo's raw "Connection closed by peer"; the previous checkpoint stays whole."""
+    """The survivor waits, through the store, for rank 0's word that the file is written. Rank
+    0 is killed (SIGKILL) halfway through the write, so it says nothing: the survivor names it
+    after the process-group timeout (nothing tells a dead rank from a stuck one sooner; on one
+    node torchrun usually stops the job first), and the previous checkpoint stays whole."""
     run = run_ranks(tmp_path, "killed-while-saving", "miniddp", victim=0)
     assert run.first(0, "raised") is None and run.first(0, "finished") is None
     survivor = run.raised(1)
-    assert survivor["type"] == "CollectiveFailed" and survivor["missing"] == [0], survivor
-    assert "broadcast of whether rank 0 wrote the checkpoint" in survivor["collective"]
-    assert "rank 0: posted nothing" in survivor["message"]
-    assert "died abruptly" in survivor["message"]
+    assert survivor["type"] == "CheckpointError", survivor
+    assert "waits for rank 0's word" in survivor["message"]
+    assert "rank 0: said nothing within the process group's timeout" in survivor["message"]
     seconds = run.detection_s(1, victim=0)
     record_detection("rank 0 killed while writing a checkpoint", seconds)
     assert seconds < WITHIN_S

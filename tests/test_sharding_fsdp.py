@@ -8,6 +8,9 @@ than gloo does, so the last bits may differ, and Adam carries them on.
 
 from __future__ import annotations
 
+import re
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import given
@@ -137,3 +140,53 @@ def test_mixed_dtypes_in_one_call_are_refused_with_the_fix(pool2):
     for outcome in pool2.run_expecting_errors(sharding_fsdp_tasks.shard_mixed_dtypes):
         assert outcome.type_name == "ValueError"
         assert "one dtype" in outcome.message and "submodules of each dtype" in outcome.message
+
+
+def test_save_checkpoint_of_a_sharded_model_resumes_bit_for_bit(pool2, tmp_path):
+    """save_checkpoint used to write rank 0's shards alone, and load_checkpoint put them on
+    every rank: rank 1's rows came back as rank 0's, silently. Now it writes the full state."""
+    path = str(tmp_path / "sharded.pt")
+    for result in pool2.run(sharding_fsdp_tasks.resumes_through_save_checkpoint, FsdpSpec(), path):
+        assert_bitwise([result["after"]], [result["before"]], "loaded against saved")
+        assert_bitwise([result["resumed"]], [result["straight"]], "resumed against straight")
+
+
+def test_a_sharded_checkpoint_holds_the_full_state_and_resumes_at_another_world_size(
+    rank_pools, tmp_path
+):
+    """Saved by 2 ranks; it loads into the plain unsharded model, and into 3 ranks' shards."""
+    from miniddp.checkpoint import load_checkpoint
+
+    path = str(tmp_path / "sharded.pt")
+    spec = FsdpSpec(steps=1)
+    saved = rank_pools(2).run(sharding_fsdp_tasks.resumes_through_save_checkpoint, spec, path)
+    plain = sharding_fsdp_tasks.build_model(replace(spec, seed=5))
+    load_checkpoint(path, plain, allow_world_size_change=True)
+    assert_bitwise([list(plain.state_dict().values())], [saved[0]["after"]], "unsharded")
+    for result in rank_pools(3).run(sharding_fsdp_tasks.resume_at_this_world_size, spec, path):
+        assert_bitwise([result["after"]], [saved[0]["after"]], "resharded for W = 3")
+        assert result["steps"] and all(step == 2 * spec.steps for step in result["steps"])
+
+
+@pytest.mark.parametrize("library", ["torch", "ours"])
+def test_a_weight_tied_across_units_is_refused_naming_it(pool2, library):
+    """torch refuses at the first forward; we refuse at fully_shard(root), the same words."""
+    for outcome in pool2.run_expecting_errors(sharding_fsdp_tasks.tied_across_units, library):
+        assert outcome.type_name == "ValueError", outcome
+        assert re.search(
+            r"Parameter '[01].weight' is shared with a parameter already managed by",
+            outcome.message,
+        )
+        assert "fully_shard([module_a, module_b])" in outcome.message
+
+
+def test_sharding_a_child_after_its_root_is_refused_naming_the_order(pool2):
+    for outcome in pool2.run_expecting_errors(sharding_fsdp_tasks.child_after_root):
+        assert outcome.type_name == "ValueError", outcome
+        assert "Shard the submodules first, then the root" in outcome.message
+
+
+def test_calling_a_submodule_whose_parameters_its_unit_holds_is_refused(pool2):
+    for outcome in pool2.run_expecting_errors(sharding_fsdp_tasks.child_called_on_its_own):
+        assert outcome.type_name == "RuntimeError", outcome
+        assert "its parameters belong to fully_shard unit" in outcome.message

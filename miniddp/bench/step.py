@@ -86,6 +86,7 @@ def run_workload(workload: Workload, variant_names: list[str], args: argparse.Na
         "parameters": sum(p.numel() for p in tensors),
         "tensors": len(tensors),
         "iters": args.iters,
+        "tokens": workload.tokens * dist.get_world_size(),
         "wall_s": {n: _max_over_ranks(everyone, n, "wall") for n in variant_names},
         "cpu_s": {n: _sum_over_ranks(everyone, n, "cpu") for n in variant_names},
         "overlap": overlap,
@@ -150,7 +151,22 @@ def format_table(result: dict, rows: dict[str, dict[str, float]]) -> str:
             f"{name:<13} {row['median_ms']:8.1f} {spread:>15} {versus:>16} "
             f"{row['cpu_ms']:8.1f} {cpu_versus:>7} {overlap:>7} {tail:>7}"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + tokens_per_second(result))
+
+
+def tokens_per_second(result: dict) -> list[str]:
+    """A language model's rate, all ranks together: MiniDDP's against torch's DDP as a paired
+    ratio (the inverse of their step times'), with its 95% interval."""
+    wall = result["wall_s"]
+    if not result.get("tokens") or "miniddp" not in wall or "torch" not in wall:
+        return []
+    rate = {name: result["tokens"] / statistics.median(wall[name]) for name in ("miniddp", "torch")}
+    low, high = paired_ratio_interval(wall["torch"], wall["miniddp"])
+    ratio = paired_ratio(wall["torch"], wall["miniddp"])
+    return [
+        f"tokens/s: miniddp {rate['miniddp']:,.0f}, torch {rate['torch']:,.0f}; "
+        f"miniddp / torch {ratio:.3f} (95% interval {low:.3f}-{high:.3f})"
+    ]
 
 
 # The project's goal: as fast as torch's DDP within noise. At the default 60 paired iterations
@@ -196,7 +212,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         epilog="variants: " + "; ".join(f"{name}: {what}" for name, what in VARIANT_HELP.items()),
     )
     parser.add_argument(
-        "--models", default="mlp,transformer,deep", help="comma-separated (default: all three)"
+        "--models",
+        default="mlp,transformer,deep",
+        help="comma-separated: mlp, transformer, deep, gpt",
     )
     parser.add_argument(
         "--variants", default=",".join(VARIANTS), help="comma-separated (default: all)"
@@ -243,10 +261,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--device cuda: no CUDA device (torch.cuda.is_available() is False)")
     args.models = args.models.split(",")
     args.variants = args.variants.split(",")
-    unknown_models = [m for m in args.models if m not in ("mlp", "transformer", "deep")]
+    unknown_models = [m for m in args.models if m not in ("mlp", "transformer", "deep", "gpt")]
     if unknown_models:
         named = ", ".join(map(repr, unknown_models))
-        parser.error(f"--models: unknown {named}; choose from mlp, transformer, deep")
+        parser.error(f"--models: unknown {named}; choose from mlp, transformer, deep, gpt")
     unknown_variants = [v for v in args.variants if v not in VARIANTS]
     if unknown_variants:
         named = ", ".join(map(repr, unknown_variants))

@@ -10,6 +10,10 @@ Where the data comes from:
 - 04: chapter 04 itself, under torchrun on 2 ranks over its simulated link, with `--plot`: the
   ladder's timelines and the bucket-size sweep come from a real, timed run.
 - 00: one process trains the same model on one big batch and on micro-batches.
+- 05, 08, 13: chapter 05's no_sync timeline (2 gloo ranks), and two drawn from formulas and
+  layouts: memory per rank per sharding stage, the tensor-parallel column/row split.
+- 12 (only when asked, `--only 12`: a 3-minute training run): chapter 12 under torchrun on 2
+  ranks with `--plot`, its GPT's loss curves on MiniDDP and torch's DDP.
 """
 
 from __future__ import annotations
@@ -28,7 +32,10 @@ REPO = Path(__file__).resolve().parents[2]
 CHAPTER_04 = REPO / "tutorials" / "04_overlap.py"
 CHAPTER_04_TIMEOUT_S = 300
 CHAPTER_04_FIGURES = ("04_timelines.png", "04_sweep.png")
-FIGURE_SETS = ("00", "01", "03", "04", "05", "08", "13")
+CHAPTER_12 = REPO / "tutorials" / "12_train_gpt.py"
+CHAPTER_12_TIMEOUT_S = 900
+FIGURE_SETS = ("00", "01", "03", "04", "05", "08", "13")  # the default set
+ON_REQUEST = ("12",)  # a whole training run: only with --only 12
 
 
 def run_chapter_04(out: Path, iters: int) -> None:
@@ -55,14 +62,34 @@ def run_chapter_04(out: Path, iters: int) -> None:
               f"(exit {done.returncode}); run it alone to see why", file=sys.stderr)  # fmt: skip
 
 
+def run_chapter_12(out: Path) -> Path:
+    """Chapter 12's default run under torchrun on 2 ranks, with --plot; its checkpoints in a
+    temporary folder. Like chapter 04, it checks its own claims: here, the picture."""
+    figure = out / "12_loss.png"
+    figure.unlink(missing_ok=True)
+    with tempfile.TemporaryDirectory() as checkpoints:
+        command = [
+            *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"),
+            *(str(CHAPTER_12), "--plot", str(out), "--checkpoint-dir", checkpoints),
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        done = subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=CHAPTER_12_TIMEOUT_S
+        )
+    if done.returncode != 0 or not figure.exists():
+        output = (done.stdout + done.stderr)[-4000:]
+        raise RuntimeError(f"chapter 12 failed (exit {done.returncode}):\n{output}")
+    return figure
+
+
 def figure_sets(text: str) -> set[str]:
     """--only: which chapters' figures to draw."""
     chosen = set(text.split(","))
-    unknown = chosen - set(FIGURE_SETS)
+    unknown = chosen - set(FIGURE_SETS) - set(ON_REQUEST)
     if unknown:
         raise argparse.ArgumentTypeError(
             f"unknown figure set {', '.join(map(repr, sorted(unknown)))}; choose from "
-            f"{', '.join(FIGURE_SETS)}, comma-separated"
+            f"{', '.join(FIGURE_SETS + ON_REQUEST)}, comma-separated"
         )
     return chosen
 
@@ -111,6 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     if "04" in chosen:
         run_chapter_04(args.out, args.iters)
         written += [args.out / name for name in CHAPTER_04_FIGURES]
+    if "12" in chosen:
+        written.append(run_chapter_12(args.out))
     if "13" in chosen:
         written.append(tensor_parallel.column_row_split(args.out / "13_tensor_parallel.png"))
     for path in written:

@@ -2,9 +2,20 @@
 
 memory.py        where a rank's bytes go, counted from storages, and the formulas
 zero.py          ZeRO-1: each rank keeps and steps only its partition's optimizer state
+zero2.py         ZeRO-2: a comm hook that reduce-scatters each bucket onto the owners
+fully_shard.py   ZeRO-3: each rank keeps 1/W of every parameter, gathered around its module
+full_state.py    a fully sharded model's and optimizer's full state, out and back in
+clipping.py      clip_grad_norm_ over the ranks: the true norm under every stage
 """
 
-from miniddp.sharding.fully_shard import full_state_dict, fully_shard
+from miniddp.sharding.clipping import clip_grad_norm_
+from miniddp.sharding.full_state import (
+    full_optimizer_state_dict,
+    full_state_dict,
+    load_full_optimizer_state_dict,
+    load_full_state_dict,
+)
+from miniddp.sharding.fully_shard import fully_shard
 from miniddp.sharding.memory import Formula, MemoryPerRank, ddp_buckets, measure_memory
 from miniddp.sharding.zero import ZeroRedundancyOptimizer, partition
 from miniddp.sharding.zero2 import reduce_scatter_hook
@@ -13,9 +24,13 @@ __all__ = [
     "Formula",
     "MemoryPerRank",
     "ZeroRedundancyOptimizer",
+    "clip_grad_norm_",
     "ddp_buckets",
+    "full_optimizer_state_dict",
     "full_state_dict",
     "fully_shard",
+    "load_full_optimizer_state_dict",
+    "load_full_state_dict",
     "measure_memory",
     "partition",
     "reduce_scatter_hook",

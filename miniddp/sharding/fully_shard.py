@@ -36,27 +36,34 @@ torch's fully_shard and DDP bit for bit; with more, ring and gloo add in differe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
 from miniddp import collectives
 from miniddp.env import HOW_TO_LAUNCH
+from miniddp.faults import wait_for
 from miniddp.model_checks import verify_same_model_on_every_rank
+from miniddp.sharding.clipping import Spread, mark_spread
 
 
 @dataclass
 class ShardedParameters:
     """What one fully_shard call manages: its parameters' places, shapes and shards."""
 
+    name: str  # "fully_shard unit 2 (Linear: weight, bias)": what errors call it
     places: list[list[tuple[nn.Module, str]]]  # per parameter: (module, attribute) it lives at
     shapes: list[torch.Size]
     shards: list[nn.Parameter]
     group: dist.ProcessGroup | None
     reshard_after_forward: bool
+    originals: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)  # unsharded
+    gathered: bool = False  # between the unit's forward pre-hook and its forward hook
     full: list[torch.Tensor] = field(default_factory=list)  # the latest forward's, unsharded
     requires_gradient_sync: bool = True
     accumulated: list[torch.Tensor] | None = None  # full gradients held back by no sync
@@ -71,7 +78,10 @@ class ShardedParameters:
         like = self.shards[0]
         gathered = torch.empty(world * length, dtype=like.dtype, device=like.device)
         mine = torch.cat([s.detach() for s in self.shards])
-        collectives.all_gather_into_tensor(gathered, mine, group=self.group)
+        work = collectives.all_gather_into_tensor(gathered, mine, self.group, async_op=True)
+        wait_for(
+            work.get_future(), f"all-gather of {self.name} ({gathered.nbytes:,} bytes)", self.group
+        )
         rows, full, offset = gathered.view(world, length), [], 0
         for shard, shape in zip(self.shards, self.shapes):
             columns = rows[:, offset : offset + shard.numel()]
@@ -90,8 +100,23 @@ class ShardedParameters:
             pieces[:, offset : offset + shard.numel()] = padded.view(world, shard.numel())
             offset += shard.numel()
         mine = pieces.new_empty(length)
-        collectives.reduce_scatter_tensor(mine, pieces, group=self.group)
+        work = collectives.reduce_scatter_tensor(mine, pieces, group=self.group, async_op=True)
+        what = f"reduce-scatter of {self.name}'s gradients ({pieces.nbytes:,} bytes)"
+        wait_for(work.get_future(), what, self.group)
         return list(mine.split([s.numel() for s in self.shards]))
+
+    def unshard(self, piece: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """One tensor cut like a shard (an optimizer state, say), gathered to `shape`."""
+        gathered = piece.new_empty(self.world_size * piece.numel())
+        work = collectives.all_gather_into_tensor(
+            gathered, piece.contiguous(), self.group, async_op=True
+        )
+        what = f"all-gather of a state of {self.name} ({gathered.nbytes:,} bytes)"
+        wait_for(work.get_future(), what, self.group)
+        return gathered[: shape.numel()].reshape(shape).clone()
+
+    def cut(self, full: torch.Tensor) -> torch.Tensor:
+        return cut(full, dist.get_rank(self.group), self.world_size)
 
     @staticmethod
     def free(full: list[torch.Tensor]) -> None:
@@ -110,6 +135,14 @@ class ShardedParameters:
         for places, tensor in zip(self.places, tensors):
             for module, name in places:
                 module._parameters[name] = tensor
+
+
+def cut(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rank `rank`'s piece of `full`: flattened, padded with zeros to W·ceil(n/W), chunk r."""
+    chunk = -(-full.numel() // world)
+    padded = full.new_zeros(world * chunk)
+    padded[: full.numel()] = full.reshape(-1)
+    return padded[rank * chunk :][:chunk].clone()
 
 
 class _Unshard(torch.autograd.Function):
@@ -169,6 +202,7 @@ def fully_shard(
             if param is not None:
                 places.setdefault(id(param), []).append((owner, name))
                 params[id(param)] = param
+    _refuse_what_would_shard_wrongly(module, params, places)
     dtypes = {str(p.dtype) for p in params.values()}
     if len(dtypes) > 1:
         raise ValueError(
@@ -190,19 +224,80 @@ def fully_shard(
                              f"on {param.device}")  # fmt: skip
         full = param.detach().clone()
         collectives.broadcast(full, src=source, group=process_group)  # rank 0's, as DDP does
-        chunk = -(-full.numel() // world)
-        padded = full.new_zeros(world * chunk)
-        padded[: full.numel()] = full.reshape(-1)
-        shards.append(nn.Parameter(padded[rank * chunk :][:chunk].clone(), param.requires_grad))
-    sharded = ShardedParameters(list(places.values()), [p.shape for p in params.values()],
-                                shards, process_group, reshard_after_forward)  # fmt: skip
+        shards.append(nn.Parameter(cut(full, rank, world), param.requires_grad))
+    global _units
+    _units += 1
+    names = ", ".join(dict.fromkeys(name for p in places.values() for _, name in p))
+    sharded = ShardedParameters(
+        name=f"fully_shard unit {_units} ({type(module).__name__}: {names})",
+        places=list(places.values()),
+        shapes=[p.shape for p in params.values()],
+        shards=shards,
+        group=process_group,
+        reshard_after_forward=reshard_after_forward,
+    )
+    sharded.originals.update(dict.fromkeys(params.values()))
+    for shard in shards:
+        _UNIT_OF[shard] = sharded
+        mark_spread(shard, Spread(process_group))  # for clip_grad_norm_: a piece per rank
     sharded.place(shards)
     module._sharded = sharded if shards else None
     module.register_forward_pre_hook(_before_forward)
     module.register_forward_hook(_after_forward)
+    for owner in dict.fromkeys(o for p in places.values() for o, _ in p if o is not module):
+        owner.register_forward_pre_hook(partial(_refuse_outside_its_unit, sharded))
     cls = type(module)
     module.__class__ = type(f"FullyShard{cls.__name__}", (FullyShardedModule, cls), {})
     return module
+
+
+_units = 0  # fully_shard calls in this process: the same numbers on every rank
+_UNIT_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # shard -> its ShardedParameters
+
+
+def _refuse_what_would_shard_wrongly(
+    module: nn.Module,
+    params: dict[int, torch.Tensor],
+    places: dict[int, list[tuple[nn.Module, str]]],
+) -> None:
+    """Two mistakes that would otherwise fail much later, or never: sharding a child after its
+    ancestor (its parameters are already shards: they would be cut again, and the first forward
+    fails with "mat2 must be a matrix"), and a parameter tied across units (each unit would
+    shard its own copy: after one step they are two different parameters, silently)."""
+    for key, param in params.items():
+        owner, name = places[key][0]
+        if param in _UNIT_OF:
+            raise ValueError(
+                f"fully_shard({type(module).__name__}) came after its ancestor was sharded: "
+                f"its parameter {name!r} is already a shard of {_UNIT_OF[param].name}. Shard "
+                "the submodules first, then the root: for block in model.blocks: "
+                "fully_shard(block); then fully_shard(model)."
+            )
+    units = [getattr(sub, "_sharded", None) for sub in module.modules()]
+    units = [unit for unit in units if unit is not None]
+    qualified = {id(sub): prefix for prefix, sub in module.named_modules(remove_duplicate=False)}
+    for key, param in params.items():
+        for unit in units:
+            if param in unit.originals:
+                owner, name = places[key][0]
+                where = f"{qualified.get(id(owner), type(owner).__name__)}.{name}".lstrip(".")
+                raise ValueError(
+                    f"Parameter {where!r} is shared with a parameter already managed by "
+                    f"{unit.name}: sharded twice, the two would be cut and stepped apart, and "
+                    "come untied. Put tied modules in one unit: torch's fully_shard([module_a, "
+                    "module_b]); here, leave both to their common ancestor's fully_shard (do "
+                    "not shard either alone)."
+                )
+
+
+def _refuse_outside_its_unit(unit: ShardedParameters, module: nn.Module, args: Any) -> None:
+    if not unit.gathered:
+        raise RuntimeError(
+            f"{type(module).__name__} was called on its own, but its parameters belong to "
+            f"{unit.name} and are full only during that module's forward. Call the unit "
+            "instead, or make this module a unit of its own: fully_shard(it) before its "
+            "ancestor."
+        )
 
 
 def _own_modules(module: nn.Module) -> list[nn.Module]:
@@ -220,6 +315,7 @@ def _before_forward(module: nn.Module, args: Any) -> None:
         return
     state.full = list(_Unshard.apply(state, *state.shards))
     state.place(state.full)
+    state.gathered = True
 
 
 def _after_forward(module: nn.Module, args: Any, output: Any) -> None:
@@ -227,6 +323,7 @@ def _after_forward(module: nn.Module, args: Any, output: Any) -> None:
     if state is None:
         return
     state.place(state.shards)
+    state.gathered = False
     full = state.full  # this call's: a module called twice has one set per call
     waiting = [t for t in tree_leaves(output) if torch.is_tensor(t) and t.requires_grad]
     if not waiting or not torch.is_grad_enabled():
@@ -237,21 +334,6 @@ def _after_forward(module: nn.Module, args: Any, output: Any) -> None:
     torch.autograd.graph.register_multi_grad_hook(waiting, lambda _: state.refill(full), mode="any")
 
 
-def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """`module.state_dict()` with every shard replaced by its full, unsharded parameter, on every
-    rank (a collective: call it on all of them)."""
-    prefixes: dict[int, list[str]] = {}  # a module reachable by two names appears under both
-    for prefix, sub in module.named_modules(remove_duplicate=False):
-        prefixes.setdefault(id(sub), []).append(prefix)
-    state = module.state_dict()
-    for sub in dict.fromkeys(module.modules()):
-        sharded: ShardedParameters | None = getattr(sub, "_sharded", None)
-        if sharded is None:
-            continue
-        with torch.no_grad():
-            gathered = sharded.gather()
-        for places, full in zip(sharded.places, gathered):
-            for owner, name in places:
-                for prefix in prefixes[id(owner)]:
-                    state[f"{prefix}.{name}" if prefix else name] = full
-    return state
+def is_fully_sharded(module: nn.Module) -> bool:
+    """Does fully_shard manage any of `module`'s parameters?"""
+    return any(param in _UNIT_OF for param in module.parameters())

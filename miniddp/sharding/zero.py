@@ -31,6 +31,7 @@ from torch.optim import Optimizer
 from miniddp import collectives
 from miniddp.env import HOW_TO_LAUNCH
 from miniddp.model_checks import verify_same_model_on_every_rank
+from miniddp.sharding.clipping import Spread, mark_spread
 
 
 def partition(param_groups: list[dict[str, Any]], world_size: int) -> list[list[dict[str, Any]]]:
@@ -77,14 +78,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._initialized = False
         super().__init__(params, defaults)
         Joinable.__init__(self)
+        self._check_one_kind()
         every = self._every_param()
-        kinds = {(p.dtype, p.device) for p in every}
-        if len(kinds) > 1 or any(p.is_sparse for p in every):
-            raise ValueError(
-                f"ZeroRedundancyOptimizer needs every parameter dense, of one dtype on one "
-                f"device (they travel in one flat tensor); got {sorted(map(str, kinds))}. Give "
-                "each dtype its own ZeroRedundancyOptimizer."
-            )
         named = [(f"parameter {i}", p) for i, p in enumerate(every)]
         verify_same_model_on_every_rank(named, {"groups": len(self.param_groups)}, process_group)
         self.process_group = process_group
@@ -94,10 +89,26 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.optim = optimizer_class(self.partition[self.rank], **defaults)
         _copy_hyperparameters(self.optim.param_groups, self.param_groups)
         self._all_state_dicts: dict[int, dict[str, Any]] | None = None
-        self._owner = {
-            id(p): r for r, gs in enumerate(self.partition) for g in gs for p in g["params"]
-        }
+        self._remember_owners()
         self._initialized = True
+
+    def _check_one_kind(self) -> None:
+        every = self._every_param()
+        kinds = {(p.dtype, p.device) for p in every}
+        if len(kinds) > 1 or any(p.is_sparse for p in every):
+            raise ValueError(
+                f"ZeroRedundancyOptimizer needs every parameter dense, of one dtype on one "
+                f"device (they travel in one flat tensor); got {sorted(map(str, kinds))}. Give "
+                "each dtype its own ZeroRedundancyOptimizer."
+            )
+
+    def _remember_owners(self) -> None:
+        """Who steps what; clip_grad_norm_ counts each gradient on its owner only."""
+        self._owner = {}
+        for rank, groups in enumerate(self.partition):
+            for param in (p for g in groups for p in g["params"]):
+                self._owner[id(param)] = rank
+                mark_spread(param, Spread(self.process_group, owner=rank))
 
     def owner_of(self, param: torch.Tensor) -> int:
         """The group rank that steps `param` and keeps its state."""
@@ -109,12 +120,17 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return self._owner[id(param)]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if getattr(self, "_initialized", False):
-            raise NotImplementedError(
-                "ZeroRedundancyOptimizer partitions its parameters once, at construction: pass "
-                "every parameter group to the constructor (torch's can add groups later)."
-            )
+        """Add a group, as torch's does: the partition is recomputed over every group, which
+        leaves the earlier groups' parameters where they were (the greedy walks the groups in
+        order, and the new group comes last), so only this rank's share of the new group joins
+        its local optimizer. Call it on every rank, with the same group."""
         super().add_param_group(param_group)
+        if not getattr(self, "_initialized", False):
+            return  # Optimizer.__init__ adding the constructor's groups
+        self._check_one_kind()
+        self.partition = partition(self.param_groups, self.world_size)
+        self.optim.add_param_group(self.partition[self.rank][-1])
+        self._remember_owners()
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Step this rank's partition, then share the updated parameters with every rank."""
