@@ -112,7 +112,7 @@ if [[ "$DEVICE" == cpu && -z "${OMP_NUM_THREADS:-}" ]]; then export OMP_NUM_THRE
 # rank, a bad one was explained once per rank, after their start-up. Only chapters that take one
 # (tutorials/common.py's add_link_option) are asked: another script's --link is its own business.
 CHECK_LINKS='import sys
-from miniddp.link import BadLink, Link
+from miniddp.observe.link import BadLink, Link
 for source, text in zip(sys.argv[1::2], sys.argv[2::2]):
     try:
         Link.parse(text)
@@ -140,7 +140,7 @@ if [[ -n "$EMULATE_NODES" ]]; then
 fi
 
 # Each node's agent counts its own restarts, so with several nodes init_distributed() cannot key
-# each attempt's process group apart by that count (see miniddp/env.py); instead every attempt
+# each attempt's process group apart by that count (see miniddp/job/env.py); instead every attempt
 # gets a fresh store, not the agents' shared one.
 if [[ "$NNODES" != 1 ]]; then export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; fi
 if [[ "$NNODES" == 1 && -z "${MASTER_PORT:-}" ]]; then

@@ -36,21 +36,23 @@ from torch import nn
 from torch.autograd import Variable
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from miniddp.buckets import Bucket, BucketInfo, describe_layout
-from miniddp.comm_hooks import CommHook, GradBucket
-from miniddp.env import HOW_TO_LAUNCH
-from miniddp.events import EventRecorder
-from miniddp.faults import wait_for
-from miniddp.join import ShadowsTraining
-from miniddp.layout import BucketLayout, initial_layout
-from miniddp.model_checks import (
+from miniddp.autograd_graph import (
     ParameterUsage,
-    broadcast_from_rank0,
-    check_wrappable,
     hook_every_parameter,
     parameters_not_reached,
-    verify_same_model_on_every_rank,
     when_backward_reaches,
+)
+from miniddp.buckets import Bucket, BucketInfo, describe_layout
+from miniddp.comm_hooks import CommHook, GradBucket
+from miniddp.job.env import HOW_TO_LAUNCH
+from miniddp.job.faults import wait_for
+from miniddp.join import ShadowsTraining
+from miniddp.layout import BucketLayout, initial_layout
+from miniddp.observe.events import EventRecorder
+from miniddp.same_model import (
+    broadcast_from_rank0,
+    check_wrappable,
+    verify_same_model_on_every_rank,
 )
 from miniddp.static_graph import GRAPH_CHANGED, StaticGraph
 

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
 from miniddp.buckets import Bucket
-from miniddp.model_checks import broadcast_from_rank0
+from miniddp.same_model import broadcast_from_rank0
 
 if TYPE_CHECKING:
     from miniddp.ddp import MiniDDP

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from miniddp.checkpoint import (
+from miniddp.job.checkpoint import (
     FORMAT,
     CheckpointError,
     Progress,

@@ -1,6 +1,6 @@
 """A job that ends without cleanup() still ends its process group before Python shuts down,
 so that gloo's threads cannot abort the process at exit (why: `_end_the_group_at_exit` in
-miniddp/env.py); unless an exception is ending the process.
+miniddp/job/env.py); unless an exception is ending the process.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ print(f"rank {env.rank} left", flush=True)
 
 def test_cleanup_waits_for_a_rank_that_is_busy_past_the_timeout(tmp_path: Path) -> None:
     """torch's destroy_process_group() lets rank 1 leave while rank 0 still works; MiniDDP's
-    cleanup() waits for it instead (why: miniddp/meet.py), and must not call it missing."""
+    cleanup() waits for it instead (why: miniddp/job/meet.py), and must not call it missing."""
     script = tmp_path / "busy.py"
     script.write_text(BUSY_RANK_0)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]

@@ -1,4 +1,5 @@
-"""The simulated link (miniddp/link.py): its arithmetic, its queue, and real collectives over it.
+"""The simulated link (miniddp/observe/link.py): its arithmetic, its queue, and real
+collectives over it.
 
 The arithmetic is the alpha-beta model: a transfer of b bytes takes alpha + b / bandwidth, and
 each rank puts 2(W-1)/W n bytes on the wire for an all-reduce of n bytes. Transfers queue: one
@@ -13,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from miniddp.link import Link, LinkQueue, wire_bytes
+from miniddp.observe.link import Link, LinkQueue, wire_bytes
 from tests import link_tasks
 from tests.harness.pool import RankPool
 

@@ -34,8 +34,8 @@ from common import add_plot_option, end_chapter, fmt_bytes, say, say_all_ranks, 
 
 from miniddp import collectives
 from miniddp.collectives import Message
-from miniddp.env import init_distributed
 from miniddp.figures import draw
+from miniddp.job.env import init_distributed
 
 SWEEP_ROUNDS = 5  # interleaved rounds per size: enough for a first look, not a benchmark
 COUNTING_NUMEL = 2**18  # about 1 MiB of float32 for the byte counts

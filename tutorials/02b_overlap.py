@@ -39,7 +39,7 @@ from common import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from miniddp.env import init_distributed
+from miniddp.job.env import init_distributed
 from miniddp.steps import NaiveDDP, OverlapDDP
 
 STEPS = 3

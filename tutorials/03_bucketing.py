@@ -42,7 +42,7 @@ from common import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from miniddp.env import init_distributed
+from miniddp.job.env import init_distributed
 from miniddp.steps import BucketedDDP, OverlapDDP
 
 STEPS = 3

@@ -43,7 +43,7 @@ from common import (
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from miniddp.env import init_distributed
+from miniddp.job.env import init_distributed
 from miniddp.steps import TorchLayoutDDP
 
 LEARNING_RATE = 0.1

@@ -45,7 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from miniddp.collectives import Message, record_messages
 from miniddp.comm_hooks import all_reduce_hook
-from miniddp.env import init_distributed
+from miniddp.job.env import init_distributed
 from miniddp.steps import CommHookDDP, UnusedParametersDDP
 from miniddp.steps.__main__ import diff, label
 
@@ -222,7 +222,7 @@ def main() -> None:
         rung 7 is. Around it, what a real job needs: every rank checks at construction that all
         ranks hold the same model and settings, and says which differs (README: What happens
         when); a rank that died or stalled is named in the error instead of a bare timeout
-        (miniddp/faults.py, chapter 06); uneven inputs under Join (chapter 11); static_graph
+        (miniddp/job/faults.py, chapter 06); uneven inputs under Join (chapter 11); static_graph
         for reentrant checkpointing; a process group of one's own; and the event recorder the
         timelines of chapter 04 are drawn from.""")
     )

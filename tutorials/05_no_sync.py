@@ -44,7 +44,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from miniddp.env import init_distributed
+from miniddp.job.env import init_distributed
 from miniddp.steps import NoSyncDDP
 
 MICRO_BATCH = 4  # samples per rank per micro-step

@@ -51,14 +51,14 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from miniddp import DistributedSampler, MiniDDP
-from miniddp.checkpoint import (
+from miniddp.job.checkpoint import (
     Progress,
     load_checkpoint,
     read_checkpoint,
     restore_rng_state,
     save_checkpoint,
 )
-from miniddp.env import DistEnv, init_distributed
+from miniddp.job.env import DistEnv, init_distributed
 
 SEED = 0
 SAMPLES_PER_RANK = 48

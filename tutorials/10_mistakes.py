@@ -39,7 +39,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from miniddp import MiniDDP
-from miniddp.env import init_distributed
+from miniddp.job.env import init_distributed
 from miniddp.steps import BucketedDDP, NaiveDDP, OverlapDDP
 
 STEPS = 3

@@ -71,8 +71,8 @@ from side_by_side import (
 from torch import nn
 
 from miniddp import DistributedSampler, ZeroRedundancyOptimizer
-from miniddp.checkpoint import Progress, load_checkpoint, read_checkpoint, save_checkpoint
-from miniddp.env import DistEnv, init_distributed
+from miniddp.job.checkpoint import Progress, load_checkpoint, read_checkpoint, save_checkpoint
+from miniddp.job.env import DistEnv, init_distributed
 from miniddp.models.gpt import next_character_loss
 
 # How far one process on the global batch may land from DDP after its steps: its sums run in

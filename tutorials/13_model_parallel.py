@@ -36,8 +36,8 @@ from torch.nn import functional as F
 from miniddp import MiniDDP
 from miniddp.bench.paired import time_interleaved
 from miniddp.bench.workloads import Workload
-from miniddp.env import init_distributed
-from miniddp.link import Link, simulated_link, wire_bytes
+from miniddp.job.env import init_distributed
+from miniddp.observe.link import Link, simulated_link, wire_bytes
 from miniddp.sharding import MemoryPerRank, ddp_buckets, measure_memory
 from miniddp.tensor_parallel import (
     TinyGPT,
@@ -282,8 +282,8 @@ def section_speed(sizes: list[Size], link: Link | None, world: int) -> dict[str,
         say("  The bare machine (--link none): no speed claims; run with a link to see them.")
         return {}
     say_prose(f"""\
-        Both designs on the link {link} (miniddp/link.py: each collective runs, and completes
-        when such a link would have delivered it), timed over {ITERS} interleaved steps.
+        Both designs on the link {link} (miniddp/observe/link.py: each collective runs, and
+        completes when such a link would have delivered it), timed over {ITERS} interleaved steps.
         Predicted: the link's busy time for each design's all-reduces, counted as in section
         3. The rest of a step is compute, and TP's holds one more cost: what it does not split
         (the LayerNorms, the residual adds) every rank repeats on the whole batch, where DP's

@@ -17,11 +17,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from miniddp.env import cleanup
-from miniddp.link import ENVIRONMENT_VARIABLE, Link
+from miniddp.job.env import cleanup
+from miniddp.observe.link import ENVIRONMENT_VARIABLE, Link
+from miniddp.observe.timeline import StepTimeline, gather, split_steps
+from miniddp.observe.timeline_views import ascii_timeline
 from miniddp.steps.__main__ import diff, idea, label
-from miniddp.timeline import StepTimeline, gather, split_steps
-from miniddp.timeline_views import ascii_timeline
 
 
 def make_dataset(
@@ -104,7 +104,7 @@ def fmt_bytes(n: float) -> str:
 
 
 def add_link_option(parser: argparse.ArgumentParser, default_link: str = "none") -> None:
-    """--link: a simulated network (miniddp/link.py) for every collective, or 'none'."""
+    """--link: a simulated network (miniddp/observe/link.py) for every collective, or 'none'."""
     parser.add_argument(
         "--link",
         type=Link.parse,

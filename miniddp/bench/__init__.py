@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from miniddp.env import launched_by_torchrun
+from miniddp.job.env import launched_by_torchrun
 
 
 def relaunch_under_torchrun(argv: list[str], nproc: int = 2) -> None:

@@ -9,7 +9,7 @@ import os
 import sys
 
 from miniddp.bench import relaunch_under_torchrun, should_relaunch
-from miniddp.env import launched_by_torchrun
+from miniddp.job.env import launched_by_torchrun
 
 COMMANDS = {
     "collectives": "our send/recv collectives against gloo's, with the alpha-beta cost model",

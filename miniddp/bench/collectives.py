@@ -28,7 +28,7 @@ import torch.distributed as dist
 from miniddp import collectives
 from miniddp.bench.options import whole_number, writable_file
 from miniddp.collectives import KiB, MiB
-from miniddp.env import cleanup, init_distributed
+from miniddp.job.env import cleanup, init_distributed
 
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"
 IMPLEMENTATIONS = ("gloo", "reduce_broadcast", "recursive_doubling", "ring", "auto")

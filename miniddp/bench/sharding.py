@@ -30,7 +30,7 @@ from miniddp.bench.options import whole_number, writable_file
 from miniddp.bench.paired import paired_ratio, paired_ratio_interval, rotated
 from miniddp.collectives import traffic
 from miniddp.comm_hooks import all_reduce_hook
-from miniddp.env import cleanup, init_distributed
+from miniddp.job.env import cleanup, init_distributed
 from miniddp.sharding import Formula, ddp_buckets, measure_memory, reduce_scatter_hook
 
 STAGES = ("ddp", "zero1", "zero2", "zero3")

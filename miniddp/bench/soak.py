@@ -31,8 +31,8 @@ from torch import nn
 from miniddp import MiniDDP
 from miniddp.bench.options import whole_number
 from miniddp.bench.paired import paired_ratio, paired_ratio_interval
-from miniddp.env import cleanup, init_distributed
-from miniddp.faults import CollectiveFailed
+from miniddp.job.env import cleanup, init_distributed
+from miniddp.job.faults import CollectiveFailed
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -40,10 +40,10 @@ from miniddp.bench.paired import (
 )
 from miniddp.bench.variants import VARIANT_HELP, VARIANTS
 from miniddp.bench.workloads import Workload, workloads
-from miniddp.env import cleanup, init_distributed
-from miniddp.link import ENVIRONMENT_VARIABLE, EXAMPLE, BadLink, Link, simulated_link
-from miniddp.timeline import gather, recording, split_steps, summarize
-from miniddp.timeline_views import write_chrome_trace
+from miniddp.job.env import cleanup, init_distributed
+from miniddp.observe.link import ENVIRONMENT_VARIABLE, EXAMPLE, BadLink, Link, simulated_link
+from miniddp.observe.timeline import gather, recording, split_steps, summarize
+from miniddp.observe.timeline_views import write_chrome_trace
 
 
 def record_overlap(

@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from miniddp.bench.paired import paired_ratio, paired_ratio_interval, rotated
-from miniddp.env import cleanup, init_distributed
+from miniddp.job.env import cleanup, init_distributed
 from miniddp.tensor_parallel import ColwiseParallel, TransformerBlock, parallelize_module, plan_for
 
 WARMUP = 3  # DTensor caches each op's sharding decision on first sight

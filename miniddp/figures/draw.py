@@ -14,10 +14,10 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt
 
-from miniddp import timeline_views
 from miniddp.buckets import BucketInfo
 from miniddp.collectives import Message
-from miniddp.timeline import StepTimeline
+from miniddp.observe import timeline_views
+from miniddp.observe.timeline import StepTimeline
 
 DPI = 100
 # PNGs without the matplotlib version stamped in: the same data gives the same bytes.

@@ -20,8 +20,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from miniddp.figures.draw import plt, save
+from miniddp.observe.timeline_views import COMPUTE_COLORS
 from miniddp.steps import NoSyncDDP
-from miniddp.timeline_views import COMPUTE_COLORS
 
 WORLD_SIZE = 2
 MICRO_STEPS = 4

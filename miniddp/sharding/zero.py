@@ -29,8 +29,8 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from miniddp import collectives
-from miniddp.env import HOW_TO_LAUNCH
-from miniddp.model_checks import verify_same_model_on_every_rank
+from miniddp.job.env import HOW_TO_LAUNCH
+from miniddp.same_model import verify_same_model_on_every_rank
 from miniddp.sharding.clipping import Spread, mark_spread
 
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from miniddp.events import EventRecorder
+from miniddp.observe.events import EventRecorder
 from miniddp.steps import shared
 
 

@@ -16,7 +16,7 @@ f and g are conjugate: each is the other with forward and backward swapped. That
 costs exactly one all-reduce forward (g) and one backward (f); an attention and an MLP make a
 transformer block's two each way.
 
-Both call `dist.all_reduce` by attribute, so the simulated link (miniddp/link.py) sees them.
+Both call `dist.all_reduce` by attribute, so the simulated link (miniddp/observe/link.py) sees them.
 """
 
 from __future__ import annotations

@@ -57,7 +57,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from miniddp.checkpoint_file import (
+from miniddp.ddp import MiniDDP
+from miniddp.job.checkpoint_file import (
     FORMAT,
     RNG_FORMAT,
     VERSION,
@@ -68,10 +69,9 @@ from miniddp.checkpoint_file import (
     rng_path,
     write_atomically,
 )
-from miniddp.ddp import MiniDDP
-from miniddp.faults import CollectiveFailed, ranks
-from miniddp.meet import hear_from, meet, tell_the_others
-from miniddp.notes import board_of
+from miniddp.job.faults import CollectiveFailed, ranks
+from miniddp.job.meet import hear_from, meet, tell_the_others
+from miniddp.job.notes import board_of
 from miniddp.sharding.full_state import (
     full_optimizer_state_dict,
     full_shapes,

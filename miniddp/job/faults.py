@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from miniddp.notes import Board, ExitNote, Note, board_of, collective_timeout, first_line
+from miniddp.job.notes import Board, ExitNote, Note, board_of, collective_timeout, first_line
 
 __all__ = ["CollectiveFailed", "collective_timeout", "future_of", "wait_for"]
 

@@ -11,7 +11,7 @@ Buckets go one at a time (a link carries one transfer at a time), each taking al
 
 The step's backward-and-sync part ends at max(backward, end_last). Its communication is the
 union of the spans [ready_i, end_i] (launch to arrival, queueing included), as
-`miniddp.timeline.summarize` measures it; the part before `backward` is hidden.
+`miniddp.observe.timeline.summarize` measures it; the part before `backward` is hidden.
 
 Two ways to lose. Small buckets: many alphas, and the queue falls behind backward. Big buckets:
 the first one waits for most of backward before it can leave, and the last one is all exposed.
@@ -24,7 +24,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from miniddp.timeline import union_of_intervals
+from miniddp.observe.timeline import union_of_intervals
 
 
 @dataclass(frozen=True)

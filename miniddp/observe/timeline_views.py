@@ -1,4 +1,5 @@
-"""Three views of recorded steps (miniddp/timeline.py): an ASCII timeline for the terminal, a
+"""Three views of recorded steps (miniddp/observe/timeline.py): an ASCII timeline for the
+terminal, a
 Chrome trace (Perfetto, chrome://tracing) merged across ranks, and a matplotlib figure. Each
 draws the two lanes per rank, compute and communication, and a bucket's span from its launch to
 its all-reduce's completion.
@@ -12,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from miniddp.timeline import COMM, COMPUTE, Span, StepTimeline
+from miniddp.observe.timeline import COMM, COMPUTE, Span, StepTimeline
 
 BUCKET_LABELS = string.digits + string.ascii_lowercase + string.ascii_uppercase
 COMPUTE_LABELS = {"forward": "f", "backward": "b", "wait": "w"}

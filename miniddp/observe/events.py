@@ -1,7 +1,8 @@
-"""What a DDP wrapper notes as a step happens, for the timeline (miniddp/timeline.py) to draw.
+"""What a DDP wrapper notes as a step happens, for the timeline (miniddp/observe/timeline.py)
+to draw.
 
-MiniDDP and the baselines it is compared with (miniddp/baselines.py) note the same events, so
-every design is drawn and measured the same way.
+MiniDDP and the baselines it is compared with (miniddp/observe/baselines.py) note the same
+events, so every design is drawn and measured the same way.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from miniddp.model_checks import find_tensors
+from miniddp.autograd_graph import find_tensors
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,6 @@
-"""What MiniDDP checks about the model it wraps, and how it makes every replica start equal.
-
-Before training, every rank must hold the same model with the same settings: DDP sums gradients
-position by position, so a different shape, order or dtype on one rank would either hang the
-collectives or quietly add up unrelated numbers. Before each backward (with
-find_unused_parameters), which parameters the coming backward will not reach.
+"""What MiniDDP asks of the autograd graph: a hook on each parameter's accumulated gradient,
+which parameters a backward will not reach, when a backward starts, and which parameters got a
+gradient on any rank (find_unused_parameters).
 """
 
 from __future__ import annotations

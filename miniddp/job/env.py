@@ -25,8 +25,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from miniddp.meet import leave_together
-from miniddp.notes import any_broken, forget_boards
+from miniddp.job.meet import leave_together
+from miniddp.job.notes import any_broken, forget_boards
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -124,7 +124,7 @@ def cleanup() -> None:
     First every rank waits for the others to be done with their collectives, so that no rank
     tears its connections down while a peer still finishes the last one (in two-node runs
     here, gloo occasionally aborted a worker at exit with "terminate called without an active
-    exception" without this wait). The wait goes through the store (miniddp/meet.py), not a
+    exception" without this wait). The wait goes through the store (miniddp/job/meet.py), not a
     gloo barrier: a rank that ran more or fewer steps than the others then gets a
     `CollectiveFailed` saying so within a second, on every rank, instead of a barrier that
     waits out the whole timeout and then blames the wrong cause.

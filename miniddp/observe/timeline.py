@@ -1,15 +1,17 @@
 """Timelines: what happened in each step, drawn, and how much communication hid behind compute.
 
-MiniDDP (and the baselines in `miniddp/baselines.py`) note events while `record_events()` is on:
-forward start/end, backward start, a hook per parameter, ready/launch/reduced/wait per bucket,
-backward end and sync end. This module turns those instants into spans on two lanes per rank:
+MiniDDP (and the baselines in `miniddp/observe/baselines.py`) note events while
+`record_events()` is on: forward start/end, backward start, a hook per parameter,
+ready/launch/reduced/wait per bucket, backward end and sync end. This module turns those
+instants into spans on two lanes per rank:
 
     compute         forward, backward, then the wait for the last all-reduces (and copy-back)
     communication   one span per bucket, from its launch to its all-reduce's completion
 
 and summary numbers, which answer the question this project exists for: how much of the
-communication ran while backward was still computing? miniddp/timeline_views.py shows the same
-steps as an ASCII timeline, a Chrome trace (Perfetto, chrome://tracing) and a matplotlib figure.
+communication ran while backward was still computing? miniddp/observe/timeline_views.py shows
+the same steps as an ASCII timeline, a Chrome trace (Perfetto, chrome://tracing) and a
+matplotlib figure.
 
     with recording(ddp):                      # opt in; off by default and free when off
         ddp(x).sum().backward()
@@ -31,7 +33,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from miniddp.events import Event
+from miniddp.observe.events import Event
 
 COMPUTE = "compute"
 COMM = "communication"

@@ -9,7 +9,7 @@
 
 All but the first are rungs of the ladder (miniddp/steps/) or MiniDDP itself: one copy of each
 design. Call `finish_gradient_synchronization()` after every backward (the naive rung averages
-there; for the others it is a no-op), and each notes the same events, so `miniddp.timeline`
+there; for the others it is a no-op), and each notes the same events, so `miniddp.observe.timeline`
 draws them all.
 """
 

@@ -36,8 +36,8 @@ import time
 
 import torch.distributed as dist
 
-from miniddp.faults import POLL_S, SAME_STEPS, UNUSABLE, CollectiveFailed, describe_exit, ranks
-from miniddp.notes import Board, Note, board_of, boards
+from miniddp.job.faults import POLL_S, SAME_STEPS, UNUSABLE, CollectiveFailed, describe_exit, ranks
+from miniddp.job.notes import Board, Note, board_of, boards
 
 FIRST_POLL_S = 0.005  # ranks usually arrive together: look again soon, then less and less often
 CLEANUP = "cleanup()"
