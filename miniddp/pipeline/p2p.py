@@ -1,0 +1,162 @@
+"""The messages between neighbouring stages: activations forward, gradients backward.
+
+A stage talks only to its two neighbours, by point-to-point send and receive on the pipeline's
+process group. Two rules keep it from deadlocking, on gloo and on NCCL alike:
+
+    sends never block the sender: each goes out asynchronously and is waited for at the end
+    of the step (its tensor is kept alive until then);
+    the sends an action produced go out in ONE batch (`dist.batch_isend_irecv`) with the
+    receive the next action needs. On NCCL a batch runs its sends and receives together; issued
+    one by one, stage s's send of an activation and stage s+1's send of a gradient could each
+    wait for the other's receive forever (torch's Schedule1F1B fuses the same pairs).
+
+Waiting goes through `miniddp.faults.wait_for`, the seam that names a dead or silent peer.
+gloo's send/recv `Work` has no future (`get_future()` raises "not implemented"), which
+`wait_for` needs; `Completions` gives each one a future, completed when the transfer is done.
+
+Shapes are not hard-coded: the first time a stage sends an activation it first sends a small
+header (dtype, rank, sizes), and its neighbour allocates its receive buffer from it (`Header`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+import queue
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from miniddp.faults import wait_for
+
+MAX_DIMS = 8  # the header has room for an activation of up to 8 dimensions
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32)
+
+
+class Completions:
+    """A thread that waits for transfers in the order they are handed to it, and completes a
+    future for each: what `wait_for` can wait on while it listens for a dead peer.
+
+    Why not wait on gloo's Work directly: it has no future, and a timed `wait()` on a gloo
+    receive does not merely time out, it fails the receive ("Timed out waiting 100ms for recv
+    operation"). So the thread waits without a limit (gloo's own timeout still applies)."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def future_of(self, work: dist.Work) -> torch.futures.Future:
+        future: torch.futures.Future = torch.futures.Future()
+        self._queue.put((work, future))
+        return future
+
+    def _serve(self) -> None:
+        while True:
+            work, future = self._queue.get()
+            try:
+                work.wait()
+                future.set_result(None)
+            except Exception as error:  # a peer died, or gloo's timeout passed
+                future.set_exception(error)
+
+
+@dataclass(frozen=True)
+class Header:
+    """What a receiver must know to allocate an activation: its dtype and sizes."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @staticmethod
+    def of(tensor: torch.Tensor) -> Header:
+        return Header(tensor.dtype, tuple(tensor.shape))
+
+    def encode(self, device: torch.device) -> torch.Tensor:
+        if self.dtype not in DTYPES or len(self.shape) > MAX_DIMS:
+            raise ValueError(
+                f"a stage's output of dtype {self.dtype} and shape {self.shape} cannot be "
+                f"described to the next stage: use one of {DTYPES} with at most {MAX_DIMS} "
+                "dimensions, or give the next stage input_args (an example of its input)."
+            )
+        padded = [*self.shape, *[0] * (MAX_DIMS - len(self.shape))]
+        codes = [DTYPES.index(self.dtype), len(self.shape), *padded]
+        return torch.tensor(codes, dtype=torch.int64, device=device)
+
+    @staticmethod
+    def decode(codes: torch.Tensor) -> Header:
+        dtype_code, ndim, *sizes = codes.tolist()
+        return Header(DTYPES[dtype_code], tuple(sizes[:ndim]))
+
+    @staticmethod
+    def buffer(device: torch.device) -> torch.Tensor:
+        return torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=device)
+
+    def empty(self, device: torch.device) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=device)
+
+
+@dataclass
+class Transfer:
+    """One send or receive: the tensor, the neighbour (a stage index) and what it carries."""
+
+    tensor: torch.Tensor
+    peer: int
+    what: str  # "activation 3", "gradient 3": for the events and a fault's message
+    is_send: bool
+
+
+class Mailbox:
+    """One stage's sends and receives. `post(sends, receive)` launches them as one batch and
+    returns the receive's work; `finish_sends()` waits for every send still in flight.
+
+    `note(kind, name)` is the schedule's event recorder: it hears "send" when a send goes out,
+    "idle" start/end around each wait for a receive, and "recv" when the data is here.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, note: Callable[[str, str], None]) -> None:
+        self.group = group
+        self.note = note
+        # Two threads: sends finish whenever their receiver gets to them, which must never hold
+        # up noticing that a receive has arrived. At most one receive is in flight at a time.
+        self._receives = Completions("miniddp-pipeline-receives")
+        self._sends = Completions("miniddp-pipeline-sends")
+        self._sends_in_flight: list[tuple[torch.futures.Future, Transfer]] = []
+
+    def post(
+        self, sends: list[Transfer], receive: Transfer | None = None
+    ) -> torch.futures.Future | None:
+        transfers = [*sends, *([receive] if receive is not None else [])]
+        if not transfers:
+            return None
+        ops = [
+            dist.P2POp(
+                dist.isend if t.is_send else dist.irecv, t.tensor, group=self.group, group_peer=t.peer
+            )
+            for t in transfers
+        ]
+        works = dist.batch_isend_irecv(ops)
+        for work, transfer in zip(works, transfers):
+            if transfer.is_send:
+                future = self._sends.future_of(work)
+                self._sends_in_flight.append((future, transfer))  # keeps the tensor alive
+                self.note("send", transfer.what)
+        return self._receives.future_of(works[-1]) if receive is not None else None
+
+    def wait_receive(self, work: torch.futures.Future, transfer: Transfer) -> torch.Tensor:
+        """Block until `transfer` has arrived; the time spent here is the stage's idle time."""
+        self.note("idle", "start")
+        wait_for(work, f"the receive of {transfer.what} from stage {transfer.peer}", self.group)
+        self.note("idle", "end")
+        self.note("recv", transfer.what)
+        return transfer.tensor
+
+    def receive_now(self, tensor: torch.Tensor, peer: int, what: str) -> torch.Tensor:
+        receive = Transfer(tensor, peer, what, is_send=False)
+        return self.wait_receive(self.post([], receive), receive)
+
+    def finish_sends(self) -> None:
+        for work, transfer in self._sends_in_flight:
+            wait_for(work, f"the send of {transfer.what} to stage {transfer.peer}", self.group)
+        self._sends_in_flight.clear()

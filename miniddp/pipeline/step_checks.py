@@ -1,0 +1,112 @@
+"""Bad input to a pipeline step is refused on EVERY stage, before any activation moves.
+
+Each stage sees only its part of a step: the first the batch, the last the target, a middle one
+nothing. A mistake seen by one stage alone would leave the others waiting for messages that
+never come, until the process group's timeout. So at the start of each step every stage states
+what it found, as five numbers, in one small all-gather over the pipeline's group; then every
+stage raises the same error, naming the stage, the problem and the fix:
+
+    code, a, b            a problem and its two numbers (0 = none)
+    n_microbatches        the schedules must agree on m ...
+    schedule              ... and on the schedule, or their orders of sends would not match
+
+The price is one tiny collective per step (tens of microseconds on gloo).
+"""
+
+from __future__ import annotations
+
+import zlib
+from enum import IntEnum
+
+import torch
+import torch.distributed as dist
+
+from miniddp.faults import wait_for
+
+
+class Problem(IntEnum):
+    NONE = 0
+    NO_INPUT = 1
+    INPUT_NOT_DIVISIBLE = 2
+    INPUT_SHAPE_CHANGED = 3
+    NO_TARGET = 4
+    TARGET_NOT_DIVISIBLE = 5
+    INPUT_NOT_ON_FIRST = 6
+
+
+def describe(problem: Problem, a: int, b: int) -> str:
+    """The problem a stage found, and its fix."""
+    return {
+        Problem.NO_INPUT: "was given no input: call schedule.step(x) on the first stage",
+        Problem.INPUT_NOT_DIVISIBLE: (
+            f"was given a batch of {a} samples, which n_microbatches={b} does not divide into "
+            f"equal microbatches: give a batch whose size is a multiple of {b}, or an "
+            f"n_microbatches that divides {a}"
+        ),
+        Problem.INPUT_SHAPE_CHANGED: (
+            f"was given microbatches of {a} samples, but the pipeline learnt its activation "
+            f"shapes from the first step's {b}: keep the batch size fixed (drop_last=True in "
+            "the DataLoader), or build a new stage and schedule for the new size"
+        ),
+        Problem.NO_TARGET: (
+            "was given no target: call schedule.step(target=y, losses=losses) on the last "
+            "stage, which computes the loss"
+        ),
+        Problem.TARGET_NOT_DIVISIBLE: (
+            f"was given a target of {a} samples, which n_microbatches={b} does not divide: "
+            f"give a target (and a batch) whose size is a multiple of {b}"
+        ),
+        Problem.INPUT_NOT_ON_FIRST: (
+            "was given an input, but only the first stage takes one (the others receive their "
+            "activations): call schedule.step() on a middle stage, "
+            "schedule.step(target=y, losses=losses) on the last"
+        ),
+    }[problem]
+
+
+def schedule_id(schedule_name: str) -> int:
+    """A number for the schedule's class name, the same on every rank."""
+    return zlib.crc32(schedule_name.encode()) & 0x7FFFFFFF
+
+
+def check_on_every_stage(
+    found: tuple[Problem, int, int],
+    n_microbatches: int,
+    schedule_name: str,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> None:
+    """Gather every stage's findings; raise the same ValueError on all of them if any is wrong."""
+    problem, a, b = found
+    size = dist.get_world_size(group)
+    mine = torch.tensor(
+        [int(problem), a, b, n_microbatches, schedule_id(schedule_name)],
+        dtype=torch.int64,
+        device=device,
+    )
+    everyone = torch.empty(size * mine.numel(), dtype=torch.int64, device=device)
+    work = dist.all_gather_into_tensor(everyone, mine, group=group, async_op=True)
+    wait_for(work, "the pipeline step's check of its inputs", group)
+    rows = everyone.view(size, -1).tolist()
+    lines = [
+        f"stage {stage} {describe(Problem(code), a, b)}"
+        for stage, (code, a, b, _, _) in enumerate(rows)
+        if code != Problem.NONE
+    ]
+    counts = sorted({row[3] for row in rows})
+    if len(counts) > 1:
+        per_stage = ", ".join(f"stage {stage}: {row[3]}" for stage, row in enumerate(rows))
+        lines.append(
+            f"the stages' schedules have different n_microbatches ({per_stage}): "
+            "build every stage's schedule with the same n_microbatches"
+        )
+    if len({row[4] for row in rows}) > 1:
+        lines.append(
+            "the stages run different schedule classes (e.g. GPipe on one, 1F1B on another): "
+            "their sends would not match; use one schedule class everywhere"
+        )
+    if lines:
+        raise ValueError(
+            f"This pipeline step cannot run (seen on stage {dist.get_rank(group)}):\n  "
+            + "\n  ".join(lines)
+        )
