@@ -20,9 +20,9 @@ header (dtype, rank, sizes), and its neighbour allocates its receive buffer from
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -132,7 +132,10 @@ class Mailbox:
             return None
         ops = [
             dist.P2POp(
-                dist.isend if t.is_send else dist.irecv, t.tensor, group=self.group, group_peer=t.peer
+                dist.isend if t.is_send else dist.irecv,
+                t.tensor,
+                group=self.group,
+                group_peer=t.peer,
             )
             for t in transfers
         ]

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from miniddp.env import HOW_TO_LAUNCH
-from miniddp.faults import wait_for
+from miniddp.pipeline.step_checks import gather_rows
 
 
 @dataclass
@@ -68,7 +68,9 @@ class PipelineStage:
         input_args: torch.Tensor | None = None,
     ) -> None:
         if not dist.is_initialized():
-            raise RuntimeError(f"A PipelineStage needs a process group, and none exists. {HOW_TO_LAUNCH}")
+            raise RuntimeError(
+                f"A PipelineStage needs a process group, and none exists. {HOW_TO_LAUNCH}"
+            )
         self.submodule = submodule
         self.stage_index = stage_index
         self.num_stages = num_stages
@@ -141,11 +143,7 @@ def _check_stages_agree(
     """Every rank of the group tells the others its stage index and stage count, so a mistake on
     one rank is refused on all of them, instead of leaving the others waiting for a message."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    mine = torch.tensor([stage_index, num_stages], dtype=torch.int64, device=device)
-    everyone = torch.empty(size * 2, dtype=torch.int64, device=device)
-    work = dist.all_gather_into_tensor(everyone, mine, group=group, async_op=True)
-    wait_for(work, "the stages' check of their indices", group)
-    claims = everyone.view(size, 2).tolist()
+    claims = gather_rows([stage_index, num_stages], "the stages' check", group, device)
     problems = []
     for each_rank, (index, count) in enumerate(claims):
         if count != size:

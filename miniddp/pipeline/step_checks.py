@@ -3,7 +3,7 @@
 Each stage sees only its part of a step: the first the batch, the last the target, a middle one
 nothing. A mistake seen by one stage alone would leave the others waiting for messages that
 never come, until the process group's timeout. So at the start of each step every stage states
-what it found, as five numbers, in one small all-gather over the pipeline's group; then every
+what it found, as five numbers, in one small all-reduce over the pipeline's group; then every
 stage raises the same error, naming the stage, the problem and the fix:
 
     code, a, b            a problem and its two numbers (0 = none)
@@ -69,6 +69,16 @@ def schedule_id(schedule_name: str) -> int:
     return zlib.crc32(schedule_name.encode()) & 0x7FFFFFFF
 
 
+def gather_rows(row: list[int], what: str, group: dist.ProcessGroup | None, device) -> list:
+    """Every rank's `row` of integers, on every rank: each fills its own row of a zero table
+    and one all-reduce (SUM) adds them up."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    table = torch.zeros(size, len(row), dtype=torch.int64, device=device)
+    table[rank] = torch.tensor(row, dtype=torch.int64)
+    wait_for(dist.all_reduce(table, group=group, async_op=True), what, group)
+    return table.tolist()
+
+
 def check_on_every_stage(
     found: tuple[Problem, int, int],
     n_microbatches: int,
@@ -78,16 +88,8 @@ def check_on_every_stage(
 ) -> None:
     """Gather every stage's findings; raise the same ValueError on all of them if any is wrong."""
     problem, a, b = found
-    size = dist.get_world_size(group)
-    mine = torch.tensor(
-        [int(problem), a, b, n_microbatches, schedule_id(schedule_name)],
-        dtype=torch.int64,
-        device=device,
-    )
-    everyone = torch.empty(size * mine.numel(), dtype=torch.int64, device=device)
-    work = dist.all_gather_into_tensor(everyone, mine, group=group, async_op=True)
-    wait_for(work, "the pipeline step's check of its inputs", group)
-    rows = everyone.view(size, -1).tolist()
+    mine = [int(problem), a, b, n_microbatches, schedule_id(schedule_name)]
+    rows = gather_rows(mine, "the pipeline step's check of its inputs", group, device)
     lines = [
         f"stage {stage} {describe(Problem(code), a, b)}"
         for stage, (code, a, b, _, _) in enumerate(rows)
