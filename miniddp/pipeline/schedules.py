@@ -27,8 +27,8 @@ then alternates one backward and one forward, then runs the backwards left ("coo
   at most p - s microbatches at once, however large m is. That is what 1F1B buys: memory, which
   lets m grow, which shrinks the bubble.
 
-With m < p, 1F1B's warm-up already covers every microbatch and its order is GPipe's (torch's
-Schedule1F1B refuses m < p; here it runs, as GPipe).
+With m < p, 1F1B still works: stages whose warm-up covers all m microbatches run GPipe's order,
+the later ones alternate as usual (torch's Schedule1F1B refuses m < p; nothing here needs to).
 """
 
 from __future__ import annotations
