@@ -86,6 +86,12 @@ class PipelineSchedule(EventRecorder):
         self._first_microbatch_shape: tuple[int, ...] | None = None
         self._start_event_log()
 
+    @property
+    def input_shape(self) -> tuple[int, ...] | None:
+        """The shape of this stage's input microbatch, as given or as learnt from the previous
+        stage in the first step (None on the first stage, or before the first step)."""
+        return None if self._input_header is None else self._input_header.shape
+
     def order(self) -> list[Action]:
         """This stage's actions in one step, each F i and B i exactly once, F i before B i."""
         raise NotImplementedError
