@@ -10,6 +10,7 @@ Where the data comes from:
 - 04: chapter 04 itself, under torchrun on 2 ranks over its simulated link, with `--plot`: the
   ladder's timelines and the bucket-size sweep come from a real, timed run.
 - 00: one process trains the same model on one big batch and on micro-batches.
+- 14: a job of 4 gloo ranks runs GPipe and 1F1B on stages of fixed cost (figures/pipeline.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from miniddp.figures import draw, record
+from miniddp.figures import draw, pipeline, record
 
 REPO = Path(__file__).resolve().parents[2]
 CHAPTER_04 = REPO / "tutorials" / "04_overlap.py"
@@ -56,13 +57,13 @@ def run_chapter_04(out: Path, iters: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m miniddp.figures", description=__doc__)
     parser.add_argument("--out", type=Path, required=True, help="folder for the PNGs")
-    parser.add_argument("--only", default="00,01,03,04", help="chapters to draw, e.g. 01,03")
+    parser.add_argument("--only", default="00,01,03,04,14", help="chapters to draw, e.g. 01,03")
     parser.add_argument("--iters", type=int, default=6, help="chapter 04's timed iterations")
     args = parser.parse_args(argv)
     chosen = set(args.only.split(","))
-    unknown = chosen - {"00", "01", "03", "04"}
+    unknown = chosen - {"00", "01", "03", "04", "14"}
     if unknown:
-        parser.error(f"unknown figure set {sorted(unknown)}; choose from 00, 01, 03, 04")
+        parser.error(f"unknown figure set {sorted(unknown)}; choose from 00, 01, 03, 04, 14")
     args.out.mkdir(parents=True, exist_ok=True)
     written = []
     if chosen & {"01", "03"}:
@@ -83,6 +84,10 @@ def main(argv: list[str] | None = None) -> None:
     if "04" in chosen:
         run_chapter_04(args.out, args.iters)
         written += [args.out / name for name in CHAPTER_04_FIGURES]
+    if "14" in chosen:
+        with tempfile.TemporaryDirectory() as work_dir:
+            drawn = pipeline.run_pipeline_job(Path(work_dir))
+        written.append(pipeline.schedules(drawn, args.out / "14_pipeline.png"))
     for path in written:
         print(path)
 
