@@ -11,6 +11,7 @@ COMMANDS = {
     "collectives": "our send/recv collectives against gloo's, with the alpha-beta cost model",
     "step": "a training step: MiniDDP's variants against torch's DDP, with overlap",
     "sharding": "memory, traffic and step time of DDP and ZeRO-1/2/3, against torch's",
+    "pp": "a pipeline step (GPipe, 1F1B) against torch's pipelining, bare and over a link",
 }
 RANKS = {"sharding": 4}  # groups of 1, 2 and 4 ranks in one run
 

@@ -10,9 +10,14 @@ process group. Two rules keep it from deadlocking, on gloo and on NCCL alike:
     one by one, stage s's send of an activation and stage s+1's send of a gradient could each
     wait for the other's receive forever (torch's Schedule1F1B fuses the same pairs).
 
-Waiting goes through `miniddp.faults.wait_for`, the seam that names a dead or silent peer.
-gloo's send/recv `Work` has no future (`get_future()` raises "not implemented"), which
-`wait_for` needs; `Completions` gives each one a future, completed when the transfer is done.
+Waiting goes through `miniddp.faults.wait_for`, the seam that names a dead or silent peer, in
+one respect differently from a collective's wait. gloo's send/recv `Work` has no future
+(`get_future()` raises "not implemented"), and a timed `wait()` on a gloo receive does not merely
+time out, it fails the receive ("Timed out waiting 100ms for recv operation"); so it cannot be
+polled while listening for other ranks' fault flags. The stage blocks in `work.wait()` instead
+(in C++, the GIL released: as cheap as torch's own wait), and hands the outcome to `wait_for` as
+a settled future: counted if it arrived, diagnosed (which rank is missing, and why) if not. A
+dead peer shows at once, as its connection closes; a silent one after the group's timeout.
 
 Shapes are not hard-coded: the first time a stage sends an activation it first sends a small
 header (dtype, rank, sizes), and its neighbour allocates its receive buffer from it (`Header`).
@@ -20,8 +25,6 @@ header (dtype, rank, sizes), and its neighbour allocates its receive buffer from
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,32 +37,16 @@ MAX_DIMS = 8  # the header has room for an activation of up to 8 dimensions
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32)
 
 
-class Completions:
-    """A thread that waits for transfers in the order they are handed to it, and completes a
-    future for each: what `wait_for` can wait on while it listens for a dead peer.
-
-    Why not wait on gloo's Work directly: it has no future, and a timed `wait()` on a gloo
-    receive does not merely time out, it fails the receive ("Timed out waiting 100ms for recv
-    operation"). So the thread waits without a limit (gloo's own timeout still applies)."""
-
-    def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
-        self._thread.start()
-
-    def future_of(self, work: dist.Work) -> torch.futures.Future:
-        future: torch.futures.Future = torch.futures.Future()
-        self._queue.put((work, future))
-        return future
-
-    def _serve(self) -> None:
-        while True:
-            work, future = self._queue.get()
-            try:
-                work.wait()
-                future.set_result(None)
-            except Exception as error:  # a peer died, or gloo's timeout passed
-                future.set_exception(error)
+def settled(wait: Callable[[], object]) -> torch.futures.Future:
+    """Run a blocking `wait()` and return a completed future: its result, or the error it
+    raised, for `wait_for` to count or to diagnose."""
+    future: torch.futures.Future = torch.futures.Future()
+    try:
+        wait()
+        future.set_result(None)
+    except RuntimeError as error:  # a peer's connection closed, or gloo's timeout passed
+        future.set_exception(error)
+    return future
 
 
 @dataclass(frozen=True)
@@ -118,15 +105,9 @@ class Mailbox:
     def __init__(self, group: dist.ProcessGroup | None, note: Callable[[str, str], None]) -> None:
         self.group = group
         self.note = note
-        # Two threads: sends finish whenever their receiver gets to them, which must never hold
-        # up noticing that a receive has arrived. At most one receive is in flight at a time.
-        self._receives = Completions("miniddp-pipeline-receives")
-        self._sends = Completions("miniddp-pipeline-sends")
-        self._sends_in_flight: list[tuple[torch.futures.Future, Transfer]] = []
+        self._sends_in_flight: list[tuple[dist.Work, Transfer]] = []
 
-    def post(
-        self, sends: list[Transfer], receive: Transfer | None = None
-    ) -> torch.futures.Future | None:
+    def post(self, sends: list[Transfer], receive: Transfer | None = None) -> dist.Work | None:
         transfers = [*sends, *([receive] if receive is not None else [])]
         if not transfers:
             return None
@@ -142,15 +123,15 @@ class Mailbox:
         works = dist.batch_isend_irecv(ops)
         for work, transfer in zip(works, transfers):
             if transfer.is_send:
-                future = self._sends.future_of(work)
-                self._sends_in_flight.append((future, transfer))  # keeps the tensor alive
+                self._sends_in_flight.append((work, transfer))  # keeps the tensor alive
                 self.note("send", transfer.what)
-        return self._receives.future_of(works[-1]) if receive is not None else None
+        return works[-1] if receive is not None else None
 
-    def wait_receive(self, work: torch.futures.Future, transfer: Transfer) -> torch.Tensor:
+    def wait_receive(self, work: dist.Work, transfer: Transfer) -> torch.Tensor:
         """Block until `transfer` has arrived; the time spent here is the stage's idle time."""
         self.note("idle", "start")
-        wait_for(work, f"the receive of {transfer.what} from stage {transfer.peer}", self.group)
+        what = f"the receive of {transfer.what} from stage {transfer.peer}"
+        wait_for(settled(work.wait), what, self.group)
         self.note("idle", "end")
         self.note("recv", transfer.what)
         return transfer.tensor
@@ -161,5 +142,6 @@ class Mailbox:
 
     def finish_sends(self) -> None:
         for work, transfer in self._sends_in_flight:
-            wait_for(work, f"the send of {transfer.what} to stage {transfer.peer}", self.group)
+            what = f"the send of {transfer.what} to stage {transfer.peer}"
+            wait_for(settled(work.wait), what, self.group)
         self._sends_in_flight.clear()
