@@ -20,6 +20,7 @@ FIGURES = [
     "03_buckets.png",
     "04_timelines.png",
     "04_sweep.png",
+    "14_pipeline.png",
 ]
 TIMEOUT_SECONDS = 300
 
