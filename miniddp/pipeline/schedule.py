@@ -163,7 +163,7 @@ class PipelineSchedule(EventRecorder):
         # With data parallelism inside the stage, the last forward is replayed, synced (stage.py).
         replayed = stage.data_parallel and i == self.n_microbatches - 1
         self._note("forward", f"start {i}")
-        output = stage.forward(i, data.inputs[i] if stage.is_first else received, last=replayed)
+        output = stage.forward(i, data.inputs[i] if stage.is_first else received, replayed)
         if stage.is_last:
             loss = self.loss_fn(output, data.targets[i])
             stage.keep_loss(i, loss)
@@ -194,7 +194,9 @@ class PipelineSchedule(EventRecorder):
             return []
         return [Transfer(input_grad, stage.stage_index - 1, f"gradient {i}", is_send=True)]
 
-    def _inspect(self, x: torch.Tensor | None, target: torch.Tensor | None):
+    def _inspect(
+        self, x: torch.Tensor | None, target: torch.Tensor | None
+    ) -> tuple[Problem, int, int]:
         """What this stage can see wrong with its own part of the step's input."""
         stage, m = self.stage, self.n_microbatches
         if stage.is_first:

@@ -33,6 +33,7 @@ forward per step; torch's pipelining instead reaches into its DDP's reducer
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -84,13 +85,16 @@ class PipelineStage:
         self.held: dict[int, Held] = {}
         self.peak_held = 0
 
-    def forward(self, microbatch: int, x: torch.Tensor, last: bool = False) -> torch.Tensor:
-        """Run the slice on microbatch `microbatch`; returns its output (detached: what is sent)."""
+    def forward(self, microbatch: int, x: torch.Tensor, replayed: bool = False) -> torch.Tensor:
+        """Run the slice on microbatch `microbatch` and keep what its backward needs; returns
+        the output. `replayed`: backward will run this forward again (DP x PP's last
+        microbatch), so no graph is kept now."""
         if not self.is_first:
             x = x.detach().requires_grad_()
         if self.data_parallel:
-            with self.submodule.no_sync(), torch.no_grad() if last else contextlib.nullcontext():
-                output = self.submodule(x)  # the last one runs again, synced, in backward
+            no_graph = torch.no_grad() if replayed else contextlib.nullcontext()
+            with self.submodule.no_sync(), no_graph:
+                output = self.submodule(x)
         else:
             output = self.submodule(x)
         self.held[microbatch] = Held(x, output)
@@ -102,7 +106,10 @@ class PipelineStage:
         self.held[microbatch].output = loss
 
     def backward(
-        self, microbatch: int, output_grad: torch.Tensor | None, recompute=None
+        self,
+        microbatch: int,
+        output_grad: torch.Tensor | None,
+        recompute: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
         """Backpropagate through what forward(microbatch) kept; the input's gradient, if any.
 
