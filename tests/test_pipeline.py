@@ -121,12 +121,14 @@ def make_schedule(kind: str, stage, m: int):
     return load_implementation(kind)(stage, m, mse)
 
 
-def train_stage(spec: PipeSpec, kind: str) -> dict:
+def train_stage(spec: PipeSpec, kind: str, with_example: bool = False) -> dict:
     """On every rank of the pool: this rank's stage of `spec`'s model, trained with schedule
-    `kind`; its gradients and losses per step, its parameters at the end, and what it held."""
+    `kind`; its gradients and losses per step, its parameters at the end, and what it held.
+    `with_example`: every stage but the first is given an example of its input microbatch."""
     rank = dist.get_rank()
     block = build_model(spec)[rank]
-    stage = PipelineStage(block, rank, spec.stages, "cpu")
+    example = torch.empty(spec.microbatch, spec.widths[rank]) if with_example and rank else None
+    stage = PipelineStage(block, rank, spec.stages, "cpu", input_args=example)
     schedule = make_schedule(kind, stage, spec.n_microbatches)
     recording = not kind.startswith("torch-")
     if recording:
@@ -202,6 +204,14 @@ def test_every_stage_is_bitwise_one_process_and_torchs_pipelining(rank_pools, na
     theirs = pool.run(train_stage, spec, torch_kind)
     for stage, (result, torch_result) in enumerate(zip(ours, theirs)):
         assert_stage_equal(result, torch_result, stage, spec, f"{name} against {torch_kind}")
+
+
+def test_an_example_input_replaces_the_shape_exchange(rank_pools):
+    """Given input_args, a stage is sent no shape: the same bits as one process either way."""
+    spec = PipeSpec(widths=(6, 7, 5, 4, 3), n_microbatches=2, steps=2)
+    reference = one_process(spec)
+    for stage, result in enumerate(rank_pools(4).run(train_stage, spec, OURS["1f1b"], True)):
+        assert_stage_equal(result, reference, stage, spec, "1F1B given input examples")
 
 
 def test_dividing_each_loss_by_m_instead_differs_only_by_rounding(pool2):

@@ -82,7 +82,7 @@ class PipelineSchedule(EventRecorder):
         self.mailbox = Mailbox(stage.group, self._note)
         example = stage.input_example
         self._input_header = None if example is None else Header.of(example)
-        self._header_sent = False
+        self._header_sent = stage.next_knows_its_shape
         self._first_microbatch_shape: tuple[int, ...] | None = None
         self._start_event_log()
 

@@ -77,10 +77,14 @@ class PipelineStage:
         self.num_stages = num_stages
         self.device = torch.device(device)
         self.group = group
-        _check_stages_agree(stage_index, num_stages, group, self.device)
+        has_example = _check_stages_agree(
+            stage_index, num_stages, input_args is not None, group, self.device
+        )
         self.is_first = stage_index == 0
         self.is_last = stage_index == num_stages - 1
         self.input_example = input_args
+        # Whether the next stage was given an example of its input: then no shape is sent to it.
+        self.next_knows_its_shape = not self.is_last and has_example[stage_index + 1]
         self.data_parallel = hasattr(submodule, "no_sync")  # MiniDDP or torch's DDP inside
         self.held: dict[int, Held] = {}
         self.peak_held = 0
@@ -145,14 +149,20 @@ class PipelineStage:
 
 
 def _check_stages_agree(
-    stage_index: int, num_stages: int, group: dist.ProcessGroup | None, device: torch.device
-) -> None:
+    stage_index: int,
+    num_stages: int,
+    has_example: bool,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> list[bool]:
     """Every rank of the group tells the others its stage index and stage count, so a mistake on
-    one rank is refused on all of them, instead of leaving the others waiting for a message."""
+    one rank is refused on all of them, instead of leaving the others waiting for a message; and
+    whether it was given an example of its input. Returns the latter, per rank."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    claims = gather_rows([stage_index, num_stages], "the stages' check", group, device)
+    row = [stage_index, num_stages, int(has_example)]
+    claims = gather_rows(row, "the stages' check", group, device)
     problems = []
-    for each_rank, (index, count) in enumerate(claims):
+    for each_rank, (index, count, _) in enumerate(claims):
         if count != size:
             problems.append(
                 f"rank {each_rank} says num_stages={count}, but the pipeline's group has "
@@ -168,3 +178,4 @@ def _check_stages_agree(
         raise ValueError(
             f"The pipeline's stages disagree (seen on rank {rank}):\n  " + "\n  ".join(problems)
         )
+    return [bool(example) for _, _, example in claims]
