@@ -45,7 +45,13 @@ def settled(wait: Callable[[], object]) -> torch.futures.Future:
         wait()
         future.set_result(None)
     except RuntimeError as error:  # a peer's connection closed, or gloo's timeout passed
-        future.set_exception(error)
+        return failed(error)
+    return future
+
+
+def failed(error: Exception) -> torch.futures.Future:
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_exception(error)
     return future
 
 
@@ -93,6 +99,13 @@ class Transfer:
     what: str  # "activation 3", "gradient 3": for the events and a fault's message
     is_send: bool
 
+    @property
+    def description(self) -> str:
+        """ "the receive of gradient 3 from stage 2": what a fault's message names."""
+        if self.is_send:
+            return f"the send of {self.what} to stage {self.peer}"
+        return f"the receive of {self.what} from stage {self.peer}"
+
 
 class Mailbox:
     """One stage's sends and receives. `post(sends, receive)` launches them as one batch and
@@ -120,7 +133,11 @@ class Mailbox:
             )
             for t in transfers
         ]
-        works = dist.batch_isend_irecv(ops)
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except RuntimeError as error:  # gloo sends at once: a dead peer can fail it right here
+            what = " and ".join(t.description for t in transfers)
+            wait_for(failed(error), what, self.group)  # raises, naming the missing peer
         for work, transfer in zip(works, transfers):
             if transfer.is_send:
                 self._sends_in_flight.append((work, transfer))  # keeps the tensor alive
@@ -130,8 +147,7 @@ class Mailbox:
     def wait_receive(self, work: dist.Work, transfer: Transfer) -> torch.Tensor:
         """Block until `transfer` has arrived; the time spent here is the stage's idle time."""
         self.note("idle", "start")
-        what = f"the receive of {transfer.what} from stage {transfer.peer}"
-        wait_for(settled(work.wait), what, self.group)
+        wait_for(settled(work.wait), transfer.description, self.group)
         self.note("idle", "end")
         self.note("recv", transfer.what)
         return transfer.tensor
@@ -142,6 +158,5 @@ class Mailbox:
 
     def finish_sends(self) -> None:
         for work, transfer in self._sends_in_flight:
-            what = f"the send of {transfer.what} to stage {transfer.peer}"
-            wait_for(settled(work.wait), what, self.group)
+            wait_for(settled(work.wait), transfer.description, self.group)
         self._sends_in_flight.clear()
