@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from miniddp.pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe
+from miniddp.pipeline import Action, PipelineStage, Schedule1F1B, ScheduleGPipe
 from miniddp.pipeline.timeline import (
     blocks_of,
     bubble_formula,
@@ -274,6 +274,23 @@ class _StageShape:
         self.stage = type("Stage", (), {"stage_index": stage_index, "num_stages": num_stages})
 
 
+class ForwardTwice(ScheduleGPipe):
+    """A learner's slip: microbatch 0's forward listed twice."""
+
+    def order(self) -> list[Action]:
+        return [Action("F", 0), *super().order()]
+
+
+class WaitForEachOther(ScheduleGPipe):
+    """Valid orders alone, a deadlock together: stage 0 wants gradient 0 before it sends
+    activation 1; the last stage wants activation 1 before it computes gradient 0."""
+
+    def order(self) -> list[Action]:
+        if self.stage.is_last:
+            return super().order()  # F0 F1 B0 B1
+        return [Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1)]
+
+
 def bad_step(mistake: str) -> None:
     """Two stages, one mistake; every stage must raise the same clear error."""
     rank = dist.get_rank()
@@ -285,7 +302,10 @@ def bad_step(mistake: str) -> None:
         PipelineStage(block, 1 - rank, 2, "cpu")
     stage = PipelineStage(block, rank, 2, "cpu")
     m = 3 if (mistake == "n_microbatches" and rank == 1) else 2
-    schedule = ScheduleGPipe(stage, m, mse)
+    schedule_class = {"order": ForwardTwice, "deadlock": WaitForEachOther}.get(
+        mistake, ScheduleGPipe
+    )
+    schedule = schedule_class(stage, m, mse)
     x, y = batch(spec, 0)
     if mistake == "batch":
         x, y = x[:3], y[:3]
@@ -315,6 +335,8 @@ MISTAKES = {
         "different n_microbatches (stage 0: 2, stage 1: 3)",
         "the same n_microbatches",
     ),
+    "order": ("has a schedule whose order() is not one stage's order", "(here: F0 appears twice)"),
+    "deadlock": ("these orders deadlock: stage 0 at B0, stage 1 at F1", "reorder order()"),
     "batch_changes": (
         "microbatches of 1 samples, but the pipeline learnt its activation "
         "shapes from the first step's 2",
@@ -351,8 +373,6 @@ def test_the_exercise_stub_fails_naming_its_todo(pool2):
 
 def test_replay_names_a_deadlock():
     """An order that waits for itself: both stages start with a backward."""
-    from miniddp.pipeline import Action
-
     orders = [[Action("B", 0), Action("F", 0)], [Action("B", 0), Action("F", 0)]]
     with pytest.raises(ValueError, match="deadlock: stage 0 at B0, stage 1 at B0"):
         replay(orders)

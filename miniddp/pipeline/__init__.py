@@ -12,6 +12,7 @@
 
 The same calls as torch.distributed.pipelining, on torch.distributed's send and receive:
 
+    actions.py      F i and B i, and what makes a list of them one stage's order
     stage.py        a slice of the model and what it keeps between forward and backward
     p2p.py          activations forward, gradients backward, and the shape sent once
     schedule.py     one step, as an order of forwards and backwards; checks; 1/m scaling
@@ -22,9 +23,10 @@ The same calls as torch.distributed.pipelining, on torch.distributed's send and 
     mesh.py         DP x PP: pipelines side by side, each stage data-parallel with its copies
 """
 
+from miniddp.pipeline.actions import Action
 from miniddp.pipeline.fixed_cost import FixedCost
 from miniddp.pipeline.mesh import Mesh, build_mesh
-from miniddp.pipeline.schedule import Action, PipelineSchedule
+from miniddp.pipeline.schedule import PipelineSchedule
 from miniddp.pipeline.schedules import Schedule1F1B, ScheduleGPipe
 from miniddp.pipeline.stage import PipelineStage
 

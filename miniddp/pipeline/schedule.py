@@ -27,26 +27,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 
 from miniddp.events import EventRecorder
+from miniddp.pipeline.actions import BACKWARD, FORWARD, Action, encode, order_problem
 from miniddp.pipeline.p2p import Header, Mailbox, Transfer
 from miniddp.pipeline.stage import PipelineStage
-from miniddp.pipeline.step_checks import Problem, check_on_every_stage
-
-FORWARD, BACKWARD = "F", "B"
-
-
-class Action(NamedTuple):
-    """One thing a stage does in a step: "F" (forward) or "B" (backward) of a microbatch."""
-
-    kind: str
-    microbatch: int
-
-    def __str__(self) -> str:
-        return f"{self.kind}{self.microbatch}"
+from miniddp.pipeline.step_checks import Problem, check_on_every_stage, check_orders_together
 
 
 @dataclass
@@ -84,6 +72,7 @@ class PipelineSchedule(EventRecorder):
         self._input_header = None if example is None else Header.of(example)
         self._header_sent = stage.next_knows_its_shape
         self._first_microbatch_shape: tuple[int, ...] | None = None
+        self._orders_unchecked = True  # the first step checks that the orders cannot deadlock
         self._start_event_log()
 
     @property
@@ -109,8 +98,12 @@ class PipelineSchedule(EventRecorder):
             raise TypeError(f"step takes one input tensor (the first stage's), got {len(args)}")
         x = args[0] if args else None
         stage, m = self.stage, self.n_microbatches
-        found = self._inspect(x, target)
+        order = self.order()
+        found = self._inspect(x, target, order)
         check_on_every_stage(found, m, type(self).__name__, stage.group, stage.device)
+        if self._orders_unchecked:  # once: the orders of a schedule do not change
+            check_orders_together(encode(order), stage.group, stage.device)
+            self._orders_unchecked = False
         data = StepData(
             inputs=list(x.tensor_split(m)) if stage.is_first else [None] * m,
             targets=list(target.tensor_split(m)) if stage.is_last else [None] * m,
@@ -118,7 +111,7 @@ class PipelineSchedule(EventRecorder):
         stage.start_step()
         self._note("step", "start")
         sends: list[Transfer] = []
-        for action in self.order():
+        for action in order:
             # This action's receive goes out in one batch with the previous action's sends.
             received = self._receive_for(action, sends)
             if action.kind == FORWARD:
@@ -195,10 +188,14 @@ class PipelineSchedule(EventRecorder):
         return [Transfer(input_grad, stage.stage_index - 1, f"gradient {i}", is_send=True)]
 
     def _inspect(
-        self, x: torch.Tensor | None, target: torch.Tensor | None
-    ) -> tuple[Problem, int, int]:
-        """What this stage can see wrong with its own part of the step's input."""
+        self, x: torch.Tensor | None, target: torch.Tensor | None, order: list[Action]
+    ) -> tuple[Problem, int, int] | tuple[Problem, int, int, str]:
+        """What this stage can see wrong with its own part of the step: its input, and its
+        order (a learner's schedule may be wrong; then also why, for this stage's message)."""
         stage, m = self.stage, self.n_microbatches
+        problem = order_problem(order, m)
+        if problem is not None:
+            return Problem.BAD_ORDER, 0, 0, problem
         if stage.is_first:
             if x is None:
                 return Problem.NO_INPUT, 0, 0

@@ -33,7 +33,8 @@ the later ones alternate as usual (torch's Schedule1F1B refuses m < p; nothing h
 
 from __future__ import annotations
 
-from miniddp.pipeline.schedule import BACKWARD, FORWARD, Action, PipelineSchedule
+from miniddp.pipeline.actions import BACKWARD, FORWARD, Action
+from miniddp.pipeline.schedule import PipelineSchedule
 
 
 class ScheduleGPipe(PipelineSchedule):

@@ -10,7 +10,9 @@ stage raises the same error, naming the stage, the problem and the fix:
     n_microbatches        the schedules must agree on m ...
     schedule              ... and on the schedule, or their orders of sends would not match
 
-The price is one tiny collective per step (tens of microseconds on gloo).
+The price is one tiny collective per step (tens of microseconds on gloo). In the first step,
+one more gathers every stage's order and replays them on a logical clock (timeline.replay), so
+orders that would wait for each other forever are refused too, instead of hanging.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import torch
 import torch.distributed as dist
 
 from miniddp.faults import wait_for
+from miniddp.pipeline.actions import decode
+from miniddp.pipeline.timeline import replay
 
 
 class Problem(IntEnum):
@@ -32,6 +36,7 @@ class Problem(IntEnum):
     NO_TARGET = 4
     TARGET_NOT_DIVISIBLE = 5
     INPUT_NOT_ON_FIRST = 6
+    BAD_ORDER = 7
 
 
 def describe(problem: Problem, a: int, b: int) -> str:
@@ -55,6 +60,10 @@ def describe(problem: Problem, a: int, b: int) -> str:
         Problem.TARGET_NOT_DIVISIBLE: (
             f"was given a target of {a} samples, which n_microbatches={b} does not divide: "
             f"give a target (and a batch) whose size is a multiple of {b}"
+        ),
+        Problem.BAD_ORDER: (
+            "has a schedule whose order() is not one stage's order of a step: it must list "
+            "Action('F', i) and Action('B', i) once each for i in 0 .. m-1, F i before B i"
         ),
         Problem.INPUT_NOT_ON_FIRST: (
             "was given an input, but only the first stage takes one (the others receive their "
@@ -80,18 +89,20 @@ def gather_rows(row: list[int], what: str, group: dist.ProcessGroup | None, devi
 
 
 def check_on_every_stage(
-    found: tuple[Problem, int, int],
+    found: tuple[Problem, int, int] | tuple[Problem, int, int, str],
     n_microbatches: int,
     schedule_name: str,
     group: dist.ProcessGroup | None,
     device: torch.device,
 ) -> None:
     """Gather every stage's findings; raise the same ValueError on all of them if any is wrong."""
-    problem, a, b = found
+    problem, a, b, *detail = found
     mine = [int(problem), a, b, n_microbatches, schedule_id(schedule_name)]
     rows = gather_rows(mine, "the pipeline step's check of its inputs", group, device)
+    here = dist.get_rank(group)
     lines = [
         f"stage {stage} {describe(Problem(code), a, b)}"
+        + (f" (here: {detail[0]})" if stage == here and detail else "")
         for stage, (code, a, b, _, _) in enumerate(rows)
         if code != Problem.NONE
     ]
@@ -109,6 +120,23 @@ def check_on_every_stage(
         )
     if lines:
         raise ValueError(
-            f"This pipeline step cannot run (seen on stage {dist.get_rank(group)}):\n  "
-            + "\n  ".join(lines)
+            f"This pipeline step cannot run (seen on stage {here}):\n  " + "\n  ".join(lines)
         )
+
+
+def check_orders_together(
+    my_order: list[int], group: dist.ProcessGroup | None, device: torch.device
+) -> None:
+    """Each stage's order may be valid alone and the orders still wait for each other forever
+    (stage 0 waiting for gradient 0 before sending activation 1, which stage 1 needs first).
+    Gather every stage's order (encoded, miniddp/pipeline/actions.py) and replay them on a
+    logical clock: a deadlock is refused on every stage, before anything is sent."""
+    rows = gather_rows(my_order, "the pipeline's check of its schedule's orders", group, device)
+    try:
+        replay([decode(row) for row in rows])
+    except ValueError as deadlock:
+        raise ValueError(
+            f"This pipeline's schedule cannot run: {deadlock}. Stage s can run F i only after "
+            "stage s-1 did, and B i only after stage s+1 did: reorder order() so that every "
+            "stage's next action is always possible (compare ScheduleGPipe, Schedule1F1B)."
+        ) from None

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from miniddp.events import Event
-from miniddp.pipeline.schedule import BACKWARD, FORWARD, Action
+from miniddp.pipeline.actions import BACKWARD, FORWARD, Action
 
 KIND_OF_EVENT = {"forward": FORWARD, "backward": BACKWARD}
 
