@@ -15,6 +15,7 @@ time, so the batch is cut into m microbatches that follow each other down the pi
     5. the same training              bitwise one process, both schedules
     6. DP x PP                        2 stages x 2 replicas, and the no_sync trap (4 ranks)
 
+Exercise: tutorials/exercises/gpipe.py, your own GPipe order, checked by tests/test_pipeline.py.
 The library is miniddp/pipeline/ (its __init__ lists a file per idea); the picture of this
 chapter's steps is docs/figures/14_pipeline.png (`python -m miniddp.figures --only 14`), and
 `python -m miniddp.bench pp` times a step against torch's own pipelining.
@@ -234,6 +235,7 @@ def main() -> None:
     one_bubble, blocks, one_peak = measure(Schedule1F1B, timed_stage(rank, p), m)
     say(ascii_chart(blocks))
     say(f"bubble: measured {one_bubble:.3f}, formula {formula:.3f}: the same idle time")
+    say(f"(both drawn at p = 4, m = 6: {FIGURE}, by python -m miniddp.figures --only 14)")
     say_peaks(one_peak, m, p, rank)
     checks["1F1B holds at most p - s"] = one_peak == min(m, p - rank)
 

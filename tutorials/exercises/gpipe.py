@@ -11,7 +11,9 @@ activations and gradients, sending them on, computing the loss on the last stage
 The tests train 2- and 4-stage pipelines with your schedule and compare every stage's gradients,
 every microbatch's loss and the parameters after 3 SGD steps, bit for bit, with one process and
 with torch's own ScheduleGPipe; and replay what each stage ran on a logical clock, where GPipe's
-bubble is exactly (p - 1) / (m + p - 1).
+bubble is exactly (p - 1) / (m + p - 1). A wrong order is refused on every stage before any
+message moves, saying why: an action missing or listed twice, a B before its F, or orders that
+would wait for each other forever.
 
 Then try 1F1B: stage s runs min(m, p - s) forwards, then one backward and one forward in turn.
 Does the replay's bubble change? What does `peak_held` say? (Answer: miniddp/pipeline/schedules.py.)
