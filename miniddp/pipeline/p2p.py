@@ -10,14 +10,20 @@ process group. Two rules keep it from deadlocking, on gloo and on NCCL alike:
     one by one, stage s's send of an activation and stage s+1's send of a gradient could each
     wait for the other's receive forever (torch's Schedule1F1B fuses the same pairs).
 
-Waiting goes through `miniddp.faults.wait_for`, the seam that names a dead or silent peer, in
-one respect differently from a collective's wait. gloo's send/recv `Work` has no future
-(`get_future()` raises "not implemented"), and a timed `wait()` on a gloo receive does not merely
-time out, it fails the receive ("Timed out waiting 100ms for recv operation"); so it cannot be
-polled while listening for other ranks' fault flags. The stage blocks in `work.wait()` instead
-(in C++, the GIL released: as cheap as torch's own wait), and hands the outcome to `wait_for` as
-a settled future: counted if it arrived, diagnosed (which rank is missing, and why) if not. A
-dead peer shows at once, as its connection closes; a silent one after the group's timeout.
+A failed transfer goes through `miniddp.faults.wait_for`, the seam that names a dead or silent
+peer, but a transfer is not waited for there the way a collective is, for two reasons:
+
+    a timed `wait()` on a gloo receive does not merely time out, it fails the receive ("Timed
+    out waiting 100ms for recv operation"), so a receive cannot be polled while listening for
+    other ranks' fault flags; and gloo's send/recv `Work` has no future either;
+    wait_for counts the collectives each rank finished, and ranks compare those counts to
+    tell where each one is (and cleanup() to tell that all ran the same steps); stages run
+    different numbers of transfers (a middle stage twice an end stage's), so counting them
+    would set ranks apart that are in step.
+
+So the stage blocks in gloo's own `work.wait()` (in C++, the GIL released: as cheap as torch's
+wait), and only if it raises hands the error to `wait_for`, which says which rank is missing and
+why. A dead peer shows at once, as its connection closes; a silent one after the group's timeout.
 
 Shapes are not hard-coded: the first time a stage sends an activation it first sends a small
 header (dtype, rank, sizes), and its neighbour allocates its receive buffer from it (`Header`).
@@ -37,19 +43,8 @@ MAX_DIMS = 8  # the header has room for an activation of up to 8 dimensions
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32)
 
 
-def settled(wait: Callable[[], object]) -> torch.futures.Future:
-    """Run a blocking `wait()` and return a completed future: its result, or the error it
-    raised, for `wait_for` to count or to diagnose."""
-    future: torch.futures.Future = torch.futures.Future()
-    try:
-        wait()
-        future.set_result(None)
-    except RuntimeError as error:  # a peer's connection closed, or gloo's timeout passed
-        return failed(error)
-    return future
-
-
 def failed(error: Exception) -> torch.futures.Future:
+    """A future that failed with `error`: what `wait_for` diagnoses."""
     future: torch.futures.Future = torch.futures.Future()
     future.set_exception(error)
     return future
@@ -147,7 +142,7 @@ class Mailbox:
     def wait_receive(self, work: dist.Work, transfer: Transfer) -> torch.Tensor:
         """Block until `transfer` has arrived; the time spent here is the stage's idle time."""
         self.note("idle", "start")
-        wait_for(settled(work.wait), transfer.description, self.group)
+        self._wait(work, transfer.description)
         self.note("idle", "end")
         self.note("recv", transfer.what)
         return transfer.tensor
@@ -158,5 +153,11 @@ class Mailbox:
 
     def finish_sends(self) -> None:
         for work, transfer in self._sends_in_flight:
-            wait_for(settled(work.wait), transfer.description, self.group)
+            self._wait(work, transfer.description)
         self._sends_in_flight.clear()
+
+    def _wait(self, work: dist.Work, what: str) -> None:
+        try:
+            work.wait()  # in C++, without the GIL; gloo's own timeout applies
+        except RuntimeError as error:  # a peer's connection closed, or the timeout passed
+            wait_for(failed(error), what, self.group)  # raises, naming the missing peer
