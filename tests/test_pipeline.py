@@ -266,6 +266,26 @@ def test_the_recorded_order_is_the_schedules_and_replays_to_the_formula(rank_poo
         )
 
 
+def collectives_counted_in_a_step() -> int:
+    """How many collectives MiniDDP's fault seam counted on this rank during one 1F1B step."""
+    from miniddp.notes import board_of
+
+    rank, spec = dist.get_rank(), PipeSpec(widths=(6, 7, 5, 4, 3), n_microbatches=4)
+    stage = PipelineStage(build_model(spec)[rank], rank, spec.stages, "cpu")
+    schedule = Schedule1F1B(stage, spec.n_microbatches, mse)
+    x, y = batch(spec, 0)
+    before = board_of(None).finished
+    schedule.step(x) if rank == 0 else schedule.step(target=y) if rank == 3 else schedule.step()
+    return board_of(None).finished - before
+
+
+def test_transfers_are_not_counted_as_collectives(rank_pools):
+    """Ranks compare how many collectives each finished, to tell where the others are (and
+    cleanup() to tell that all ran the same steps). A middle stage runs twice the transfers of
+    an end stage, so only the step's check counts: the same on every stage."""
+    assert rank_pools(4).run(collectives_counted_in_a_step) == [2, 2, 2, 2]  # check, orders
+
+
 class _StageShape:
     """Just what `order()` reads from a schedule, to list orders without any process group."""
 

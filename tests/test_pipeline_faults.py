@@ -1,11 +1,8 @@
-"""A pipeline and MiniDDP's fault seam, on real processes (not the shared pool: one run kills a
-rank and leaves its group unusable, the other ends its group), with a short process-group
-timeout and a deadline on each run:
+"""A stage that dies mid-step is named by its neighbour, through miniddp.faults.wait_for: the
+transfer it waits on, and the rank that is missing, instead of gloo's bare "Connection closed".
 
-- a stage that dies mid-step is named by its neighbour, through miniddp.faults.wait_for: the
-  transfer it waits on, and the rank that is missing, instead of gloo's bare "Connection closed";
-- four stages, which run different numbers of transfers, still leave together through
-  cleanup(): transfers are not counted as collectives (miniddp/pipeline/p2p.py).
+Real processes (not the shared pool: this run kills a rank and leaves its group unusable), with
+a short process-group timeout and a deadline on the whole run.
 """
 
 from __future__ import annotations
@@ -44,27 +41,6 @@ def stage_that_may_die(rank: int, store_path: str, out_dir: str) -> None:
     os._exit(0)
 
 
-def four_stages_then_cleanup(rank: int, store_path: str, out_dir: str) -> None:
-    from miniddp.env import cleanup
-    from miniddp.pipeline import PipelineStage, Schedule1F1B
-
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, 4)
-    timeout = timedelta(seconds=10)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=4, timeout=timeout)
-    stage = PipelineStage(torch.nn.Linear(4, 4), rank, 4, "cpu")
-    schedule = Schedule1F1B(stage, 4, lambda output, target: (output - target).pow(2).mean())
-    x = torch.randn(8, 4)
-    for _ in range(2):
-        schedule.step(x) if rank == 0 else schedule.step(target=x) if rank == 3 else schedule.step()
-    try:
-        cleanup()
-        Path(out_dir, f"rank{rank}.txt").write_text("left together")
-    except Exception as error:
-        Path(out_dir, f"rank{rank}.txt").write_text(f"{type(error).__name__}: {error}")
-    os._exit(0)
-
-
 def run_processes(task, world_size: int, tmp_path: Path) -> list[str]:
     """Each rank's report, after all ended (or the deadline passed and they were killed)."""
     context = mp.start_processes(
@@ -82,10 +58,6 @@ def run_processes(task, world_size: int, tmp_path: Path) -> list[str]:
             process.kill()
     files = [tmp_path / f"rank{rank}.txt" for rank in range(world_size)]
     return [file.read_text() if file.exists() else "(no report)" for file in files]
-
-
-def test_four_stages_leave_together_through_cleanup(tmp_path: Path) -> None:
-    assert run_processes(four_stages_then_cleanup, 4, tmp_path) == ["left together"] * 4
 
 
 def test_a_stage_that_dies_is_named_by_the_stage_waiting_for_it(tmp_path: Path) -> None:
