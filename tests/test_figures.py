@@ -26,6 +26,7 @@ FIGURES = [
     "05_no_sync.png",
     "08_memory.png",
     "13_tensor_parallel.png",
+    "14_pipeline.png",
 ]
 # Drawn only with --only 12: chapter 12's 3-minute training run (its claims: test_train_gpt.py).
 ON_REQUEST = ["12_loss.png"]

@@ -12,6 +12,7 @@ Where the data comes from:
 - 00: one process trains the same model on one big batch and on micro-batches.
 - 05, 08, 13: chapter 05's no_sync timeline (2 gloo ranks), and two drawn from formulas and
   layouts: memory per rank per sharding stage, the tensor-parallel column/row split.
+- 14: a job of 4 gloo ranks runs GPipe and 1F1B on stages of fixed cost (figures/pipeline.py).
 - 12 (only when asked, `--only 12`: a 3-minute training run): chapter 12 under torchrun on 2
   ranks with `--plot`, its GPT's loss curves on MiniDDP and torch's DDP.
 """
@@ -26,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 from miniddp.bench.options import whole_number, writable_folder
-from miniddp.figures import draw, memory, no_sync, record, tensor_parallel
+from miniddp.figures import draw, memory, no_sync, pipeline, record, tensor_parallel
 
 REPO = Path(__file__).resolve().parents[2]
 CHAPTER_04 = REPO / "tutorials" / "04_overlap.py"
@@ -34,7 +35,7 @@ CHAPTER_04_TIMEOUT_S = 300
 CHAPTER_04_FIGURES = ("04_timelines.png", "04_sweep.png")
 CHAPTER_12 = REPO / "tutorials" / "12_train_gpt.py"
 CHAPTER_12_TIMEOUT_S = 900
-FIGURE_SETS = ("00", "01", "03", "04", "05", "08", "13")  # the default set
+FIGURE_SETS = ("00", "01", "03", "04", "05", "08", "13", "14")  # the default set
 ON_REQUEST = ("12",)  # a whole training run: only with --only 12
 
 
@@ -142,6 +143,10 @@ def main(argv: list[str] | None = None) -> None:
         written.append(run_chapter_12(args.out))
     if "13" in chosen:
         written.append(tensor_parallel.column_row_split(args.out / "13_tensor_parallel.png"))
+    if "14" in chosen:
+        with tempfile.TemporaryDirectory() as work_dir:
+            drawn = pipeline.run_pipeline_job(Path(work_dir))
+        written.append(pipeline.schedules(drawn, args.out / "14_pipeline.png"))
     for path in written:
         print(path)
 
