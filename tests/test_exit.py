@@ -60,12 +60,12 @@ from torch import nn
 import miniddp
 from miniddp import MiniDDP, init_distributed
 
-env = init_distributed(timeout=timedelta(seconds=2))
+env = init_distributed(timeout=timedelta(seconds=5))  # long enough for a loaded start-up
 model = MiniDDP(nn.Linear(4, 1))
 for _ in range(5):
     model(torch.randn(8, 4)).sum().backward()
 if env.rank == 0:
-    time.sleep(6)  # a final evaluation, a save: three timeouts long, and no collective
+    time.sleep(11)  # a final evaluation, a save: two timeouts long, and no collective
     print("rank 0 finished its work", flush=True)
 miniddp.cleanup()
 print(f"rank {env.rank} left", flush=True)
