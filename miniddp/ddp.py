@@ -1,7 +1,9 @@
 """MiniDDP, the top rung: torch's layout plus what real training needs, and clear errors.
 
-Rung 4 of `miniddp/steps/` plus no_sync, unused parameters, buffers, comm hooks,
-gradient_as_bucket_view, uneven inputs (Join) and static_graph; its whole life in one file:
+Rung 7 of `miniddp/steps/` (torch's layout, no_sync, unused parameters, comm hooks and
+gradient_as_bucket_view) plus what production needs: every rank checked to hold the same model,
+the named faults of one wait seam, uneven inputs (Join), static_graph and the events the
+timelines draw. Its whole life in one file:
 
     construct   check every rank has the same model, copy rank 0's weights to everyone,
                 lay gradients out in buckets, put a hook on every parameter
@@ -198,80 +200,6 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         self._comm_hook = (state, hook)
         self._divide_by = 1
 
-    def join(
-        self,
-        divide_by_initial_world_size: bool = True,
-        enable: bool = True,
-        throw_on_early_termination: bool = False,
-    ) -> Join:
-        """`with model.join(): for batch in my_batches: ...` trains on uneven inputs, as torch's
-        `DistributedDataParallel.join` does (the arguments are Join's: miniddp/join.py)."""
-        return Join(
-            [self],
-            enable,
-            throw_on_early_termination,
-            divide_by_initial_world_size=divide_by_initial_world_size,
-        )
-
-    def join_hook(self, **kwargs: Any) -> JoinHook:
-        """What this rank runs once it is out of batches while others train (Joinable)."""
-        self._divide_by_initial_world_size = kwargs.get("divide_by_initial_world_size", True)
-        return ShadowsTraining(self)
-
-    @property
-    def join_device(self) -> torch.device:
-        return self.params[0].device
-
-    @property
-    def join_process_group(self) -> Any:
-        return self.process_group
-
-    def _tell_join_this_rank_trains(self) -> None:
-        """At the start of each forward under a Join: count in the ranks still training (and
-        raise on every rank if one has joined and `throw_on_early_termination`), choose the
-        divisor, and say whether this forward's backward will sync. Outside a Join: nothing."""
-        if not self._join_config.enable:
-            return
-        still_training = Join.notify_join_context(self)  # an all-reduce of 1 (0 from joiners)
-        if self._comm_hook is None:  # (a comm hook averages; the bucket is not divided)
-            self._divide_by = self.world_size
-            if still_training is not None and not self._divide_by_initial_world_size:
-                still_training.wait()
-                self._divide_by = int(still_training.get_future().value()[0].item())
-        self._any_rank_syncs(torch.is_grad_enabled() and self._require_backward_grad_sync)
-
-    def _any_rank_syncs(self, this_rank_syncs: bool) -> bool:
-        """Join's second all-reduce per iteration: a joined rank shadows the backward's
-        collectives only if some rank still training syncs this iteration."""
-        flag = torch.tensor([int(this_rank_syncs)], device=self.join_device)
-        work = dist.all_reduce(flag, group=self.process_group, async_op=True)
-        self._wait(work, "all-reduce of whether any rank syncs its gradients (Join)")
-        return bool(flag.item())
-
-    def _sync_buffers(self, training: bool) -> None:
-        """After a synced forward (and with broadcast_buffers), copy every buffer from rank 0:
-        replicas compute with the same BatchNorm statistics. Under Join rank 0 may have joined
-        with stale ones, so they come from the highest rank still `training` (a joined rank
-        passes False)."""
-        if not (self.broadcast_buffers and self._require_forward_param_sync):
-            return
-        if not self._buffers_to_sync:
-            return
-        source = self._highest_rank_where(training) if self._join_config.enable else 0
-        broadcast_from_rank0(
-            self._buffers_to_sync, "buffers", self.process_group, self._wait, source
-        )
-
-    def _highest_rank_where(self, condition: bool) -> int:
-        """The highest rank in the group for which `condition` holds (on at least one rank)."""
-        rank = dist.get_rank(self.process_group) if condition else -1
-        highest = torch.tensor([rank], device=self.join_device)
-        work = dist.all_reduce(
-            highest, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True
-        )
-        self._wait(work, "all-reduce choosing the rank to copy from (Join)")
-        return int(highest.item())
-
     def _start_reducing(self) -> None:
         """The first sign of a synced backward: queue the wait for its end, and mark the
         parameters this forward's graph never reaches (their buckets must still fill)."""
@@ -413,6 +341,80 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         broadcast_from_rank0([order], "the ready order", self.process_group, self._wait)
         self._layout.rebuild(order.tolist())
         self._note("rebuild", f"{len(self._layout.buckets)} buckets")
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """`with model.join(): for batch in my_batches: ...` trains on uneven inputs, as torch's
+        `DistributedDataParallel.join` does (the arguments are Join's: miniddp/join.py)."""
+        return Join(
+            [self],
+            enable,
+            throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """What this rank runs once it is out of batches while others train (Joinable)."""
+        self._divide_by_initial_world_size = kwargs.get("divide_by_initial_world_size", True)
+        return ShadowsTraining(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.params[0].device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.process_group
+
+    def _tell_join_this_rank_trains(self) -> None:
+        """At the start of each forward under a Join: count in the ranks still training (and
+        raise on every rank if one has joined and `throw_on_early_termination`), choose the
+        divisor, and say whether this forward's backward will sync. Outside a Join: nothing."""
+        if not self._join_config.enable:
+            return
+        still_training = Join.notify_join_context(self)  # an all-reduce of 1 (0 from joiners)
+        if self._comm_hook is None:  # (a comm hook averages; the bucket is not divided)
+            self._divide_by = self.world_size
+            if still_training is not None and not self._divide_by_initial_world_size:
+                still_training.wait()
+                self._divide_by = int(still_training.get_future().value()[0].item())
+        self._any_rank_syncs(torch.is_grad_enabled() and self._require_backward_grad_sync)
+
+    def _any_rank_syncs(self, this_rank_syncs: bool) -> bool:
+        """Join's second all-reduce per iteration: a joined rank shadows the backward's
+        collectives only if some rank still training syncs this iteration."""
+        flag = torch.tensor([int(this_rank_syncs)], device=self.join_device)
+        work = dist.all_reduce(flag, group=self.process_group, async_op=True)
+        self._wait(work, "all-reduce of whether any rank syncs its gradients (Join)")
+        return bool(flag.item())
+
+    def _sync_buffers(self, training: bool) -> None:
+        """After a synced forward (and with broadcast_buffers), copy every buffer from rank 0:
+        replicas compute with the same BatchNorm statistics. Under Join rank 0 may have joined
+        with stale ones, so they come from the highest rank still `training` (a joined rank
+        passes False)."""
+        if not (self.broadcast_buffers and self._require_forward_param_sync):
+            return
+        if not self._buffers_to_sync:
+            return
+        source = self._highest_rank_where(training) if self._join_config.enable else 0
+        broadcast_from_rank0(
+            self._buffers_to_sync, "buffers", self.process_group, self._wait, source
+        )
+
+    def _highest_rank_where(self, condition: bool) -> int:
+        """The highest rank in the group for which `condition` holds (on at least one rank)."""
+        rank = dist.get_rank(self.process_group) if condition else -1
+        highest = torch.tensor([rank], device=self.join_device)
+        work = dist.all_reduce(
+            highest, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True
+        )
+        self._wait(work, "all-reduce choosing the rank to copy from (Join)")
+        return int(highest.item())
 
     @property
     def static_graph(self) -> bool:
