@@ -383,6 +383,7 @@ def main() -> None:
         "the checkpoint does not."
     )
     say(f"final-params-sha256: {final_sha}")
+    say("The picture: docs/figures/06_failover.png (the crash, the restart, the resume)")
     end_chapter()
 
 

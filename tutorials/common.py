@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 from itertools import pairwise
 from pathlib import Path
 
@@ -72,6 +73,19 @@ def say(*args) -> None:
     """print() on rank 0 only, so a message appears once rather than once per rank."""
     if _rank() == 0:
         print(*args, flush=True)
+
+
+def say_prose(text: str, width: int = 96) -> None:
+    """Say a dedented block with each paragraph refilled to `width`, after interpolation: an
+    f-string's numbers have any width, so lines filled by hand around them come out ragged.
+    Paragraphs are separated by blank lines; lines indented past the block's margin (tables,
+    pictures, commands) are kept as they are."""
+    for paragraph in textwrap.dedent(text).strip("\n").split("\n\n"):
+        lines = paragraph.splitlines()
+        if any(line.startswith(" ") for line in lines):
+            say(paragraph)
+        else:
+            say(textwrap.fill(" ".join(line.strip() for line in lines), width))
 
 
 def say_all_ranks(*args) -> None:

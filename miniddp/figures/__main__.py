@@ -10,6 +10,8 @@ Where the data comes from:
 - 04: chapter 04 itself, under torchrun on 2 ranks over its simulated link, with `--plot`: the
   ladder's timelines and the bucket-size sweep come from a real, timed run.
 - 00: one process trains the same model on one big batch and on micro-batches.
+- 02, 06: drawn from the rules they picture (DistributedSampler's shards; chapter 06's
+  checkpoint, crash and resume steps), no run needed.
 """
 
 from __future__ import annotations
@@ -22,13 +24,13 @@ import tempfile
 from pathlib import Path
 
 from miniddp.bench.options import whole_number, writable_folder
-from miniddp.figures import draw, memory, record
+from miniddp.figures import data_parallel, draw, failover, memory, record
 
 REPO = Path(__file__).resolve().parents[2]
 CHAPTER_04 = REPO / "tutorials" / "04_overlap.py"
 CHAPTER_04_TIMEOUT_S = 300
 CHAPTER_04_FIGURES = ("04_timelines.png", "04_sweep.png")
-FIGURE_SETS = ("00", "01", "03", "04", "08")
+FIGURE_SETS = ("00", "01", "02", "03", "04", "06", "08")
 
 
 def run_chapter_04(out: Path, iters: int) -> None:
@@ -99,6 +101,10 @@ def main(argv: list[str] | None = None) -> None:
         written.append(
             draw.accumulation(record.accumulation_losses(), args.out / "00_accumulation.png", title)
         )
+    if "02" in chosen:
+        written.append(data_parallel.data_parallel(args.out / "02_data_parallel.png"))
+    if "06" in chosen:
+        written.append(failover.failover(args.out / "06_failover.png"))
     if "08" in chosen:
         written.append(memory.memory_per_rank(args.out / "08_memory.png"))
     if "04" in chosen:
