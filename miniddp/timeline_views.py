@@ -155,8 +155,9 @@ def plot(steps: Sequence[StepTimeline], path: str | Path, title: str = "") -> Pa
 
 COMPUTE_COLORS = {"forward": "tab:blue", "backward": "tab:green", "wait": "tab:red"}
 # The least room between two labels of a communication lane, as a share of the time drawn: a
-# label is one to five characters at 7 points, about 2% of a 10-inch axis.
-LABEL_GAP = 0.035
+# label is one to five characters at 7 points, up to 3% of a 10-inch axis, and panels that
+# share an axis can be drawn on one up to twice as long as their own.
+LABEL_GAP = 0.06
 
 
 def legend_handles() -> list[Any]:
