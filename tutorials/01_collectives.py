@@ -30,7 +30,15 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from common import add_plot_option, end_chapter, fmt_bytes, say, say_all_ranks, section
+from common import (
+    add_plot_option,
+    end_chapter,
+    fmt_bytes,
+    say,
+    say_all_ranks,
+    say_prose,
+    section,
+)
 
 from miniddp import collectives
 from miniddp.collectives import Message
@@ -169,13 +177,11 @@ def section_counting(world_size: int) -> tuple[bool, dict]:
     section("4. Steps and bytes, counted")
     numel = -(-COUNTING_NUMEL // world_size) * world_size  # W equal ring chunks, at any W
     nbytes = numel * 4
-    say(
-        textwrap.dedent(f"""\
+    say_prose(f"""\
         Each algorithm once more on a {fmt_bytes(nbytes)} float32 tensor, W = {world_size}, with
         `collectives.traffic` counting every byte each rank sends. 'steps carry' is what
         `collectives.schedule` says the steps move one after another (the critical path: what
         the cost model charges beta for).""")
-    )
     say(
         f"\n  {'collective':<11} {'algorithm':<18} {'steps':>5} {'busiest rank sends':>19} "
         f"{'all ranks send':>15} {'steps carry':>12}"
@@ -210,8 +216,7 @@ def section_counting(world_size: int) -> tuple[bool, dict]:
     tree = busiest[("all_reduce", "reduce_broadcast")]
     doubling = busiest[("all_reduce", "recursive_doubling")]
     say()
-    say(
-        textwrap.dedent(f"""\
+    say_prose(f"""\
         The ring's busiest rank sends {fmt_bytes(ring)} = 2(W-1)/W x {fmt_bytes(nbytes)}: the least
         any all-reduce can send per rank when only the ranks add (Patarasuk and Yuan, 2009). Why,
         one element at a time: join two ranks by an edge whenever one sends the other a value of
@@ -227,7 +232,6 @@ def section_counting(world_size: int) -> tuple[bool, dict]:
         tensors.
         With W = 2 all three send the same n; recursive doubling then needs a single step, and the
         ring's only edge is that each rank adds up half the tensor instead of all of it.""")
-    )
     consistent &= ring == lower_bound
     return consistent, busiest
 
@@ -294,14 +298,12 @@ def section_cost_model(world_size: int, sizes: list[int]) -> collectives.CostMod
     section("6. The alpha-beta cost model, and a measured sweep")
     model = collectives.fit_cost_model()
     gigabytes_per_second = 1 / model.beta / 1e9 if model.beta else float("inf")
-    say(
-        textwrap.dedent(f"""\
+    say_prose(f"""\
         A message of n bytes takes about alpha + n * beta. Ranks 0 and 1 just timed ping-pongs
         of 8 B to 4 MiB (the quickest of 30 each): alpha = {model.alpha * 1e6:.0f} us per message,
         1/beta = {gigabytes_per_second:.2f} GB/s.
         An algorithm of S steps that carry B bytes in all takes S alpha + B beta
         (tree = reduce_broadcast, doubling = recursive_doubling):""")
-    )
     say(f"\n  {'size':>9}  {'W':>3}  {'tree':>9}  {'doubling':>9}  {'ring':>9}  fastest")
     for nbytes, w in itertools.product((4096, 2**20, 64 * 2**20), sorted({world_size, 8, 64})):
         predicted = {
@@ -310,13 +312,11 @@ def section_cost_model(world_size: int, sizes: list[int]) -> collectives.CostMod
         }
         times = "  ".join(f"{us(t):>9}" for t in predicted.values())
         say(f"  {fmt_bytes(nbytes):>9}  {w:>3}  {times}  {min(predicted, key=predicted.get)}")
-    say(
-        textwrap.dedent(f"""\
+    say_prose(f"""\
         Latency favours doubling (log2 W steps), bandwidth the ring (2(W-1)/W of the tensor per
         rank). Now measured: {SWEEP_ROUNDS} rounds per size, each running all five in a rotating
         order; medians of the slowest rank's time, the model's prediction below, auto's pick in
         brackets.""")
-    )
     names = ["gloo", *ALL_REDUCES, "auto"]
     say(f"\n  {'size':>9}  {'':8}  " + "  ".join(f"{name:>9}" for name in names))
     for nbytes in sizes:
@@ -377,12 +377,10 @@ def main() -> None:
     assert all(ring <= sent for key, sent in busiest.items() if key[0] == "all_reduce")
     assert model.alpha > 0 and model.beta > 0, model
     dist.barrier()
-    say(
-        textwrap.dedent(f"""\
+    say_prose(f"""\
         Verified on {world_size} ranks: every algorithm equals torch.distributed's result, the
         counted steps match the schedule, the ring sends the fewest bytes per rank, and async
         collectives finish in issue order.""")
-    )
     end_chapter()
 
 

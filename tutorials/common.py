@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 import textwrap
-from itertools import pairwise
+from itertools import groupby, pairwise
 from pathlib import Path
 
 import torch
@@ -76,16 +76,19 @@ def say(*args) -> None:
 
 
 def say_prose(text: str, width: int = 96) -> None:
-    """Say a dedented block with each paragraph refilled to `width`, after interpolation: an
+    """Say a dedented block with its prose refilled to `width`, after interpolation: an
     f-string's numbers have any width, so lines filled by hand around them come out ragged.
-    Paragraphs are separated by blank lines; lines indented past the block's margin (tables,
-    pictures, commands) are kept as they are."""
+    Paragraphs are separated by blank lines; lines indented past the block's margin (a table,
+    a quoted error, a command) are kept as they are, between the refilled runs of prose."""
+    paragraphs = []
     for paragraph in textwrap.dedent(text).strip("\n").split("\n\n"):
-        lines = paragraph.splitlines()
-        if any(line.startswith(" ") for line in lines):
-            say(paragraph)
-        else:
-            say(textwrap.fill(" ".join(line.strip() for line in lines), width))
+        runs = groupby(paragraph.splitlines(), key=lambda line: line.startswith(" "))
+        kept = [
+            "\n".join(lines) if indented else textwrap.fill(" ".join(lines), width)
+            for indented, lines in runs
+        ]
+        paragraphs.append("\n".join(kept))
+    say("\n\n".join(paragraphs))
 
 
 def say_all_ranks(*args) -> None:
