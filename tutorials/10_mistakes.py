@@ -232,11 +232,11 @@ def main() -> None:
     assert mistake > 1e-3 and fix == 0
 
     dist.barrier()  # every rank has passed its own checks
-    say(
-        f"\nVerified on {world_size} ranks: each of the six mistakes shows its symptom (replicas "
-        f"apart, gradients x{K}, {K}x the all-reduces, a silent step, buckets mixed up) and each "
-        "fix removes it."
-    )
+    say()
+    say_prose(f"""\
+        Verified on {world_size} ranks: each of the six mistakes shows its symptom (replicas
+        apart, gradients x{K}, {K}x the all-reduces, a silent step, buckets mixed up) and each
+        fix removes it.""")
     end_chapter()
 
 
