@@ -78,7 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--out", type=writable_folder, required=True, help="folder for the PNGs (made if missing)"
     )
-    parser.add_argument("--only", type=figure_sets, default=",".join(FIGURE_SETS), help="e.g. 01,03")
+    parser.add_argument(
+        "--only", type=figure_sets, default=",".join(FIGURE_SETS), help="e.g. 01,03"
+    )
     parser.add_argument(
         "--iters", type=whole_number(at_least=1), default=6, help="chapter 04's timed iterations"
     )
