@@ -24,8 +24,10 @@ FIGURES = [
     "03_buckets.png",
     "04_timelines.png",
     "04_sweep.png",
+    "05_no_sync.png",
     "06_failover.png",
     "08_memory.png",
+    "13_tensor_parallel.png",
 ]
 TIMEOUT_SECONDS = 300
 

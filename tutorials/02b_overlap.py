@@ -1,7 +1,7 @@
 """Chapter 02b: rung 2 of the ladder, overlap: each gradient's all-reduce starts the moment
 backward has produced it.
 
-    torchrun --nproc_per_node=2 tutorials/02b_overlap.py
+    torchrun --nproc_per_node=2 tutorials/02b_overlap.py [--diff]
 
 Chapter 02's NaiveDDP (rung 1) waited for the whole backward, then sent one blocking all-reduce
 per gradient. Yet backward makes the gradients one at a time, last layer first, and the network
@@ -9,7 +9,8 @@ has nothing to do until the last one exists. OverlapDDP (rung 2, miniddp/steps/o
 a hook on every parameter that launches that gradient's all-reduce without waiting for it, so
 the sums travel while backward computes the earlier layers. This chapter:
 
-1. prints what rung 2 changes in rung 1's file (`python -m miniddp.steps diff 1 2`);
+1. prints the code rung 2 changes in rung 1's file (`python -m miniddp.steps diff --code 1 2`;
+   `--diff` prints the whole diff);
 2. runs both rungs on the same model and data and draws their timelines: as many all-reduces
    as before, one per gradient, but now all but the last launched while backward still runs;
 3. checks rung 2's claim: the gradients of one process on the global batch, and with 2 ranks
@@ -18,11 +19,13 @@ the sums travel while backward computes the earlier layers. This chapter:
 
 from __future__ import annotations
 
+import argparse
 import textwrap
 
 import torch.distributed as dist
 from common import (
     LADDER_TOLERANCE,
+    add_diff_option,
     check_claims,
     end_chapter,
     ladder_model,
@@ -44,13 +47,16 @@ BATCH = 16  # samples per rank per step
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description="Chapter 02b: rung 2, overlap.")
+    add_diff_option(parser)
+    args = parser.parse_args()
     env = init_distributed()
     world_size = env.world_size
     batches = step_batches(STEPS, BATCH, world_size, env.rank)
     say(f"Chapter 02b: overlap on {world_size} ranks, backend {env.backend}, {env.device}")
 
     section("1. What rung 2 adds to rung 1")
-    say_rung_diff(1, 2)
+    say_rung_diff(1, 2, whole=args.diff)
     say(
         textwrap.dedent("""\
         The all-reduce moves from the end (finish_gradient_synchronization) into a hook that

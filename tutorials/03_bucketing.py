@@ -1,7 +1,7 @@
 """Chapter 03: rung 3 of the ladder, buckets: gradients travel together in a few flat tensors,
 launched in a fixed order.
 
-    torchrun --nproc_per_node=2 tutorials/03_bucketing.py [--bucket-cap-mb 0.004]
+    torchrun --nproc_per_node=2 tutorials/03_bucketing.py [--bucket-cap-mb 0.004] [--diff]
 
 Rung 2 (chapter 02b) sent one all-reduce per gradient tensor the moment it was ready. Two things
 are wrong with that. Every message pays a fixed cost (a round trip, a kernel launch), so P small
@@ -11,7 +11,8 @@ across ranks. BucketedDDP (rung 3, miniddp/steps/buckets.py) packs the gradients
 buckets of about `bucket_cap_mb` MiB and launches each bucket, whole, in a fixed order. This
 chapter:
 
-1. prints what rung 3 changes in rung 2's file (`python -m miniddp.steps diff 2 3`);
+1. prints the code rung 3 changes in rung 2's file (`python -m miniddp.steps diff --code 2 3`;
+   `--diff` prints the whole diff);
 2. prints the layout: which gradients share a bucket, and why there;
 3. runs both rungs and draws their timelines: all-reduces per step drop from P to the number of
    buckets, and all but the last bucket still leave while backward runs;
@@ -26,6 +27,7 @@ import textwrap
 import torch.distributed as dist
 from common import (
     LADDER_TOLERANCE,
+    add_diff_option,
     check_claims,
     end_chapter,
     ladder_model,
@@ -55,6 +57,7 @@ def main() -> None:
         default=0.004,
         help="bucket size cap in MiB (default 0.004, about 4 KiB: this toy's 13.6 KiB in 4)",
     )
+    add_diff_option(parser)
     args = parser.parse_args()
     env = init_distributed()
     world_size = env.world_size
@@ -62,7 +65,7 @@ def main() -> None:
     say(f"Chapter 03: buckets on {world_size} ranks, backend {env.backend}, {env.device}")
 
     section("1. What rung 3 adds to rung 2")
-    say_rung_diff(2, 3)
+    say_rung_diff(2, 3, whole=args.diff)
     say(
         textwrap.dedent("""\
         A hook no longer sends its gradient: it copies it, scaled by 1/W, into its slice of a

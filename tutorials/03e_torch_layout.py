@@ -1,7 +1,7 @@
 """Chapter 03e: rung 4 of the ladder, torch's layout: one bucket at first, then buckets in the
 order gradients really came.
 
-    torchrun --nproc_per_node=2 tutorials/03e_torch_layout.py [--bucket-cap-mb 0.5]
+    torchrun --nproc_per_node=2 tutorials/03e_torch_layout.py [--bucket-cap-mb 0.5] [--diff]
     ./launch.sh                                   (runs this chapter by default)
 
 Rung 3 (chapter 03) laid its buckets out once, at construction, on a guess: gradients arrive in
@@ -25,6 +25,7 @@ import textwrap
 import torch
 import torch.distributed as dist
 from common import (
+    add_diff_option,
     compare_gradients,
     end_chapter,
     fmt_bytes,
@@ -85,6 +86,7 @@ def main() -> None:
         default=None,
         help="bucket size cap in MiB for every bucket (default: torch's, 1 MiB first, then 25)",
     )
+    add_diff_option(parser)
     args = parser.parse_args()
     env = init_distributed()
     world_size = env.world_size
@@ -92,7 +94,7 @@ def main() -> None:
     say(f"Chapter 03e: torch's layout on {world_size} ranks, backend {env.backend}, {env.device}")
 
     section("1. What rung 4 adds to rung 3")
-    say_rung_diff(3, 4)
+    say_rung_diff(3, 4, whole=args.diff)
 
     section("2. At construction: one bucket for everything")
     model = TorchLayoutDDP(build_model(), bucket_cap_mb=args.bucket_cap_mb)

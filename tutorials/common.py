@@ -136,10 +136,21 @@ def add_plot_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", type=Path, metavar="DIR", help="save this run's figures here")
 
 
-def say_rung_diff(before: int, after: int) -> None:
-    """What rung `after` adds to rung `before`: `python -m miniddp.steps diff before after`."""
+def add_diff_option(parser: argparse.ArgumentParser) -> None:
+    """--diff: print the rung's whole diff, its docstring's story included, not just its code."""
+    parser.add_argument(
+        "--diff", action="store_true", help="print the whole diff, not only the code hunks"
+    )
+
+
+def say_rung_diff(before: int, after: int, whole: bool = False) -> None:
+    """What rung `after` adds to rung `before`: its code hunks, the prose being the chapter's
+    (`python -m miniddp.steps diff --code before after`); with `whole`, the whole diff."""
     say(f"Rung {after}, {label(after)}: {idea(after).split(': ', 1)[-1]}")
-    say(f"\n$ python -m miniddp.steps diff {before} {after}\n{diff(before, after)}")
+    command = f"python -m miniddp.steps diff {'' if whole else '--code '}{before} {after}"
+    shown = diff(before, after, code_only=not whole)
+    note = "" if whole else "\n(only the hunks that change code: --diff prints the whole diff)"
+    say(f"\n$ {command}\n{shown}{note}")
 
 
 def ladder_model() -> nn.Sequential:

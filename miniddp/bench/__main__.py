@@ -16,6 +16,7 @@ COMMANDS = {
     "step": "a training step: MiniDDP's variants against torch's DDP, with overlap",
     "sharding": "memory, traffic and step time of DDP and ZeRO-1/2/3, against torch's",
     "soak": "a 25M-parameter model for minutes beside a CPU hog: false alarms, bits, memory",
+    "tp": "a tensor-parallel step: miniddp.tensor_parallel against torch's DTensor TP",
 }
 RANKS = {"sharding": 4}  # groups of 1, 2 and 4 ranks in one run
 

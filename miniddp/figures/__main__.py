@@ -24,13 +24,13 @@ import tempfile
 from pathlib import Path
 
 from miniddp.bench.options import whole_number, writable_folder
-from miniddp.figures import data_parallel, draw, failover, memory, record
+from miniddp.figures import data_parallel, draw, failover, memory, no_sync, record, tensor_parallel
 
 REPO = Path(__file__).resolve().parents[2]
 CHAPTER_04 = REPO / "tutorials" / "04_overlap.py"
 CHAPTER_04_TIMEOUT_S = 300
 CHAPTER_04_FIGURES = ("04_timelines.png", "04_sweep.png")
-FIGURE_SETS = ("00", "01", "02", "03", "04", "06", "08")
+FIGURE_SETS = ("00", "01", "02", "03", "04", "05", "06", "08", "13")
 
 
 def run_chapter_04(out: Path, iters: int) -> None:
@@ -107,11 +107,18 @@ def main(argv: list[str] | None = None) -> None:
         written.append(data_parallel.data_parallel(args.out / "02_data_parallel.png"))
     if "06" in chosen:
         written.append(failover.failover(args.out / "06_failover.png"))
+    if "05" in chosen:
+        with tempfile.TemporaryDirectory() as work_dir:
+            written.append(
+                no_sync.draw(no_sync.record(Path(work_dir)), args.out / "05_no_sync.png")
+            )
     if "08" in chosen:
         written.append(memory.memory_per_rank(args.out / "08_memory.png"))
     if "04" in chosen:
         run_chapter_04(args.out, args.iters)
         written += [args.out / name for name in CHAPTER_04_FIGURES]
+    if "13" in chosen:
+        written.append(tensor_parallel.column_row_split(args.out / "13_tensor_parallel.png"))
     for path in written:
         print(path)
 
