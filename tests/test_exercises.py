@@ -6,7 +6,9 @@ the command a learner runs on a stub fails, readably: the learner's own error fi
 
 One fixed spec (FIXED_SPEC), two ranks: the rungs' random examples are
 tests/test_ddp_equivalence.py's job; this file only proves that the stubs are where the
-learner starts and the rungs are where the learner can arrive.
+learner starts and the rungs are where the learner can arrive. The same for the two exercises
+that are not rungs, each held to its reference's checks: the ring all-reduce (`--ring`,
+tests/test_collectives.py) and ZeRO-1 (`--zero1`, tests/test_sharding.py).
 """
 
 from __future__ import annotations
