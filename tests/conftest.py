@@ -39,20 +39,48 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "all-reduce per bucket), torch-layout (torch's buckets, bitwise torch's DDP at any W), "
         "no-sync, batchnorm, mixed-dtypes",
     )
+    group.addoption(
+        "--ring",
+        metavar="FILE.py:FUNCTION",
+        help="run tests/test_collectives.py's checks on your own ring all-reduce, "
+        "FUNCTION(peers, flat, op), as miniddp/collectives/ring.py's all_reduce",
+    )
+    group.addoption(
+        "--zero1",
+        metavar="FILE.py:CLASS",
+        help="run tests/test_sharding.py's checks on your own ZeRO-1 optimizer, "
+        "CLASS(params, optimizer_class, **defaults), against torch's ZeroRedundancyOptimizer",
+    )
+
+
+# Each option naming a learner's code, and the fixture of the tests that check it.
+YOUR_CODE = {"--ddp": "your_ddp", "--ring": "your_ring", "--zero1": "your_zero1"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """With --ddp, run only the checks of your class; without it, skip them."""
-    wanted = bool(config.getoption("--ddp"))
-    keep = [item for item in items if ("your_ddp" in item.fixturenames) == wanted]
+    """With --ddp, --ring or --zero1, run only the checks of your code; without, skip them."""
+    given = {fixture for option, fixture in YOUR_CODE.items() if config.getoption(option)}
+
+    def wanted(item: pytest.Item) -> bool:
+        checks = set(YOUR_CODE.values()) & set(item.fixturenames)
+        return bool(checks & given) if given else not checks
+
+    keep = [item for item in items if wanted(item)]
     if len(keep) != len(items):
         config.hook.pytest_deselected(items=[item for item in items if item not in keep])
         items[:] = keep
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Check --ddp and --ddp-claims before anything starts: a wrong file, class or signature
-    is named at once, not after the rank pool started, once per rank."""
+    """Check --ddp and --ddp-claims (and --ring, --zero1) before anything starts: a wrong file,
+    class or signature is named at once, not after the rank pool started, once per rank."""
+    if config.getoption("--ring") or config.getoption("--zero1"):
+        from tests.harness.your_code import ring_option, zero1_option
+
+        if config.getoption("--ring"):
+            config.your_ring = ring_option(config.getoption("--ring"))
+        if config.getoption("--zero1"):
+            config.your_zero1 = zero1_option(config.getoption("--zero1"))
     if not config.getoption("--ddp"):
         return
     from miniddp.steps import CLAIMS
@@ -76,22 +104,36 @@ def your_ddp(request: pytest.FixtureRequest) -> tuple[str, frozenset[str]]:
     return request.config.your_ddp_class, request.config.your_ddp_claims
 
 
+@pytest.fixture(scope="session")
+def your_ring(request: pytest.FixtureRequest) -> str:
+    """The function given with --ring, as "/absolute/path/to/file.py:FUNCTION"."""
+    return request.config.your_ring
+
+
+@pytest.fixture(scope="session")
+def your_zero1(request: pytest.FixtureRequest) -> str:
+    """The class given with --zero1, as "/absolute/path/to/file.py:CLASS"."""
+    return request.config.your_zero1
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
-    """A learner's class that raised on the ranks: show its own error, with its file:line,
+    """A learner's code that raised on the ranks: show its own error, with its file:line,
     first and once (`--tb=long` shows the harness's frames and every rank's traceback)."""
     report = yield
-    wanted = "your_ddp" in getattr(item, "fixturenames", ())
-    if not (report.failed and call.excinfo and wanted and item.config.option.tbstyle == "auto"):
+    checks = [f for f in YOUR_CODE.values() if f in getattr(item, "fixturenames", ())]
+    if not (report.failed and call.excinfo and checks and item.config.option.tbstyle == "auto"):
         return report
     from tests.harness.pool import RankError
     from tests.harness.your_ddp import your_error_first
 
     if isinstance(call.excinfo.value, RankError):
-        path = Path(item.config.your_ddp_class.rpartition(":")[0])
+        given = {"your_ddp": "your_ddp_class"}.get(checks[0], checks[0])
+        path = Path(getattr(item.config, given).rpartition(":")[0])
         short = your_error_first(call.excinfo.value.failures, path)
         if short is not None:
-            report.longrepr = f"your DDP raised:\n{short}\n\n(--tb=long shows every frame)"
+            what = {"your_ddp": "DDP", "your_ring": "ring", "your_zero1": "ZeRO-1"}[checks[0]]
+            report.longrepr = f"your {what} raised:\n{short}\n\n(--tb=long shows every frame)"
     return report
 
 

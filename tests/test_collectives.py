@@ -47,6 +47,7 @@ from tests.collective_tasks import (
 from tests.harness.measurements import record_max
 from tests.harness.processes import child_env, run_in_own_session, tail
 from tests.harness.properties import property_settings
+from tests.harness.your_code import count_ring, run_ring
 
 WORLD_SIZES = [2, 3, 4]
 FLOAT_OPS = ["SUM", "AVG", "PRODUCT", "MAX", "MIN"]
@@ -478,3 +479,78 @@ def test_cost_model_charges_latency_per_step_and_bytes_on_the_critical_path():
     model = collectives.CostModel(alpha=0.0, beta=1.0)
     assert model.predict("all_reduce", "ring", 8000, 8) == 2 * 7 * 1000
     assert model.predict("all_reduce", "reduce_broadcast", 8000, 8) == 6 * 8000
+
+
+# Your own ring, with `--ring FILE.py:FUNCTION` (tutorials/exercises/ring.py): the checks above,
+# on your function. Without --ring these are skipped; with it, only these run.
+
+
+def check_ring_values(rank_pools, where: str, world_size: int, case: Case) -> None:
+    """A ring's result: the same bits on every rank, torch.distributed's within rounding."""
+    results = rank_pools(world_size).run(run_ring, case, where, timeout=60)
+    inputs = all_inputs(case, world_size)
+    for rank, result in enumerate(results):
+        label = f"rank {rank}, your ring ({case.numel} {case.dtype}, {case.op})"
+        assert torch.equal(result["yours"], results[0]["yours"]), (
+            f"{label}: holds other bits than rank 0; an all-reduce leaves every rank the same "
+            "result (each chunk is reduced once, on one rank, then copied round the ring)"
+        )
+        assert_close_to_torch(result["yours"], result["torch"], inputs, case.op, label)
+
+
+def check_ring_promise(rank_pools, where: str, world_size: int) -> None:
+    """A ring's messages: each to the right neighbour, each one of W chunks, 2(W-1) of them
+    per rank, and each rank sending 2(W-1)/W of the tensor (the lower bound) when W divides it.
+    Over all ranks, every element travels 2(W-1) times whatever the length."""
+    pool = rank_pools(world_size)
+    for numel in (1, 12 * world_size, 12 * world_size + 1):
+        n, chunk = 4 * numel, 4 * math.ceil(numel / world_size)
+        counts = pool.run(count_ring, where, numel, timeout=60)
+        for rank, count in enumerate(counts):
+            assert torch.equal(count["result"], torch.full((numel,), float(world_size))), (
+                f"rank {rank}: a SUM of ones over {world_size} ranks is not {world_size} everywhere"
+            )
+            for _, src, dst, nbytes in count["messages"]:
+                assert dst == (src + 1) % world_size, (
+                    f"rank {src} sent to rank {dst}: in a ring each rank sends only to its right "
+                    f"neighbour, rank {(src + 1) % world_size} (the idea of the ring)"
+                )
+                assert nbytes <= chunk, (
+                    f"rank {src} sent {nbytes} bytes of a {n}-byte tensor at once: a ring's "
+                    f"message is one of W = {world_size} chunks, at most {chunk} bytes"
+                )
+            if numel >= world_size:
+                assert count["messages_sent"] == 2 * (world_size - 1), (
+                    f"rank {rank} sent {count['messages_sent']} messages; a ring all-reduce "
+                    f"takes 2(W-1) = {2 * (world_size - 1)} steps of one message each"
+                )
+            if numel % world_size == 0:
+                promise = 2 * (world_size - 1) * n // world_size
+                assert count["bytes_sent"] == count["bytes_received"] == promise, (
+                    f"rank {rank} sent {count['bytes_sent']} and received "
+                    f"{count['bytes_received']} bytes of a {n}-byte tensor; the ring's promise "
+                    f"is 2(W-1)/W n = {promise} each way, the least any all-reduce can"
+                )
+        total = sum(count["bytes_sent"] for count in counts)
+        assert total == 2 * (world_size - 1) * n, (
+            f"{total} bytes sent over all ranks for {numel} floats; in a ring every element "
+            f"travels 2(W-1) times: {2 * (world_size - 1) * n}"
+        )
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_your_ring_on_one_fixed_example(rank_pools, your_ring, world_size):
+    case = Case("all_reduce", numel=10, dtype="float32", op="SUM", seed=1)
+    check_ring_values(rank_pools, your_ring, world_size, case)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_your_ring_keeps_the_rings_promise(rank_pools, your_ring, world_size):
+    check_ring_promise(rank_pools, your_ring, world_size)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@property_settings(max_examples=30)
+@given(data=st.data())
+def test_your_ring_matches_torch(rank_pools, your_ring, world_size, data):
+    check_ring_values(rank_pools, your_ring, world_size, data.draw(cases("all_reduce", world_size)))

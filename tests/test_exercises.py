@@ -6,7 +6,9 @@ the command a learner runs on a stub fails, readably: the learner's own error fi
 
 One fixed spec (FIXED_SPEC), two ranks: the rungs' random examples are
 tests/test_ddp_equivalence.py's job; this file only proves that the stubs are where the
-learner starts and the rungs are where the learner can arrive.
+learner starts and the rungs are where the learner can arrive. The same for the two exercises
+that are not rungs, each held to its reference's checks: the ring all-reduce (`--ring`,
+tests/test_collectives.py) and ZeRO-1 (`--zero1`, tests/test_sharding.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from miniddp.steps import BucketedDDP, NaiveDDP, OverlapDDP, TorchLayoutDDP
+from tests.collective_tasks import Case
 from tests.harness.equivalence import FIXED_SPEC, check_claims
 from tests.harness.idea_checks import (
     check_buckets,
@@ -28,7 +31,11 @@ from tests.harness.idea_checks import (
 )
 from tests.harness.pool import RankError, RankFailure
 from tests.harness.processes import child_env, run_in_own_session, tail
+from tests.harness.your_code import ring_option, zero1_option
 from tests.harness.your_ddp import check_your_ddp, your_error_first
+from tests.sharding_tasks import ShardSpec
+from tests.test_collectives import check_ring_promise, check_ring_values
+from tests.test_sharding import check_zero1_class
 from tests.workloads import load_implementation
 
 REPO = Path(__file__).resolve().parents[1]
@@ -259,3 +266,76 @@ def test_the_no_sync_stub_fails_and_a_solution_passes_its_claims(rank_pools, tmp
     solved = f"{write_class(tmp_path, NO_SYNC_SOLVED)}:NoSyncDDP"
     check_claims(rank_pools, solved, 3, FIXED_SPEC, NO_SYNC_CLAIMS)  # torch's bits at W = 3
     check_no_sync(rank_pools, solved)
+
+
+# Exercises 6 and 7, checked where their references are: the ring by tests/test_collectives.py's
+# checks (`--ring`), ZeRO-1 by tests/test_sharding.py's against torch's (`--zero1`).
+RING_STUB = f"{EXERCISES / 'ring.py'}:all_reduce"
+ZERO1_STUB = f"{EXERCISES / 'zero1.py'}:ZeroRedundancyOptimizer"
+FIXED_RING = Case("all_reduce", numel=10, dtype="float32", op="SUM", seed=1)
+
+
+def test_the_ring_stub_fails_with_its_todo_and_the_reference_passes(rank_pools):
+    assert ring_option(RING_STUB) == RING_STUB  # its file and signature pass the up-front check
+    with pytest.raises(RankError, match="NotImplementedError: TODO exercise 6 "):
+        check_ring_values(rank_pools, RING_STUB, 2, FIXED_RING)
+    reference = "miniddp.collectives.ring:all_reduce"
+    check_ring_values(rank_pools, reference, 3, FIXED_RING)
+    check_ring_promise(rank_pools, reference, 3)
+
+
+def test_a_reduce_then_broadcast_fails_the_rings_promise_naming_it(rank_pools):
+    """Right numbers, no ring: the tree sends whole tensors, and at W = 3 rank 1 sends to 0."""
+    tree = "miniddp.collectives.tree:all_reduce"
+    check_ring_values(rank_pools, tree, 2, FIXED_RING)
+    with pytest.raises(AssertionError, match="a ring's message is one of W = 2 chunks"):
+        check_ring_promise(rank_pools, tree, 2)
+    with pytest.raises(AssertionError, match="only to its right neighbour"):
+        check_ring_promise(rank_pools, tree, 3)
+
+
+def test_the_zero1_stub_fails_with_its_todo_and_the_reference_passes(rank_pools):
+    assert zero1_option(ZERO1_STUB) == ZERO1_STUB
+    with pytest.raises(RankError, match="NotImplementedError: TODO exercise 7 "):
+        check_zero1_class(rank_pools, ZERO1_STUB, 2, ShardSpec(steps=2))
+    check_zero1_class(rank_pools, "miniddp.sharding:ZeroRedundancyOptimizer", 3, ShardSpec())
+
+
+EVERY_STATE_EVERYWHERE = """
+    from torch.optim import Optimizer
+
+    class Mine(Optimizer):
+        "Plain AdamW under ZeRO's name: torch's bits, and all of Adam's state on every rank."
+        def __init__(self, params, optimizer_class, **defaults):
+            params = list(params)
+            super().__init__(params, defaults)
+            self.optim = optimizer_class(params, **defaults)
+
+        def step(self, closure=None):
+            return self.optim.step(closure)
+"""
+
+
+def test_every_state_on_every_rank_fails_the_zero1_check_naming_the_idea(rank_pools, tmp_path):
+    path = write_class(tmp_path, EVERY_STATE_EVERYWHERE)
+    with pytest.raises(AssertionError, match="keeps and steps the state of its own share"):
+        check_zero1_class(rank_pools, f"{path}:Mine", 2, ShardSpec(steps=2))
+
+
+@pytest.mark.parametrize(
+    "check, source, name, problem",
+    [
+        (ring_option, "class all_reduce:\n    pass\n", "all_reduce", "the tests call a function"),
+        (ring_option, "def all_reduce(flat):\n    pass\n", "all_reduce", "(peers, flat, op)"),
+        (ring_option, "def ring(p, f, o):\n    pass\n", "all_reduce", "it defines: ring"),
+        (zero1_option, "def Z(params):\n    pass\n", "Z", "not a class"),
+        (zero1_option, "class Z:\n    def __init__(self, params):\n        pass\n", "Z", "cannot"),
+    ],
+    ids=["ring-class", "ring-signature", "ring-missing", "zero1-function", "zero1-signature"],
+)
+def test_a_bad_ring_or_zero1_option_is_refused_naming_the_problem(
+    tmp_path, check, source, name, problem
+):
+    path = write_class(tmp_path, source)
+    with pytest.raises(pytest.UsageError, match=re.escape(problem)):
+        check(f"{path}:{name}")

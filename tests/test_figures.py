@@ -20,10 +20,12 @@ REPO = Path(__file__).resolve().parents[1]
 FIGURES = [
     "00_accumulation.png",
     "01_messages.png",
+    "02_data_parallel.png",
     "03_buckets.png",
     "04_timelines.png",
     "04_sweep.png",
     "05_no_sync.png",
+    "06_failover.png",
     "08_memory.png",
     "13_tensor_parallel.png",
     "14_pipeline.png",
@@ -92,8 +94,8 @@ def test_an_out_where_no_file_can_be_made_is_refused(capsys: pytest.CaptureFixtu
     "argv, message",
     [
         (
-            ["--only", "01,02"],
-            "argument --only: unknown figure set '02'; choose from 00, 01, 03, 04",
+            ["--only", "01,99"],
+            "argument --only: unknown figure set '99'; choose from 00, 01, 02,",
         ),
         (["--iters", "0"], "argument --iters: 0 is too small; give a whole number >= 1"),
     ],

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from miniddp import ZeroRedundancyOptimizer, fully_shard
 from miniddp.sharding import Formula, partition, reduce_scatter_hook
 from tests import sharding_tasks
+from tests.harness import your_code
 from tests.harness.properties import property_settings
 from tests.sharding_tasks import ShardSpec
 
@@ -163,3 +164,37 @@ def test_memory_per_rank_matches_the_formulas(rank_pools):
             expected = Formula(stage, psi, owned_tensors, 3).expected(owned)
             assert memory[kind] == expected, kind
     assert sum(r["owned_elements"] for r in results) == psi
+
+
+# Your own ZeRO-1, with `--zero1 FILE.py:CLASS` (tutorials/exercises/zero1.py), against torch's
+# ZeroRedundancyOptimizer. Without --zero1 these are skipped; with it, only these run.
+
+
+def check_zero1_class(rank_pools, where: str, world_size: int, spec: ShardSpec) -> None:
+    """The parameters bit for bit torch's after every step, and each rank keeping Adam's
+    state for exactly its partition's parameters, torch's."""
+    results = rank_pools(world_size).run(your_code.zero1_against_torch, spec, where)
+    for rank, result in enumerate(results):
+        assert_bitwise(result["params"]["yours"], result["params"]["torch"], f"rank {rank}")
+        kept, torchs = result["kept"]["yours"], result["kept"]["torch"]
+        assert kept is not None, (
+            "your optimizer has no .optim: keep this rank's local optimizer there, as torch's "
+            "ZeroRedundancyOptimizer does, so that its state can be checked"
+        )
+        assert kept == torchs, (
+            f"rank {rank} keeps optimizer state for parameters {kept}; torch's "
+            f"ZeroRedundancyOptimizer keeps it for {torchs} only, this rank's partition. ZeRO-1's "
+            "idea: each rank keeps and steps the state of its own share, 1/W of it"
+        )
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_your_zero1_on_one_fixed_example(rank_pools, your_zero1, world_size):
+    check_zero1_class(rank_pools, your_zero1, world_size, ShardSpec(steps=3, groups=2))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@property_settings(max_examples=4)
+@given(spec=specs)
+def test_your_zero1_equals_torchs(rank_pools, your_zero1, world_size, spec):
+    check_zero1_class(rank_pools, your_zero1, world_size, spec)

@@ -17,7 +17,7 @@ import textwrap
 from collections.abc import Callable
 
 import torch
-from common import section
+from common import say_prose, section
 from torch import nn
 
 MICRO_BATCH_SIZE = 4
@@ -109,8 +109,7 @@ def main() -> None:
     )
     assert max_difference(undivided, k * reference) < TOLERANCE
     sgd_error, adam_error = k_times_gradient_step_errors(k)
-    print(
-        textwrap.dedent(f"""\
+    say_prose(f"""\
         That is k = {k}. With SGD the step is {k} times longer, as if the learning rate were {k}x:
         one SGD step from the same weights lands {sgd_error:.1e} away from the right one.
         Adam divides by the gradient's running RMS, so a k-times gradient barely moves its
@@ -118,7 +117,6 @@ def main() -> None:
         eps acts k times smaller, Adam's weight_decay (added to the gradient) k times weaker
         (AdamW's, applied to the weights, is untouched), and clip_grad_norm_ sees a k-times
         norm, so it clips as if max_norm were k times smaller.""")
-    )
     assert adam_error < 1e-3 * sgd_error
 
     section("Claim 3: with reduction='sum', do not divide")
@@ -147,11 +145,9 @@ def main() -> None:
     uneven = list(zip(inputs.split(sizes), targets.split(sizes), strict=True))
     naive = gradient(model, uneven, lambda out, y: mse_mean(out, y) / len(sizes))
     weighted = gradient(model, uneven, lambda out, y: mse_mean(out, y) * len(y) / batch_size)
-    print(
-        textwrap.dedent(f"""\
+    say_prose(f"""\
         sizes {sizes}: each mean loss / {len(sizes)} gives every micro-batch the same weight,
         so the 2 samples of the last one count as much as the 6 of the first.""")
-    )
     print(f"max |naive - big batch|    = {max_difference(naive, reference):.2e}  (wrong)")
     print(
         f"max |weighted - big batch| = {max_difference(weighted, reference):.2e}  "
@@ -162,13 +158,11 @@ def main() -> None:
     assert max_difference(weighted, reference) < TOLERANCE
 
     section("Looking ahead: data parallelism is the same sum")
-    print(
-        textwrap.dedent(f"""\
+    say_prose(f"""\
         Give each of W = {k} ranks one micro-batch instead of running them one after another.
         Each rank computes its mean-loss gradient; an all-reduce averages them over the ranks.
         That average is our division by k: (1/W) sum over ranks. Chapter 02 and MiniDDP do
         exactly this.""")
-    )
     per_rank = [gradient(model, [batch], mse_mean) for batch in micro_batches]
     averaged = torch.stack(per_rank).mean(dim=0)
     print(
@@ -182,8 +176,7 @@ def main() -> None:
         [gradient(model, [b], lambda out, y: mse_mean(out, y) * len(y) * scale) for b in uneven]
     ).mean(dim=0)
     naive_gap, weighted_gap = (max_difference(g, reference) for g in (naive_ranks, weighted_ranks))
-    print(
-        textwrap.dedent(f"""\
+    say_prose(f"""\
         The uneven-size caveat comes back with ranks. Give W = {k} ranks the micro-batches of
         sizes {sizes}: the all-reduce weighs each rank by 1/W, and the average misses the
         big-batch gradient by {naive_gap:.1e}. Scaling each rank's mean loss by W n_r / N
@@ -193,7 +186,6 @@ def main() -> None:
         those samples twice (drop_last=True drops the tail instead, and those samples are not
         seen that epoch). Where ranks count different numbers of tokens, sum the loss and divide
         by the all-reduced total.""")
-    )
 
     section("Final check")
     assert max_difference(averaged, reference) < TOLERANCE

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import statistics
 import textwrap
 import time
@@ -30,7 +31,15 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from common import add_plot_option, end_chapter, fmt_bytes, say, say_all_ranks, section
+from common import (
+    add_plot_option,
+    end_chapter,
+    fmt_bytes,
+    say,
+    say_all_ranks,
+    say_prose,
+    section,
+)
 
 from miniddp import collectives
 from miniddp.collectives import Message
@@ -101,6 +110,12 @@ def section_broadcast(rank: int, numel: int, world_size: int) -> bool:
         ceil(log2 W) steps.
         Same bytes per receiver, fewer steps: that is all a tree buys.""")
     )
+    if world_size < 4:
+        say(
+            f"With {world_size} ranks the tree has no second level and looks like naive: run "
+            "this chapter on 4\n(torchrun --nproc_per_node=4, or NPROC=4 ./launch.sh) to see "
+            "it branch."
+        )
     return verified
 
 
@@ -169,13 +184,11 @@ def section_counting(world_size: int) -> tuple[bool, dict]:
     section("4. Steps and bytes, counted")
     numel = -(-COUNTING_NUMEL // world_size) * world_size  # W equal ring chunks, at any W
     nbytes = numel * 4
-    say(
-        textwrap.dedent(f"""\
+    say_prose(f"""\
         Each algorithm once more on a {fmt_bytes(nbytes)} float32 tensor, W = {world_size}, with
         `collectives.traffic` counting every byte each rank sends. 'steps carry' is what
         `collectives.schedule` says the steps move one after another (the critical path: what
         the cost model charges beta for).""")
-    )
     say(
         f"\n  {'collective':<11} {'algorithm':<18} {'steps':>5} {'busiest rank sends':>19} "
         f"{'all ranks send':>15} {'steps carry':>12}"
@@ -210,8 +223,7 @@ def section_counting(world_size: int) -> tuple[bool, dict]:
     tree = busiest[("all_reduce", "reduce_broadcast")]
     doubling = busiest[("all_reduce", "recursive_doubling")]
     say()
-    say(
-        textwrap.dedent(f"""\
+    say_prose(f"""\
         The ring's busiest rank sends {fmt_bytes(ring)} = 2(W-1)/W x {fmt_bytes(nbytes)}: the least
         any all-reduce can send per rank when only the ranks add (Patarasuk and Yuan, 2009). Why,
         one element at a time: join two ranks by an edge whenever one sends the other a value of
@@ -227,7 +239,6 @@ def section_counting(world_size: int) -> tuple[bool, dict]:
         tensors.
         With W = 2 all three send the same n; recursive doubling then needs a single step, and the
         ring's only edge is that each rank adds up half the tensor instead of all of it.""")
-    )
     consistent &= ring == lower_bound
     return consistent, busiest
 
@@ -264,10 +275,12 @@ def section_async(rank: int) -> bool:
 
 # Our all-reduces, by the short names the tables use.
 ALL_REDUCES = {"tree": "reduce_broadcast", "doubling": "recursive_doubling", "ring": "ring"}
+ALL_REDUCES_BY_NAME = {algorithm: short for short, algorithm in ALL_REDUCES.items()}
 
 
-def time_interleaved(nbytes: int, rounds: int) -> dict[str, float]:
-    """Median seconds of each all-reduce, the slowest rank's, run in rotating order per round."""
+def time_interleaved(nbytes: int, rounds: int) -> dict[str, list[float]]:
+    """Seconds of each all-reduce per round, the slowest rank's, sorted; the all-reduces run in
+    rotating order in each round."""
     calls = {"gloo": lambda t: dist.all_reduce(t)}
     for short, algorithm in [*ALL_REDUCES.items(), ("auto", "auto")]:
         calls[short] = lambda t, a=algorithm: collectives.all_reduce(t, algorithm=a)
@@ -283,7 +296,7 @@ def time_interleaved(nbytes: int, rounds: int) -> dict[str, float]:
             calls[names[index]](tensor)
             times[index, round_index] = time.perf_counter() - start
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return {name: statistics.median(times[i].tolist()) for i, name in enumerate(names)}
+    return {name: sorted(times[i].tolist()) for i, name in enumerate(names)}
 
 
 def us(seconds: float) -> str:
@@ -294,14 +307,12 @@ def section_cost_model(world_size: int, sizes: list[int]) -> collectives.CostMod
     section("6. The alpha-beta cost model, and a measured sweep")
     model = collectives.fit_cost_model()
     gigabytes_per_second = 1 / model.beta / 1e9 if model.beta else float("inf")
-    say(
-        textwrap.dedent(f"""\
+    say_prose(f"""\
         A message of n bytes takes about alpha + n * beta. Ranks 0 and 1 just timed ping-pongs
         of 8 B to 4 MiB (the quickest of 30 each): alpha = {model.alpha * 1e6:.0f} us per message,
         1/beta = {gigabytes_per_second:.2f} GB/s.
         An algorithm of S steps that carry B bytes in all takes S alpha + B beta
         (tree = reduce_broadcast, doubling = recursive_doubling):""")
-    )
     say(f"\n  {'size':>9}  {'W':>3}  {'tree':>9}  {'doubling':>9}  {'ring':>9}  fastest")
     for nbytes, w in itertools.product((4096, 2**20, 64 * 2**20), sorted({world_size, 8, 64})):
         predicted = {
@@ -310,17 +321,17 @@ def section_cost_model(world_size: int, sizes: list[int]) -> collectives.CostMod
         }
         times = "  ".join(f"{us(t):>9}" for t in predicted.values())
         say(f"  {fmt_bytes(nbytes):>9}  {w:>3}  {times}  {min(predicted, key=predicted.get)}")
-    say(
-        textwrap.dedent(f"""\
+    say_prose(f"""\
         Latency favours doubling (log2 W steps), bandwidth the ring (2(W-1)/W of the tensor per
         rank). Now measured: {SWEEP_ROUNDS} rounds per size, each running all five in a rotating
         order; medians of the slowest rank's time, the model's prediction below, auto's pick in
         brackets.""")
-    )
     names = ["gloo", *ALL_REDUCES, "auto"]
     say(f"\n  {'size':>9}  {'':8}  " + "  ".join(f"{name:>9}" for name in names))
+    sweep = {}
     for nbytes in sizes:
-        measured = time_interleaved(nbytes, SWEEP_ROUNDS)
+        rounds = sweep[nbytes] = time_interleaved(nbytes, SWEEP_ROUNDS)
+        measured = {name: statistics.median(times) for name, times in rounds.items()}
         say(
             f"  {fmt_bytes(nbytes):>9}  measured  "
             + "  ".join(f"{us(measured[name]):>9}" for name in names)
@@ -331,16 +342,113 @@ def section_cost_model(world_size: int, sizes: list[int]) -> collectives.CostMod
             for algorithm in ALL_REDUCES.values()
         ]
         say(f"  {'':9}  {'model':8}  {'':9}  " + "  ".join(f"{p:>9}" for p in predicted))
-    say(
-        textwrap.dedent("""\
-        On a few shared CPU cores the model is rough: it leaves out the time spent adding, and
-        the ranks compete for the cores: a loopback 'link' is memory copies by the same CPUs. It
-        also leaves out our own Python, which gloo's C++ does not pay: on the 2-core machine
-        MiniDDP was written on, posting one message right after a barrier took 40-60 us of
-        interpreter time. `auto` picks by size from crossovers measured with
-        `python -m miniddp.bench collectives`, which times many more rounds.""")
-    )
+    explain_the_gaps(model, world_size, sweep)
     return model
+
+
+def ping_pongs(nbytes: int, repeats: int) -> list[float]:
+    """One-way seconds of `repeats` round trips of `nbytes` between ranks 0 and 1 through gloo's
+    own send and recv, as rank 0 timed them, sorted; every rank calls it."""
+    buffer = torch.zeros(nbytes // 4)
+    rank, one_way = dist.get_rank(), []
+    for _ in range(repeats + 1):  # the first warms up, uncounted
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(buffer, 1)
+            dist.recv(buffer, 1)
+        elif rank == 1:
+            dist.recv(buffer, 0)
+            dist.send(buffer, 0)
+        one_way.append((time.perf_counter() - start) / 2)
+    times = torch.tensor(one_way[1:], dtype=torch.float64)
+    dist.broadcast(times, 0)
+    return sorted(times.tolist())
+
+
+def explain_the_gaps(
+    model: collectives.CostModel, world_size: int, sweep: dict[int, dict[str, list[float]]]
+) -> None:
+    """Why the sweep is slower than the model at small sizes, and why auto's picks are neither
+    the model's nor this sweep's, with this run's numbers."""
+
+    def worst_modelled(nbytes: int) -> float:
+        return max(
+            model.predict("all_reduce", algorithm, nbytes, world_size)
+            for algorithm in ALL_REDUCES.values()
+        )
+
+    smallest, largest = min(sweep), max(sweep)
+    gloo = sweep[smallest]["gloo"]
+    auto = ALL_REDUCES_BY_NAME[collectives.choose_all_reduce_algorithm(smallest, world_size)]
+    trips = ping_pongs(smallest, 30)
+    auto_median = statistics.median(sweep[smallest]["auto"])
+    itself = statistics.median(sweep[smallest][auto])
+    ratio_small = statistics.median(gloo) / worst_modelled(smallest)
+    ratio_large = statistics.median(sweep[largest]["gloo"]) / worst_modelled(largest)
+    say()
+    say_prose(f"""\
+        Why the sweep is far above the model at small sizes ({fmt_bytes(smallest)}: gloo's median
+        {us(statistics.median(gloo))} against at most {us(worst_modelled(smallest))} modelled).
+        Two reasons, both measurable. First, noise: the model takes the quickest of 30
+        ping-pongs, the sweep the median of {SWEEP_ROUNDS} rounds, on a machine with
+        {os.getloadavg()[0]:.1f} runnable processes for {os.cpu_count()} cores, where a message
+        is received only once its process has a core again. gloo's quickest round took
+        {us(gloo[0])}, its median {us(statistics.median(gloo))}; and auto, which runs {auto} at
+        this size, measured {us(auto_median)} against {us(itself)} for {auto} itself in the same
+        rounds: one algorithm, {max(auto_median, itself) / min(auto_median, itself):.1f}x apart.
+        (30 more {fmt_bytes(smallest)} ping-pongs through gloo just now, one way: quickest
+        {us(trips[0])}, median {us(statistics.median(trips))}, slowest {us(trips[-1])}.)
+        Second, what the model leaves out even in the quickest round: each call starts after a
+        barrier whose release reaches the ranks at different moments, and the slowest rank's
+        time includes waiting for the other; gloo wakes threads of its own; ours add Python
+        (40-60 us to post a message) and the adding. These costs are fixed per step, so where
+        bytes dominate they matter less: gloo over the model is {ratio_small:.0f}x at
+        {fmt_bytes(smallest)} and {ratio_large:.0f}x at {fmt_bytes(largest)}.""")
+    say()
+    fastest = {
+        nbytes: min(ALL_REDUCES, key=lambda short: statistics.median(rounds[short]))
+        for nbytes, rounds in sweep.items()
+    }
+    picks = {
+        nbytes: ALL_REDUCES_BY_NAME[collectives.choose_all_reduce_algorithm(nbytes, world_size)]
+        for nbytes in sweep
+    }
+    modelled_best = {
+        nbytes: min(
+            ALL_REDUCES,
+            key=lambda s: model.predict("all_reduce", ALL_REDUCES[s], nbytes, world_size),
+        )
+        for nbytes in sweep
+    }
+    say(f"The fastest of ours at each size ({SWEEP_ROUNDS} rounds), and auto's pick:")
+    for n in sweep:
+        say(
+            f"  {fmt_bytes(n):>9}  model {modelled_best[n]:<9} measured {fastest[n]:<9} "
+            f"auto {picks[n]}"
+        )
+    with_model = sum(picks[n] == modelled_best[n] for n in sweep)
+    with_sweep = sum(picks[n] == fastest[n] for n in sweep)
+    if world_size == 2:
+        blind = (
+            "At W = 2 the model always picks doubling (one step of n bytes, against the tree's "
+            "two of n and the ring's two of n/2); it leaves out the adding, our own Python "
+            "(40-60 us to post a message there), and that doubling's one step has both ranks "
+            "send and add at once, on cores they share, while the tree's steps go one way at a "
+            "time."
+        )
+    else:
+        blind = (
+            "The model leaves out the adding, our own Python (40-60 us to post a message "
+            "there), and that a step needing every rank running at once is slow when the ranks "
+            "outnumber the cores."
+        )
+    say_prose(f"""\
+        `auto` agreed with the model at {with_model} of {len(sweep)} sizes and with this sweep
+        at {with_sweep}. It follows neither: it picks from AUTO_CHOICES
+        (miniddp/collectives/cost_model.py), crossovers measured once, over many rounds, with
+        `python -m miniddp.bench collectives` on the 2-core machine MiniDDP was written on.
+        {blind} And {SWEEP_ROUNDS} rounds on a busy machine are too few to rank algorithms that
+        are within noise of each other: measure yours with the bench.""")
 
 
 def main() -> None:
@@ -377,12 +485,10 @@ def main() -> None:
     assert all(ring <= sent for key, sent in busiest.items() if key[0] == "all_reduce")
     assert model.alpha > 0 and model.beta > 0, model
     dist.barrier()
-    say(
-        textwrap.dedent(f"""\
+    say_prose(f"""\
         Verified on {world_size} ranks: every algorithm equals torch.distributed's result, the
         counted steps match the schedule, the ring sends the fewest bytes per rank, and async
         collectives finish in issue order.""")
-    )
     end_chapter()
 
 

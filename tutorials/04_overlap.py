@@ -26,12 +26,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
-import textwrap
 import time
 
 import torch
 import torch.distributed as dist
-from common import add_link_option, add_plot_option, end_chapter, fmt_bytes, say, section
+from common import (
+    add_link_option,
+    add_plot_option,
+    end_chapter,
+    fmt_bytes,
+    say,
+    say_prose,
+    section,
+)
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -148,12 +155,6 @@ def last_to_start(steps: list[StepTimeline]) -> list[StepTimeline]:
         ):
             by_step[s.step] = s
     return list(by_step.values())
-
-
-def say_prose(text: str) -> None:
-    """A dedented block with its paragraphs refilled, so numbers of any width keep lines even."""
-    for paragraph in textwrap.dedent(text).strip().split("\n\n"):
-        say(textwrap.fill(paragraph, 96))
 
 
 def median_of(steps: list[StepTimeline], field: str) -> float:
@@ -289,6 +290,7 @@ def main() -> None:
             Verified on {env.world_size} ranks over {args.link}: every design averages to
             torch's gradients; buckets beat naive and deferred launch; the best bucket size (up
             to ties) is within 2x of the model's, and the overlap within 0.1 of it.""")
+    say("Pictures of such a run: docs/figures/04_timelines.png, docs/figures/04_sweep.png")
     dist.barrier()
     end_chapter()
 

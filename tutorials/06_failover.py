@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import end_chapter, make_dataset, say, say_all_ranks, section
+from common import end_chapter, make_dataset, say, say_all_ranks, say_prose, section
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -202,11 +202,10 @@ def compare_resumes(
     train(ddp, optimizer, data, Progress(0, 0, 0), steps, save_at_middle)
     uninterrupted = params_sha256(ddp.module)
     saved = read_checkpoint(path, map_location=env.device)
-    say(
-        f"Uninterrupted run in memory, checkpoint at step {middle} (epoch "
-        f"{saved['progress']['epoch']}, batch {saved['progress']['batches_done']} of "
-        f"{batches_per_epoch} done); then resumed from it to step {steps}:"
-    )
+    say_prose(f"""\
+        Uninterrupted run in memory, checkpoint at step {middle} (epoch
+        {saved["progress"]["epoch"]}, batch {saved["progress"]["batches_done"]} of
+        {batches_per_epoch} done); then resumed from it to step {steps}:""")
     variants = {
         "everything (load_checkpoint)": None,
         "model only, no optimizer state": {"position", "rng"},
@@ -291,11 +290,10 @@ def main() -> None:
         progress, resumed_from = loaded.progress, loaded.progress.step
         if progress.step > args.steps:
             raise ValueError(f"{path} is at step {progress.step}, past --steps {args.steps}.")
-        say(
-            f"Resumed from step {progress.step} (epoch {progress.epoch}, "
-            f"{progress.batches_done} of its {batches_per_epoch} batches done): model, "
-            f"optimizer and each rank's RNG states from {path}"
-        )
+        say_prose(f"""\
+            Resumed from step {progress.step} (epoch {progress.epoch}, {progress.batches_done}
+            of its {batches_per_epoch} batches done): model, optimizer and each rank's RNG
+            states from {path}""")
     else:
         say(f"No checkpoint in {directory}: starting at step 0.")
     marks["loaded"] = time.time()
@@ -304,16 +302,14 @@ def main() -> None:
             stale.unlink()  # notes from an earlier run
     crash_planned = args.crash_at_step is not None and env.restart_count == 0
     if crash_planned and args.crash_at_step <= progress.step:
-        say(
-            f"--crash-at-step {args.crash_at_step} is behind the checkpoint: no crash this time "
-            f"(delete {directory} to start over)."
-        )
+        say_prose(f"""\
+            --crash-at-step {args.crash_at_step} is behind the checkpoint: no crash this time
+            (delete {directory} to start over).""")
 
     section("2. Train, checkpointing every few steps")
-    say(
-        f"{args.steps} steps of {BATCH} samples per rank, {batches_per_epoch} per epoch; dropout, "
-        f"shuffled data, SGD with momentum; a checkpoint every {args.checkpoint_every} steps."
-    )
+    say_prose(f"""\
+        {args.steps} steps of {BATCH} samples per rank, {batches_per_epoch} per epoch; dropout,
+        shuffled data, SGD with momentum; a checkpoint every {args.checkpoint_every} steps.""")
 
     def after_step(done: Progress, loss: float) -> None:
         marks.setdefault("first_step", time.time())
@@ -377,11 +373,11 @@ def main() -> None:
     if env.world_size > 1:
         assert not identical["rank 0's RNG state on every rank"]
     dist.barrier()  # every rank has passed its own checks
-    say(
-        f"Verified on {env.world_size} ranks: this run (torchrun attempt {env.restart_count}, "
-        f"{history}) ends bit-identical to an uninterrupted run, and leaving any piece out of "
-        "the checkpoint does not."
-    )
+    say_prose(f"""\
+        Verified on {env.world_size} ranks: this run (torchrun attempt {env.restart_count},
+        {history}) ends bit-identical to an uninterrupted run, and leaving any piece out of the
+        checkpoint does not.""")
+    say("The picture: docs/figures/06_failover.png (the crash, the restart, the resume)")
     say(f"final-params-sha256: {final_sha}")
     end_chapter()
 

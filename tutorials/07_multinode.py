@@ -42,6 +42,7 @@ from common import (
     make_model,
     say,
     say_all_ranks,
+    say_prose,
     section,
 )
 from torch import nn
@@ -142,17 +143,17 @@ def explain_names(everyone: list[dict[str, object]]) -> None:
             "and to feel a slow link between them, add --link-rate 100mbit."
         )
     elif len(set(addresses.values())) == 1:
-        say(
-            f"\nThe nodes share one address, {addresses[0]}: this is the loopback emulation "
-            "(no network namespaces\nhere), so traffic between nodes is as fast as inside one."
-        )
+        say()
+        say_prose(f"""\
+            The nodes share one address, {addresses[0]}: this is the loopback emulation (no
+            network namespaces here), so traffic between nodes is as fast as inside one.""")
     else:
-        say(
-            "\nEach node talks from its own address. Processes on one node reach each other "
-            "inside it; the\npairs split across nodes cross the link between them, and gloo "
-            "connects every pair\n(a full mesh), so here "
-            f"{_cross_pairs(everyone)} of the {_pairs(len(everyone))} pairs cross that link."
-        )
+        say()
+        say_prose(f"""\
+            Each node talks from its own address. Processes on one node reach each other inside
+            it; the pairs split across nodes cross the link between them, and gloo connects
+            every pair (a full mesh), so here {_cross_pairs(everyone)} of the
+            {_pairs(len(everyone))} pairs cross that link.""")
 
 
 def _pairs(n: int) -> int:
@@ -261,16 +262,16 @@ def explain_bucket_caps(results: dict[str, Timed], link_rate: str) -> None:
     comm = median_ms(one, "comm_s")
     change = median_ms(small, "step_s") - median_ms(one, "step_s")
     link = f"this {link_rate} link" if link_rate else "this link"
-    say(
-        f"\nWith one bucket the whole all-reduce starts after backward: on {link} it takes "
-        f"{comm:.0f} ms,\nbackward {backward:.0f} ms, and the step pays both. Smaller buckets "
-        "start sending while backward still\ncomputes the earlier layers, so part of the "
-        f"communication hides behind it (here the step\nchanged by {change:+.0f} ms from one "
-        "bucket to the smallest cap). Overlap can hide at most backward's\nown duration: when "
-        "communication takes longer, the rest stays exposed whatever the bucket size,\nand "
-        "very small buckets add a fixed cost per message on top (chapter 04 measures that "
-        "trade-off on\none machine)."
-    )
+    say()
+    say_prose(f"""\
+        With one bucket the whole all-reduce starts after backward: on {link} it takes
+        {comm:.0f} ms, backward {backward:.0f} ms, and the step pays both. Smaller buckets start
+        sending while backward still computes the earlier layers, so part of the communication
+        hides behind it (here the step changed by {change:+.0f} ms from one bucket to the
+        smallest cap). Overlap can hide at most backward's own duration: when communication
+        takes longer, the rest stays exposed whatever the bucket size, and very small buckets
+        add a fixed cost per message on top (chapter 04 measures that trade-off on one
+        machine).""")
     if len(results["torch default"].model.buckets) == 1:
         say(
             "torch's default caps the first bucket at 1 MiB and every later one at 25 MiB: this "
@@ -339,10 +340,13 @@ def main() -> None:
         results = time_bucket_caps(env, args.hidden, args.batch)
     timed_model = results["one bucket"].model
     nbytes = sum(p.numel() * p.element_size() for p in timed_model.parameters())
+    say_prose(f"""\
+        A 6-layer MLP {args.hidden} wide: {fmt_bytes(nbytes)} of float32 gradients per step,
+        {args.batch} samples per rank.""")
     say(
-        f"A 6-layer MLP {args.hidden} wide: {fmt_bytes(nbytes)} of float32 gradients per "
-        f"step, {args.batch} samples per rank.\nThe link: "
-        + (f"capped at {link_rate}." if link_rate else "as fast as this machine moves bytes.")
+        f"The link: capped at {link_rate}."
+        if link_rate
+        else "The link: as fast as this machine moves bytes."
     )
     show_bucket_caps(results)
     explain_bucket_caps(results, link_rate)
@@ -360,11 +364,10 @@ def main() -> None:
     assert len(smallest.model.buckets) > 1 and launched_during_backward(smallest.steps)
     dist.barrier()
     nodes = len({row["GROUP_RANK"] for row in everyone})
-    say(
-        f"Verified on {env.world_size} ranks over {nodes} node(s): the ranks' names agree, "
-        f"every replica is identical after training ({len(BUCKET_CAPS) + 1} models), and "
-        "with small buckets all-reduces start while backward runs."
-    )
+    say_prose(f"""\
+        Verified on {env.world_size} ranks over {nodes} node(s): the ranks' names agree, every
+        replica is identical after training ({len(BUCKET_CAPS) + 1} models), and with small
+        buckets all-reduces start while backward runs.""")
     cleanup()
 
 

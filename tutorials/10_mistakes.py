@@ -25,7 +25,15 @@ import textwrap
 
 import torch
 import torch.distributed as dist
-from common import end_chapter, make_model, say, section, step_batches, train_steps
+from common import (
+    end_chapter,
+    make_model,
+    say,
+    say_prose,
+    section,
+    step_batches,
+    train_steps,
+)
 from mistakes import (
     correct_loop,
     hook_averages_weights,
@@ -170,11 +178,9 @@ def main() -> None:
         f"Gradient / one process's on the global batch: {mistake:.4f} (the mistake), "
         f"{fix:.4f} (the fix)."
     )
-    say(
-        textwrap.dedent(f"""\
+    say_prose(f"""\
         .grad adds up {K} mean gradients; their mean needs each micro-step's loss divided by {K}
         (correct_loop.py). DDP averages over ranks, never over micro-steps.""")
-    )
     assert abs(mistake - K) < 1e-4 and abs(fix - 1) < 1e-4
 
     section("4. no_sync() around backward only")
@@ -196,14 +202,12 @@ def main() -> None:
     show(unused_parameter, unused_parameter.SpareHead)
     torch_gap, torch_raised = unused_parameter_under(DistributedDataParallel, rank)
     _, ours_raised = unused_parameter_under(MiniDDP, rank)
-    say(
-        textwrap.dedent(f"""\
+    say_prose(f"""\
         torch's DDP: the first backward returns quietly with the ranks' gradients {torch_gap:.3g}
         apart (nothing was averaged: spare_head's bucket never filled); the second forward raises:
             {torch_raised.split(". ")[0]}. ...
         MiniDDP raises at the end of the first backward:
             {ours_raised.split(". ")[0]}. ...""")
-    )
     assert torch_gap > 0 and "Expected to have finished reduction" in torch_raised
     assert "spare_head.weight" in ours_raised and "find_unused_parameters=True" in ours_raised
 
@@ -228,11 +232,11 @@ def main() -> None:
     assert mistake > 1e-3 and fix == 0
 
     dist.barrier()  # every rank has passed its own checks
-    say(
-        f"\nVerified on {world_size} ranks: each of the six mistakes shows its symptom (replicas "
-        f"apart, gradients x{K}, {K}x the all-reduces, a silent step, buckets mixed up) and each "
-        "fix removes it."
-    )
+    say()
+    say_prose(f"""\
+        Verified on {world_size} ranks: each of the six mistakes shows its symptom (replicas
+        apart, gradients x{K}, {K}x the all-reduces, a silent step, buckets mixed up) and each
+        fix removes it.""")
     end_chapter()
 
 

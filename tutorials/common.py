@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from itertools import pairwise
+import textwrap
+from itertools import groupby, pairwise
 from pathlib import Path
 
 import torch
@@ -72,6 +73,22 @@ def say(*args) -> None:
     """print() on rank 0 only, so a message appears once rather than once per rank."""
     if _rank() == 0:
         print(*args, flush=True)
+
+
+def say_prose(text: str, width: int = 96) -> None:
+    """Say a dedented block with its prose refilled to `width`, after interpolation: an
+    f-string's numbers have any width, so lines filled by hand around them come out ragged.
+    Paragraphs are separated by blank lines; lines indented past the block's margin (a table,
+    a quoted error, a command) are kept as they are, between the refilled runs of prose."""
+    paragraphs = []
+    for paragraph in textwrap.dedent(text).strip("\n").split("\n\n"):
+        runs = groupby(paragraph.splitlines(), key=lambda line: line.startswith(" "))
+        kept = [
+            "\n".join(lines) if indented else textwrap.fill(" ".join(lines), width)
+            for indented, lines in runs
+        ]
+        paragraphs.append("\n".join(kept))
+    say("\n\n".join(paragraphs))
 
 
 def say_all_ranks(*args) -> None:

@@ -5,6 +5,8 @@
     04_timelines.png       one step of each rung of the ladder, compute and communication lanes
     04_sweep.png           step time against bucket size, measured and the alpha-beta model
     00_accumulation.png    gradient accumulation against one big batch
+    02_data_parallel.png   replicas, each fed its shard of the batch, and the all-reduce
+    06_failover.png        the crash, the restart and the resume on a step axis
     05_no_sync.png         k micro-steps under no_sync, then the synced one, on a time axis
 
 `draw.py` turns data into pictures; `__main__.py` gathers the data (small jobs of 2-4 ranks, and

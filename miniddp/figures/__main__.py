@@ -10,6 +10,8 @@ Where the data comes from:
 - 04: chapter 04 itself, under torchrun on 2 ranks over its simulated link, with `--plot`: the
   ladder's timelines and the bucket-size sweep come from a real, timed run.
 - 00: one process trains the same model on one big batch and on micro-batches.
+- 02, 06: drawn from the rules they picture (DistributedSampler's shards; chapter 06's
+  checkpoint, crash and resume steps), no run needed.
 - 05, 08, 13: chapter 05's no_sync timeline (2 gloo ranks), and two drawn from formulas and
   layouts: memory per rank per sharding stage, the tensor-parallel column/row split.
 - 14: a job of 4 gloo ranks runs GPipe and 1F1B on stages of fixed cost (figures/pipeline.py).
@@ -27,7 +29,16 @@ import tempfile
 from pathlib import Path
 
 from miniddp.bench.options import whole_number, writable_folder
-from miniddp.figures import draw, memory, no_sync, pipeline, record, tensor_parallel
+from miniddp.figures import (
+    data_parallel,
+    draw,
+    failover,
+    memory,
+    no_sync,
+    pipeline,
+    record,
+    tensor_parallel,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 CHAPTER_04 = REPO / "tutorials" / "04_overlap.py"
@@ -35,7 +46,7 @@ CHAPTER_04_TIMEOUT_S = 300
 CHAPTER_04_FIGURES = ("04_timelines.png", "04_sweep.png")
 CHAPTER_12 = REPO / "tutorials" / "12_train_gpt.py"
 CHAPTER_12_TIMEOUT_S = 900
-FIGURE_SETS = ("00", "01", "03", "04", "05", "08", "13", "14")  # the default set
+FIGURE_SETS = ("00", "01", "02", "03", "04", "05", "06", "08", "13", "14")  # the default set
 ON_REQUEST = ("12",)  # a whole training run: only with --only 12
 
 
@@ -129,6 +140,10 @@ def main(argv: list[str] | None = None) -> None:
         written.append(
             draw.accumulation(record.accumulation_losses(), args.out / "00_accumulation.png", title)
         )
+    if "02" in chosen:
+        written.append(data_parallel.data_parallel(args.out / "02_data_parallel.png"))
+    if "06" in chosen:
+        written.append(failover.failover(args.out / "06_failover.png"))
     if "05" in chosen:
         with tempfile.TemporaryDirectory() as work_dir:
             written.append(

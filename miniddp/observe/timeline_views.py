@@ -155,6 +155,10 @@ def plot(steps: Sequence[StepTimeline], path: str | Path, title: str = "") -> Pa
 
 
 COMPUTE_COLORS = {"forward": "tab:blue", "backward": "tab:green", "wait": "tab:red"}
+# The least room between two labels of a communication lane, as a share of the time drawn: a
+# label is one to five characters at 7 points, up to 3% of a 10-inch axis, and panels that
+# share an axis can be drawn on one up to twice as long as their own.
+LABEL_GAP = 0.06
 
 
 def legend_handles() -> list[Any]:
@@ -172,14 +176,38 @@ def draw(axes: Any, steps: Sequence[StepTimeline], t0: float | None = None) -> N
     t0 = min(step.start for step in steps) if t0 is None else t0
     lanes = [(step, lane) for step in steps for lane in (COMPUTE, COMM)]
     colors = COMPUTE_COLORS
+    span_ms = (max(step.end for step in steps) - t0) * 1e3
     for row, (step, lane) in enumerate(lanes):
         for span in (s for s in step.spans if s.lane == lane):
             color = colors.get(span.name, "tab:orange" if _label(span) in "02468" else "tab:brown")
             start_ms = (span.start - t0) * 1e3
             axes.broken_barh([(start_ms, span.duration * 1e3)], (row - 0.4, 0.8), color=color)
-            if lane == COMM:
-                axes.text(start_ms, row, _label(span), va="center", fontsize=7)
+        if lane == COMM:
+            for start_ms, text in _launch_labels(step, t0, LABEL_GAP * span_ms):
+                axes.text(start_ms, row, text, va="center", fontsize=7)
     axes.set_yticks(range(len(lanes)))
     axes.set_yticklabels([f"rank {s.rank} step {s.step} {lane}" for s, lane in lanes])
     axes.invert_yaxis()
     axes.set_xlabel("ms")
+
+
+def _launch_labels(step: StepTimeline, t0: float, gap_ms: float) -> list[tuple[float, str]]:
+    """(where, text) for the launches on a step's communication lane, at least `gap_ms` apart.
+
+    Launches closer than that (rung 2 sends one all-reduce per gradient, dozens within a few
+    ms) share one label naming the first and the last, "v-0": printed one by one they would
+    overwrite each other into an unreadable smear."""
+    spans = sorted((s for s in step.spans if s.lane == COMM), key=lambda s: s.start)
+    groups: list[list[Span]] = []
+    for span in spans:
+        if groups and (span.start - groups[-1][0].start) * 1e3 < gap_ms:
+            groups[-1].append(span)
+        else:
+            groups.append([span])
+    return [
+        (
+            (group[0].start - t0) * 1e3,
+            _label(group[0]) if len(group) == 1 else f"{_label(group[0])}-{_label(group[-1])}",
+        )
+        for group in groups
+    ]
