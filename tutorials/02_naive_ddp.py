@@ -231,6 +231,9 @@ def main() -> None:
         Chapter 02b climbs one rung: each gradient's all-reduce starts, without blocking, as soon
         as backward has produced it, so communication hides behind the rest of backward.""")
     )
+    say(
+        "The picture: docs/figures/02_data_parallel.png (replicas, shards of the batch, the all-reduce)"
+    )
     dist.barrier()  # every rank has passed its own checks
     exact = "bit for bit" if world_size == 2 else f"within {TOLERANCE:.0e} of"
     say(
