@@ -232,7 +232,8 @@ def main() -> None:
         as backward has produced it, so communication hides behind the rest of backward.""")
     )
     say(
-        "The picture: docs/figures/02_data_parallel.png (replicas, shards of the batch, the all-reduce)"
+        "The picture: docs/figures/02_data_parallel.png (replicas, the batch in shards, one "
+        "all-reduce)"
     )
     dist.barrier()  # every rank has passed its own checks
     exact = "bit for bit" if world_size == 2 else f"within {TOLERANCE:.0e} of"
