@@ -12,7 +12,8 @@ cosine schedule), one step each in turn, while `--hogs` processes burn CPU besid
 
 It reports the false alarms (a `CollectiveFailed` in this healthy job: must be 0), whether every
 parameter stayed bitwise torch's at every check, MiniDDP's step time over torch's as a paired
-ratio with its 95% interval, and each rank's resident memory at the start and the end.
+ratio with its 95% interval, and each rank's resident memory at the start, once the first
+steps have made every buffer, and at the end.
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ def positive_minutes(text: str) -> float:
     if not 0 < minutes < math.inf:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}; e.g. --minutes 10")
     return minutes
+
+
+WARM_STEPS = 3  # after these, every buffer a step needs exists: memory should stay flat
 
 
 def resident_mib() -> float:
@@ -126,6 +130,8 @@ def soak(args: argparse.Namespace) -> dict:
             y = torch.randn(args.batch, args.width, generator=generator)
             same_loss = ours.step(x, y) == theirs.step(x, y)
             steps += 1
+            if steps == WARM_STEPS:  # optimizer states and buckets exist from here on
+                findings["rss_warm"] = resident_mib()
             if steps % args.check_every == 0 or not same_loss:
                 findings["checks"] += 1
                 findings["differed"] += not (same_loss and same_parameters(ours, theirs))
@@ -163,8 +169,9 @@ def report(everyone: list[dict], args: argparse.Namespace, load: tuple[float, fl
             f"and {statistics.median(theirs):.3f} s"
         )
     for rank, f in enumerate(everyone):
+        warm = f"{f['rss_warm']:.0f} MiB after {WARM_STEPS} steps, " if "rss_warm" in f else ""
         print(
-            f"  rank {rank} resident memory: {f['rss_start']:.0f} MiB at the start, "
+            f"  rank {rank} resident memory: {f['rss_start']:.0f} MiB at the start, {warm}"
             f"{f['rss_end']:.0f} MiB at the end"
         )
 
