@@ -17,11 +17,21 @@ posted the same. Meanwhile it looks, every 0.1 s at most, for signs that a rank 
 A rank waiting on a collective says so within 0.1 s (faults.py), so both sides know what
 happened about a tenth of a second after the second one gets stuck, not at the timeout. A rank
 that is merely busy (computing, or in a collective MiniDDP does not watch) is waited for until
-the process group's timeout, as a barrier would.
+the process group's timeout, as a barrier would; except at `cleanup()`.
+
+At `cleanup()` a busy rank is waited for without a deadline. A rank there has finished its
+collectives; if the busy one still had one to share, it would wait on it, post so, and the
+meeting would fail at once, as above. So a rank that is merely absent is doing work of its own
+(a final evaluation, rank 0 saving alone) and will come: `torch.distributed.
+destroy_process_group()` would let this rank leave at once, and a deadline here would kill a
+healthy job. One that dies on the way is torchrun's to notice: it stops the job when a worker
+ends badly, and a rank that raises posts its exit note, which ends the wait here.
 """
 
 from __future__ import annotations
 
+import math
+import sys
 import time
 
 import torch.distributed as dist
@@ -107,7 +117,7 @@ def hear_from(rank: int, word_on: str, advice: str, group: dist.ProcessGroup | N
 def _meet(board: Board, point: str, advice: str) -> None:
     board.arrive(point)
     arrived: set[int] = set()
-    deadline = time.monotonic() + board.timeout.total_seconds()
+    patience = Patience(board, point, wait_for_the_busy=point == CLEANUP)
     pause = FIRST_POLL_S
     while True:
         elsewhere: dict[int, str] = {}
@@ -123,11 +133,36 @@ def _meet(board: Board, point: str, advice: str) -> None:
             board.meetings += 1
             return
         flagged_by = board.fault_flagged_by()
-        timed_out = time.monotonic() > deadline
+        timed_out = patience.ran_out(set(board.others()) - arrived)
         if elsewhere or flagged_by is not None or timed_out:
             raise _failure(board, point, advice, arrived, elsewhere, timed_out)
         time.sleep(pause)
         pause = min(2 * pause, POLL_S)
+
+
+class Patience:
+    """How long a meeting waits for ranks that may still come: the process group's timeout, or,
+    at cleanup(), for as long as they are busy, saying once that it waits."""
+
+    def __init__(self, board: Board, point: str, wait_for_the_busy: bool) -> None:
+        self.board, self.point, self.wait_for_the_busy = board, point, wait_for_the_busy
+        self.deadline = time.monotonic() + board.timeout.total_seconds()
+
+    def ran_out(self, absent: set[int]) -> bool:
+        if time.monotonic() <= self.deadline:
+            return False
+        if not self.wait_for_the_busy:
+            return True
+        print(
+            f"{self.point} on rank {self.board.rank}: waiting for {ranks(sorted(absent))}, "
+            f"busy outside any collective for over {self.board.timeout.total_seconds():g} s "
+            "(the process group's timeout); every collective is done, so this waits for "
+            "as long as it takes.",
+            file=sys.stderr,
+            flush=True,
+        )
+        self.deadline = math.inf  # said once; from now on, no deadline
+        return False
 
 
 def _where_is(board: Board, rank: int, point: str) -> str | None:

@@ -50,3 +50,37 @@ def test_a_failing_script_leaves_its_group_alone_and_still_ends(tmp_path: Path) 
     returncode, output = run_script(tmp_path, "raise")
     assert returncode != 0 and "ValueError: the script fails after training" in output
     assert output.count("group alive at the very end: True") == 2, tail(output)
+
+
+BUSY_RANK_0 = """
+import time
+from datetime import timedelta
+import torch
+from torch import nn
+import miniddp
+from miniddp import MiniDDP, init_distributed
+
+env = init_distributed(timeout=timedelta(seconds=2))
+model = MiniDDP(nn.Linear(4, 1))
+for _ in range(5):
+    model(torch.randn(8, 4)).sum().backward()
+if env.rank == 0:
+    time.sleep(6)  # a final evaluation, a save: three timeouts long, and no collective
+    print("rank 0 finished its work", flush=True)
+miniddp.cleanup()
+print(f"rank {env.rank} left", flush=True)
+"""
+
+
+def test_cleanup_waits_for_a_rank_that_is_busy_past_the_timeout(tmp_path: Path) -> None:
+    """torch's destroy_process_group() lets rank 1 leave while rank 0 still works; MiniDDP's
+    cleanup() waits for it instead (why: miniddp/meet.py), and must not call it missing."""
+    script = tmp_path / "busy.py"
+    script.write_text(BUSY_RANK_0)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc_per_node=2", str(script)]
+    returncode, output = run_in_own_session(command, child_env(tmp_path), timeout=120)
+    assert returncode == 0, tail(output)
+    assert "rank 0 finished its work" in output and "CollectiveFailed" not in output
+    assert "rank 0 left" in output and "rank 1 left" in output, tail(output)
+    assert "cleanup() on rank 1: waiting for rank 0" in output, tail(output)
