@@ -223,7 +223,12 @@ def fully_shard(
             raise ValueError(f"fully_shard shards floating-point CPU parameters; got {param.dtype} "
                              f"on {param.device}")  # fmt: skip
         full = param.detach().clone()
-        collectives.broadcast(full, src=source, group=process_group)  # rank 0's, as DDP does
+        work = collectives.broadcast(full, src=source, group=process_group, async_op=True)
+        wait_for(
+            work.get_future(),
+            f"broadcast of rank 0's {tuple(full.shape)} parameter (fully_shard)",
+            process_group,
+        )  # rank 0's values, as DDP does
         shards.append(nn.Parameter(cut(full, rank, world), param.requires_grad))
     global _units
     _units += 1
