@@ -38,6 +38,7 @@ from miniddp.sharding import (
     measure_memory,
     reduce_scatter_hook,
 )
+from miniddp.sharding.fully_shard import UNIT_NUMBER_BYTES
 
 STEPS = 3
 CLIP_NORM = 0.01  # below the gradients' norm: every step clips
@@ -209,7 +210,9 @@ def main() -> None:
         reduce-scatter of the gradients, an all-gather of the parameters. ZeRO-1 as torch
         builds it sends more: a whole all-reduce, then the parameters. ZeRO-3 gathers the
         parameters twice (forward, backward) and reduce-scatters the gradients: 3(W-1)/W·Ψ.
-        Measured on rank 0 in the last step, every message counted (padding is the excess):""")
+        Measured on rank 0 in the last step, every message counted (the excess is padding, and
+        for ZeRO-3 the 8-byte unit number each rank sends before each gather, so that a unit
+        skipped on one rank is an error naming it rather than a mismatched collective):""")
     )
     theory = {"ddp": 2, "zero1": 3, "zero2": 2, "zero3": 3}
     for stage, run in RUNS.items():
@@ -270,7 +273,9 @@ def main() -> None:
         assert differences[stage] == 0.0 if bitwise else differences[stage] <= 1e-5, stage
     assert RUNS["zero2"]["sent"] <= RUNS["zero1"]["sent"]
     # ZeRO-3: two all-gathers and a reduce-scatter of the padded shards, W-1 chunks each
-    assert RUNS["zero3"]["sent"] == 3 * (world - 1) * RUNS["zero3"]["owned"] * 4
+    units = len(WIDTHS) - 1  # each gathered twice, after telling the others its number
+    numbers = 2 * units * (world - 1) * UNIT_NUMBER_BYTES
+    assert RUNS["zero3"]["sent"] == 3 * (world - 1) * RUNS["zero3"]["owned"] * 4 + numbers
     assert RUNS["zero3"]["memory"].total < RUNS["zero2"]["memory"].total or world == 1
     for stage in ("zero2", "zero3"):
         assert drifts[stage, "miniddp's"] <= 1e-6, f"{stage}: clipping by the true norm"

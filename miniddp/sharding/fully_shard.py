@@ -29,12 +29,17 @@ r's chunk is `module.<name>`: a 1-D Parameter the optimizer steps. Padding stays
 gradient is zero, so Adam leaves it alone); the benchmark states its cost.
 
 Communication per step, per rank: 3(W-1)/W·Ψ (two all-gathers and a reduce-scatter), 1.5 times
-DDP's all-reduce. Bitwise: with two ranks the sums are a + b = b + a, and the result equals
-torch's fully_shard and DDP bit for bit; with more, ring and gloo add in different orders.
+DDP's all-reduce; and before each all-gather, 8 bytes to every other rank, the unit's number: a
+unit skipped on one rank (a branch in the forward) would pair two units' gathers, which gloo
+answers by aborting the process, or, when the sizes match, by mixing their parameters.
+
+Bitwise: with two ranks the sums are a + b = b + a, and the result equals torch's fully_shard
+and DDP bit for bit; with more, ring and gloo add in different orders.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -47,7 +52,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from miniddp import collectives
 from miniddp.env import HOW_TO_LAUNCH
-from miniddp.faults import wait_for
+from miniddp.faults import CollectiveFailed, ranks, wait_for
 from miniddp.model_checks import verify_same_model_on_every_rank
 from miniddp.sharding.clipping import Spread, mark_spread
 
@@ -56,6 +61,7 @@ from miniddp.sharding.clipping import Spread, mark_spread
 class ShardedParameters:
     """What one fully_shard call manages: its parameters' places, shapes and shards."""
 
+    number: int  # the how-manieth fully_shard call over this group: the same on its every rank
     name: str  # "fully_shard unit 2 (Linear: weight, bias)": what errors call it
     places: list[list[tuple[nn.Module, str]]]  # per parameter: (module, attribute) it lives at
     shapes: list[torch.Size]
@@ -74,6 +80,7 @@ class ShardedParameters:
 
     def gather(self) -> list[torch.Tensor]:
         """All-gather every shard; one full tensor per parameter (one collective for all)."""
+        self._check_every_rank_gathers_this_unit()
         world, length = self.world_size, sum(s.numel() for s in self.shards)
         like = self.shards[0]
         gathered = torch.empty(world * length, dtype=like.dtype, device=like.device)
@@ -88,6 +95,35 @@ class ShardedParameters:
             full.append(columns.reshape(-1)[: shape.numel()].reshape(shape).clone())
             offset += shard.numel()
         return full
+
+    def _check_every_rank_gathers_this_unit(self) -> None:
+        """A unit skipped on one rank (a branch in the forward) would pair this unit's
+        all-gather with another unit's there: gloo aborts the process when the sizes differ
+        ("Received data size doesn't match expected size"), and mixes parameters silently when
+        they do not. So first a 16-byte all-gather of which unit each rank gathers; on a
+        mismatch every rank raises, naming both units, and nothing is left in flight."""
+        world = self.world_size
+        everyone = torch.empty(world, dtype=torch.int64)  # UNIT_NUMBER_BYTES from each
+        mine = torch.tensor([self.number])
+        work = collectives.all_gather_into_tensor(everyone, mine, self.group, async_op=True)
+        what = f"all-gather of which unit each rank gathers ({self.name})"
+        wait_for(work.get_future(), what, self.group)
+        elsewhere = {r: int(n) for r, n in enumerate(everyone.tolist()) if n != self.number}
+        if elsewhere:
+            here = dist.get_rank(self.group)
+            others = ranks(sorted(elsewhere))
+            lines = [
+                f"{self.name} cannot be gathered on rank {here}: the unit gathered at this "
+                f"point differs on {others}."
+            ]
+            for rank, number in elsewhere.items():
+                other = _UNITS.get((_members(self.group), number))
+                lines.append(f"  rank {rank}: {other.name if other else f'unit {number}'}")
+            lines.append(
+                "  Every rank must run the same fully_shard units in the same order (a unit "
+                "skipped on one rank, by a branch in the forward, is the usual cause)."
+            )
+            raise CollectiveFailed("\n".join(lines), self.name, sorted(elsewhere))
 
     def reduce_scatter(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Rank r gets the average over ranks of chunk r of every gradient."""
@@ -211,8 +247,10 @@ def fully_shard(
         )
     # Every rank must shard the same shapes, or the collectives below would not match: a clear
     # error on every rank instead of a hang.
-    named = [(f"{type(places[0][0]).__name__}.{places[0][1]}", params[key])
-             for key, places in places.items()]  # fmt: skip
+    named = [
+        (f"{type(where[0][0]).__name__}.{where[0][1]}", params[key])
+        for key, where in places.items()
+    ]
     settings = {"reshard_after_forward": reshard_after_forward}
     verify_same_model_on_every_rank(named, settings, process_group)
     source = dist.get_global_rank(process_group or dist.group.WORLD, 0)
@@ -220,8 +258,10 @@ def fully_shard(
     shards = []
     for param in params.values():
         if param.device.type == "meta" or not param.dtype.is_floating_point:
-            raise ValueError(f"fully_shard shards floating-point CPU parameters; got {param.dtype} "
-                             f"on {param.device}")  # fmt: skip
+            raise ValueError(
+                f"fully_shard shards floating-point CPU parameters; got {param.dtype} on "
+                f"{param.device}"
+            )
         full = param.detach().clone()
         work = collectives.broadcast(full, src=source, group=process_group, async_op=True)
         wait_for(
@@ -230,11 +270,12 @@ def fully_shard(
             process_group,
         )  # rank 0's values, as DDP does
         shards.append(nn.Parameter(cut(full, rank, world), param.requires_grad))
-    global _units
-    _units += 1
+    members = _members(process_group)
+    number = _units[members] = _units.get(members, 0) + 1
     names = ", ".join(dict.fromkeys(name for p in places.values() for _, name in p))
     sharded = ShardedParameters(
-        name=f"fully_shard unit {_units} ({type(module).__name__}: {names})",
+        number=number,
+        name=f"fully_shard unit {number} ({type(module).__name__}: {names})",
         places=list(places.values()),
         shapes=[p.shape for p in params.values()],
         shards=shards,
@@ -242,6 +283,7 @@ def fully_shard(
         reshard_after_forward=reshard_after_forward,
     )
     sharded.originals.update(dict.fromkeys(params.values()))
+    _UNITS[members, number] = sharded
     for shard in shards:
         _UNIT_OF[shard] = sharded
         mark_spread(shard, Spread(process_group))  # for clip_grad_norm_: a piece per rank
@@ -256,8 +298,14 @@ def fully_shard(
     return module
 
 
-_units = 0  # fully_shard calls in this process: the same numbers on every rank
+UNIT_NUMBER_BYTES = 8  # what each rank sends each other rank before a gather (an int64)
+_units: dict[tuple[int, ...], int] = {}  # fully_shard calls so far, per group (by its ranks)
 _UNIT_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # shard -> its ShardedParameters
+_UNITS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (ranks, number) -> unit
+
+
+def _members(group: dist.ProcessGroup | None) -> tuple[int, ...]:
+    return tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
 
 
 def _refuse_what_would_shard_wrongly(

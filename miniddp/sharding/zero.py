@@ -221,8 +221,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                     local_state[position] = copy.deepcopy(state_dict["state"][index_of[id(param)]])
                 indices.append(position)
                 position += 1
-            local_groups.append({**{k: v for k, v in group.items() if k != "params"},
-                                 "params": indices})  # fmt: skip
+            settings = {k: v for k, v in group.items() if k != "params"}
+            local_groups.append({**settings, "params": indices})
         self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
 
     def _every_param(self) -> list[torch.Tensor]:
