@@ -79,7 +79,7 @@ from miniddp.sharding.full_state import (
     load_full_optimizer_state_dict,
     load_full_state_dict,
 )
-from miniddp.sharding.fully_shard import is_fully_sharded
+from miniddp.sharding.units import is_fully_sharded
 from miniddp.sharding.zero import ZeroRedundancyOptimizer
 
 __all__ = [

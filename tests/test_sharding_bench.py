@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 
-from miniddp.sharding.fully_shard import UNIT_NUMBER_BYTES
+from miniddp.sharding.units import UNIT_NUMBER_BYTES
 from tests.harness.processes import child_env, run_in_own_session
 
 

@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from miniddp.sharding import Formula
-from miniddp.sharding.fully_shard import UNIT_NUMBER_BYTES
+from miniddp.sharding.units import UNIT_NUMBER_BYTES
 from tests import sharding_fsdp_tasks
 from tests.harness.measurements import record_max
 from tests.harness.properties import property_settings

@@ -38,7 +38,7 @@ from miniddp.sharding import (
     measure_memory,
     reduce_scatter_hook,
 )
-from miniddp.sharding.fully_shard import UNIT_NUMBER_BYTES
+from miniddp.sharding.units import UNIT_NUMBER_BYTES
 
 STEPS = 3
 CLIP_NORM = 0.01  # below the gradients' norm: every step clips

@@ -39,7 +39,6 @@ and DDP bit for bit; with more, ring and gloo add in different orders.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -52,9 +51,16 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from miniddp import collectives
 from miniddp.env import HOW_TO_LAUNCH
-from miniddp.faults import CollectiveFailed, ranks, wait_for
+from miniddp.faults import wait_for
 from miniddp.model_checks import verify_same_model_on_every_rank
 from miniddp.sharding.clipping import Spread, mark_spread
+from miniddp.sharding.units import (
+    check_every_rank_gathers,
+    next_number,
+    refuse_outside_its_unit,
+    refuse_what_would_shard_wrongly,
+    register,
+)
 
 
 @dataclass
@@ -80,7 +86,7 @@ class ShardedParameters:
 
     def gather(self) -> list[torch.Tensor]:
         """All-gather every shard; one full tensor per parameter (one collective for all)."""
-        self._check_every_rank_gathers_this_unit()
+        check_every_rank_gathers(self)
         world, length = self.world_size, sum(s.numel() for s in self.shards)
         like = self.shards[0]
         gathered = torch.empty(world * length, dtype=like.dtype, device=like.device)
@@ -95,35 +101,6 @@ class ShardedParameters:
             full.append(columns.reshape(-1)[: shape.numel()].reshape(shape).clone())
             offset += shard.numel()
         return full
-
-    def _check_every_rank_gathers_this_unit(self) -> None:
-        """A unit skipped on one rank (a branch in the forward) would pair this unit's
-        all-gather with another unit's there: gloo aborts the process when the sizes differ
-        ("Received data size doesn't match expected size"), and mixes parameters silently when
-        they do not. So first a 16-byte all-gather of which unit each rank gathers; on a
-        mismatch every rank raises, naming both units, and nothing is left in flight."""
-        world = self.world_size
-        everyone = torch.empty(world, dtype=torch.int64)  # UNIT_NUMBER_BYTES from each
-        mine = torch.tensor([self.number])
-        work = collectives.all_gather_into_tensor(everyone, mine, self.group, async_op=True)
-        what = f"all-gather of which unit each rank gathers ({self.name})"
-        wait_for(work.get_future(), what, self.group)
-        elsewhere = {r: int(n) for r, n in enumerate(everyone.tolist()) if n != self.number}
-        if elsewhere:
-            here = dist.get_rank(self.group)
-            others = ranks(sorted(elsewhere))
-            lines = [
-                f"{self.name} cannot be gathered on rank {here}: the unit gathered at this "
-                f"point differs on {others}."
-            ]
-            for rank, number in elsewhere.items():
-                other = _UNITS.get((_members(self.group), number))
-                lines.append(f"  rank {rank}: {other.name if other else f'unit {number}'}")
-            lines.append(
-                "  Every rank must run the same fully_shard units in the same order (a unit "
-                "skipped on one rank, by a branch in the forward, is the usual cause)."
-            )
-            raise CollectiveFailed("\n".join(lines), self.name, sorted(elsewhere))
 
     def reduce_scatter(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Rank r gets the average over ranks of chunk r of every gradient."""
@@ -238,7 +215,7 @@ def fully_shard(
             if param is not None:
                 places.setdefault(id(param), []).append((owner, name))
                 params[id(param)] = param
-    _refuse_what_would_shard_wrongly(module, params, places)
+    refuse_what_would_shard_wrongly(module, params, places)
     dtypes = {str(p.dtype) for p in params.values()}
     if len(dtypes) > 1:
         raise ValueError(
@@ -270,8 +247,7 @@ def fully_shard(
             process_group,
         )  # rank 0's values, as DDP does
         shards.append(nn.Parameter(cut(full, rank, world), param.requires_grad))
-    members = _members(process_group)
-    number = _units[members] = _units.get(members, 0) + 1
+    number = next_number(process_group)
     names = ", ".join(dict.fromkeys(name for p in places.values() for _, name in p))
     sharded = ShardedParameters(
         number=number,
@@ -283,74 +259,18 @@ def fully_shard(
         reshard_after_forward=reshard_after_forward,
     )
     sharded.originals.update(dict.fromkeys(params.values()))
-    _UNITS[members, number] = sharded
+    register(sharded)
     for shard in shards:
-        _UNIT_OF[shard] = sharded
         mark_spread(shard, Spread(process_group))  # for clip_grad_norm_: a piece per rank
     sharded.place(shards)
     module._sharded = sharded if shards else None
     module.register_forward_pre_hook(_before_forward)
     module.register_forward_hook(_after_forward)
     for owner in dict.fromkeys(o for p in places.values() for o, _ in p if o is not module):
-        owner.register_forward_pre_hook(partial(_refuse_outside_its_unit, sharded))
+        owner.register_forward_pre_hook(partial(refuse_outside_its_unit, sharded))
     cls = type(module)
     module.__class__ = type(f"FullyShard{cls.__name__}", (FullyShardedModule, cls), {})
     return module
-
-
-UNIT_NUMBER_BYTES = 8  # what each rank sends each other rank before a gather (an int64)
-_units: dict[tuple[int, ...], int] = {}  # fully_shard calls so far, per group (by its ranks)
-_UNIT_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # shard -> its ShardedParameters
-_UNITS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (ranks, number) -> unit
-
-
-def _members(group: dist.ProcessGroup | None) -> tuple[int, ...]:
-    return tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
-
-
-def _refuse_what_would_shard_wrongly(
-    module: nn.Module,
-    params: dict[int, torch.Tensor],
-    places: dict[int, list[tuple[nn.Module, str]]],
-) -> None:
-    """Two mistakes that would otherwise fail much later, or never: sharding a child after its
-    ancestor (its parameters are already shards: they would be cut again, and the first forward
-    fails with "mat2 must be a matrix"), and a parameter tied across units (each unit would
-    shard its own copy: after one step they are two different parameters, silently)."""
-    for key, param in params.items():
-        owner, name = places[key][0]
-        if param in _UNIT_OF:
-            raise ValueError(
-                f"fully_shard({type(module).__name__}) came after its ancestor was sharded: "
-                f"its parameter {name!r} is already a shard of {_UNIT_OF[param].name}. Shard "
-                "the submodules first, then the root: for block in model.blocks: "
-                "fully_shard(block); then fully_shard(model)."
-            )
-    units = [getattr(sub, "_sharded", None) for sub in module.modules()]
-    units = [unit for unit in units if unit is not None]
-    qualified = {id(sub): prefix for prefix, sub in module.named_modules(remove_duplicate=False)}
-    for key, param in params.items():
-        for unit in units:
-            if param in unit.originals:
-                owner, name = places[key][0]
-                where = f"{qualified.get(id(owner), type(owner).__name__)}.{name}".lstrip(".")
-                raise ValueError(
-                    f"Parameter {where!r} is shared with a parameter already managed by "
-                    f"{unit.name}: sharded twice, the two would be cut and stepped apart, and "
-                    "come untied. Put tied modules in one unit: torch's fully_shard([module_a, "
-                    "module_b]); here, leave both to their common ancestor's fully_shard (do "
-                    "not shard either alone)."
-                )
-
-
-def _refuse_outside_its_unit(unit: ShardedParameters, module: nn.Module, args: Any) -> None:
-    if not unit.gathered:
-        raise RuntimeError(
-            f"{type(module).__name__} was called on its own, but its parameters belong to "
-            f"{unit.name} and are full only during that module's forward. Call the unit "
-            "instead, or make this module a unit of its own: fully_shard(it) before its "
-            "ancestor."
-        )
 
 
 def _own_modules(module: nn.Module) -> list[nn.Module]:
@@ -385,8 +305,3 @@ def _after_forward(module: nn.Module, args: Any, output: Any) -> None:
     if state.reshard_after_forward:
         state.free(full)
     torch.autograd.graph.register_multi_grad_hook(waiting, lambda _: state.refill(full), mode="any")
-
-
-def is_fully_sharded(module: nn.Module) -> bool:
-    """Does fully_shard manage any of `module`'s parameters?"""
-    return any(param in _UNIT_OF for param in module.parameters())
