@@ -8,7 +8,7 @@ usage() {
     cat <<EOF
 Usage: ./launch.sh [--emulate-nodes N [--link-rate RATE] [--loopback]] [SCRIPT [ARGS...]]
 
-Runs SCRIPT (default: tutorials/03c_torch_layout.py) under torchrun, one process per rank.
+Runs SCRIPT (default: tutorials/03_bucketing.py) under torchrun, one process per rank.
 
 Options, to try a multi-node job on this one machine:
   --emulate-nodes N  run SCRIPT as an N-node job: one torchrun agent per node, NPROC processes
@@ -62,9 +62,32 @@ fi
 if [[ -z "$EMULATE_NODES" && ( -n "$LINK_RATE" || "$NETWORK" == loopback ) ]]; then
     fail_usage "--link-rate and --loopback go with --emulate-nodes"
 fi
+# Every setting is checked here, at once: torchrun takes seconds to refuse a bad one, in a bare
+# AssertionError, and a missing script only after starting every worker, in a ChildFailedError.
 NPROC="${NPROC:-2}"
 if ! [[ "$NPROC" =~ ^[1-9][0-9]*$ ]]; then
     fail_usage "NPROC is the number of processes per node, a positive integer (got '$NPROC')"
+fi
+NNODES="${NNODES:-1}"
+NODE_RANK="${NODE_RANK:-0}"
+if [[ -z "$EMULATE_NODES" ]]; then  # else ignored: the emulation sets them for each node
+    if ! [[ "$NNODES" =~ ^[1-9][0-9]*$ ]]; then
+        fail_usage "NNODES is the number of nodes in the job, a positive integer (got '$NNODES')"
+    fi
+    if ! [[ "$NODE_RANK" =~ ^(0|[1-9][0-9]*)$ && "$NODE_RANK" -lt "$NNODES" ]]; then
+        fail_usage "NODE_RANK is this node's index, 0 to $((NNODES - 1)) with NNODES=$NNODES" \
+            "(got '$NODE_RANK')"
+    fi
+fi
+if [[ -n "${MAX_RESTARTS:-}" ]] && ! [[ "$MAX_RESTARTS" =~ ^(0|[1-9][0-9]*)$ ]]; then
+    fail_usage "MAX_RESTARTS is how many times torchrun may restart the workers, a whole" \
+        "number >= 0 (got '$MAX_RESTARTS')"
+fi
+if [[ $# -eq 0 ]]; then set -- "$REPO_DIR/tutorials/03_bucketing.py"; fi
+if [[ ! -f "$1" ]]; then
+    what=$([[ -d "$1" ]] && echo "'$1' is a folder" || echo "there is no file '$1'")
+    fail_usage "$what (looked in $PWD); give the path of a Python script, e.g." \
+        "tutorials/02_naive_ddp.py"
 fi
 
 # Check from / so the current directory, which `python -c` puts on sys.path and torchrun's
@@ -85,22 +108,45 @@ fi
 # cores. torchrun sets 1 itself only when NPROC > 1, and with a warning; we say it up front.
 if [[ "$DEVICE" == cpu && -z "${OMP_NUM_THREADS:-}" ]]; then export OMP_NUM_THREADS=1; fi
 
-if [[ $# -eq 0 ]]; then set -- "$REPO_DIR/tutorials/03c_torch_layout.py"; fi
+# A chapter's simulated link (its --link, else $MINIDDP_LINK) is read here, once: read by every
+# rank, a bad one was explained once per rank, after their start-up. Only chapters that take one
+# (tutorials/common.py's add_link_option) are asked: another script's --link is its own business.
+CHECK_LINKS='import sys
+from miniddp.observe.link import BadLink, Link
+for source, text in zip(sys.argv[1::2], sys.argv[2::2]):
+    try:
+        Link.parse(text)
+    except BadLink as error:
+        sys.exit(f"launch.sh: {source}: {error}")'
+if grep -q "add_link_option" "$1"; then
+    LINKS=()
+    for (( i = 2; i <= $#; i++ )); do
+        if [[ "${!i}" == --link ]]; then
+            next=$((i + 1))
+            LINKS+=(--link "${!next:-}")
+        elif [[ "${!i}" == --link=* ]]; then
+            LINKS+=(--link "${!i#--link=}")
+        fi
+    done
+    if [[ ${#LINKS[@]} -eq 0 && -n "${MINIDDP_LINK:-}" ]]; then
+        LINKS=('$MINIDDP_LINK' "$MINIDDP_LINK")
+    fi
+    if [[ ${#LINKS[@]} -gt 0 ]] && ! python3 -c "$CHECK_LINKS" "${LINKS[@]}"; then exit 2; fi
+fi
 
 if [[ -n "$EMULATE_NODES" ]]; then
     export NPROC LINK_RATE NETWORK
     exec "$REPO_DIR/scripts/emulate_nodes.sh" "$EMULATE_NODES" "$@"
 fi
 
-NNODES="${NNODES:-1}"
 # Each node's agent counts its own restarts, so with several nodes init_distributed() cannot key
-# each attempt's process group apart by that count (see miniddp/env.py); instead every attempt
+# each attempt's process group apart by that count (see miniddp/job/env.py); instead every attempt
 # gets a fresh store, not the agents' shared one.
 if [[ "$NNODES" != 1 ]]; then export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; fi
 if [[ "$NNODES" == 1 && -z "${MASTER_PORT:-}" ]]; then
     RENDEZVOUS=(--standalone)  # torchrun starts its own rendezvous on a free local port
 else
-    RENDEZVOUS=(--nnodes="$NNODES" --node_rank="${NODE_RANK:-0}"
+    RENDEZVOUS=(--nnodes="$NNODES" --node_rank="$NODE_RANK"
         --master_addr="${MASTER_ADDR:-127.0.0.1}" --master_port="${MASTER_PORT:-29500}")
 fi
 

@@ -135,14 +135,25 @@ class Bucket:
         """Put each average into the `.grad` its gradient was copied from. A parameter that had
         no gradient gets its slice; one that `used` says no rank used keeps `.grad` as it was
         (None stays None), as torch's find_unused_parameters does."""
+        averaged, into = [], []
         for position, grad in self.sources:
             if used is not None and not used[self.param_indices[position]]:
                 continue
             view = self.views[position]
             if grad is not None:
-                grad.copy_(view)
+                averaged.append(view)
+                into.append(grad)
             else:
                 self.params[position].grad = view if self.gradient_as_bucket_view else view.clone()
+        self._copy_all(averaged, into)
+
+    @staticmethod
+    def _copy_all(sources: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+        """`target.copy_(source)` for each pair, in one call: a speed trick (docs/PERFORMANCE.md).
+        One `copy_` costs a few microseconds of Python and dispatch however small the gradient,
+        and a bucket may hold hundreds; `_foreach_copy_` loops in C++, with the same bits."""
+        if targets:
+            torch._foreach_copy_(targets, sources)
 
     def adopt_gradients(self) -> None:
         """With gradient_as_bucket_view: move existing `.grad`s into this (new) bucket, so that

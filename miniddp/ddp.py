@@ -1,7 +1,9 @@
 """MiniDDP, the top rung: torch's layout plus what real training needs, and clear errors.
 
-Rung 4 of `miniddp/steps/` plus no_sync, unused parameters, buffers, comm hooks,
-gradient_as_bucket_view, uneven inputs (Join) and static_graph; its whole life in one file:
+Rung 7 of `miniddp/steps/` (torch's layout, no_sync, unused parameters, comm hooks and
+gradient_as_bucket_view) plus what production needs: every rank checked to hold the same model,
+the named faults of one wait seam, uneven inputs (Join), static_graph and the events the
+timelines draw. Its whole life in one file:
 
     construct   check every rank has the same model, copy rank 0's weights to everyone,
                 lay gradients out in buckets, put a hook on every parameter
@@ -13,11 +15,18 @@ gradient_as_bucket_view, uneven inputs (Join) and static_graph; its whole life i
                 each one's averages back into `.grad` as soon as it arrives
 So gradients are averaged by the time `loss.backward()` returns, bit for bit as in torch's
 DistributedDataParallel: the layout, the 1/W scaling and the launch order follow torch's rules
-(miniddp/layout.py, miniddp/buckets.py; Join: miniddp/join.py; miniddp/static_graph.py).
+(miniddp/layout.py, miniddp/buckets.py).
+
+Two options change that life, and each is an object MiniDDP holds rather than code spread
+through it: under Join (uneven inputs), a rank out of batches runs `join_hook()`'s object
+(miniddp/join.py), which answers every collective a training rank's forward and backward issue;
+with static_graph, a `StaticGraph` (miniddp/static_graph.py) counts each parameter's hooks in
+the first backward and says when a gradient is ready in the later ones.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import Enum
@@ -27,24 +36,27 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from miniddp.buckets import Bucket
-from miniddp.comm_hooks import CommHook, GradBucket
-from miniddp.env import HOW_TO_LAUNCH
-from miniddp.events import EventRecorder
-from miniddp.faults import wait_for
-from miniddp.join import JoinsUnevenInputs
-from miniddp.layout import BucketLayout, ShowsItsBuckets
-from miniddp.model_checks import (
+from miniddp.autograd_graph import (
     ParameterUsage,
-    broadcast_from_rank0,
-    check_wrappable,
     hook_every_parameter,
     parameters_not_reached,
-    verify_same_model_on_every_rank,
     when_backward_reaches,
 )
-from miniddp.static_graph import MayHaveStaticGraph
+from miniddp.buckets import Bucket, BucketInfo, describe_layout
+from miniddp.comm_hooks import CommHook, GradBucket
+from miniddp.job.env import HOW_TO_LAUNCH
+from miniddp.job.faults import wait_for
+from miniddp.join import ShadowsTraining
+from miniddp.layout import BucketLayout, initial_layout
+from miniddp.observe.events import EventRecorder
+from miniddp.same_model import (
+    broadcast_from_rank0,
+    check_wrappable,
+    verify_same_model_on_every_rank,
+)
+from miniddp.static_graph import GRAPH_CHANGED, StaticGraph
 
 
 class Phase(Enum):
@@ -56,14 +68,23 @@ class Phase(Enum):
     SYNCED = "this forward's gradients are averaged; another backward through it is an error"
 
 
-class MiniDDP(nn.Module, EventRecorder, ShowsItsBuckets, JoinsUnevenInputs, MayHaveStaticGraph):
+class MiniDDP(nn.Module, Joinable, EventRecorder):
     """Wrap `module` so that `loss.backward()` leaves gradients averaged over all ranks, used
     exactly like torch's DistributedDataParallel. Where torch is silent about a mistake, MiniDDP
     raises: a parameter that got no gradient (at the end of that backward, not the next forward),
     a model that differs across ranks (on every rank), a second backward through one forward."""
 
-    claims = frozenset({"batchnorm", "mixed-dtypes", "torch-layout", "no-sync", "comm-hook",
-                        "find-unused-parameters", "gradient-as-bucket-view"})  # fmt: skip
+    claims = frozenset(
+        {
+            "batchnorm",
+            "mixed-dtypes",
+            "torch-layout",
+            "no-sync",
+            "comm-hook",
+            "find-unused-parameters",
+            "gradient-as-bucket-view",
+        }
+    )
     # False (the benchmark's "deferred" ablation) holds launches until backward ends: no overlap.
     launch_during_backward = True
 
@@ -79,6 +100,7 @@ class MiniDDP(nn.Module, EventRecorder, ShowsItsBuckets, JoinsUnevenInputs, MayH
         static_graph: bool = False,
     ) -> None:
         super().__init__()
+        Joinable.__init__(self)  # nn.Module's __init__ does not call it (torch's DDP does this)
         if not dist.is_initialized():
             raise RuntimeError(f"MiniDDP needs a process group, and there is none. {HOW_TO_LAUNCH}")
         self.module = module
@@ -99,9 +121,12 @@ class MiniDDP(nn.Module, EventRecorder, ShowsItsBuckets, JoinsUnevenInputs, MayH
         # Settings that shape the sequence of collectives must agree too, or ranks would issue
         # different all-reduces and gloo would abort or hang instead of explaining.
         caps_in_bytes = (self._layout.first_cap, self._layout.cap)
-        settings = {"bucket_cap_mb": caps_in_bytes, "broadcast_buffers": broadcast_buffers,
-                    "find_unused_parameters": find_unused_parameters,
-                    "static_graph": static_graph}  # fmt: skip
+        settings = {
+            "bucket_cap_mb": caps_in_bytes,
+            "broadcast_buffers": broadcast_buffers,
+            "find_unused_parameters": find_unused_parameters,
+            "static_graph": static_graph,
+        }
         verify_same_model_on_every_rank(named, settings, process_group)
         self._buffers_to_sync = list(module.buffers())
         everything = [*module.parameters(), *self._buffers_to_sync]
@@ -110,6 +135,8 @@ class MiniDDP(nn.Module, EventRecorder, ShowsItsBuckets, JoinsUnevenInputs, MayH
         self._start_event_log()
         self._comm_hook: tuple[Any, CommHook] | None = None
         self._divide_by = self.world_size  # 1 once a comm hook does the averaging
+        self._divide_by_initial_world_size = True  # Join's option: join_hook() sets it
+        self._static_graph: StaticGraph | None = None
         self._usage = ParameterUsage(len(self.params))
         self._require_backward_grad_sync = True  # False inside no_sync()
         self._require_forward_param_sync = True  # buffers are refreshed after a synced forward
@@ -121,13 +148,13 @@ class MiniDDP(nn.Module, EventRecorder, ShowsItsBuckets, JoinsUnevenInputs, MayH
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if not self._hooks:
             raise RuntimeError("A newer MiniDDP wraps this module and owns its hooks: use it.")
-        self._tell_join_this_rank_trains()  # under Join only (miniddp/join.py)
+        self._tell_join_this_rank_trains()  # outside a Join: nothing
         if torch.is_grad_enabled():
             if self._phase is Phase.REDUCING:
                 self._abandon_unfinished_backward()
             if self._layout.rebuild_due:
                 self._rebuild_buckets()
-        self._sync_buffers(training=True)  # after a synced forward, if broadcast_buffers
+        self._sync_buffers(training=True)
         self._note("forward", "start")
         output = self.module(*inputs, **kwargs)
         # Whether this forward's backward synchronizes is decided now, at forward time: that is
@@ -198,7 +225,7 @@ class MiniDDP(nn.Module, EventRecorder, ShowsItsBuckets, JoinsUnevenInputs, MayH
         self._start_reducing()  # in case backward reached a parameter before the output
         if self._phase is Phase.LOCAL:
             return
-        if self._static_graph and not self._static_graph.last_hook(index):
+        if self._static_graph is not None and not self._static_graph.last_hook(index):
             return  # static_graph: ready after as many hooks as the first backward had
         self._layout.record_ready(index)
         self._note("hook", self.param_names[index])
@@ -245,6 +272,13 @@ class MiniDDP(nn.Module, EventRecorder, ShowsItsBuckets, JoinsUnevenInputs, MayH
         self._note("backward", "end")
         first_static = self._static_graph_first_backward_ends()  # counted hooks, found usage
         missing = [i for i, ready in enumerate(self._marked_ready) if not ready]
+        if missing and self._static_graph is not None and not first_static:
+            self._abandon_unfinished_backward()
+            names = ", ".join(self.param_names[i] for i in missing)
+            raise RuntimeError(
+                f"These parameters got gradients in the first backward pass but none in this "
+                f"one: {names}. So {GRAPH_CHANGED}"
+            )
         if missing and not (self.find_unused_parameters or first_static):
             self._abandon_unfinished_backward()
             names = ", ".join(self.param_names[i] for i in missing)
@@ -257,8 +291,10 @@ class MiniDDP(nn.Module, EventRecorder, ShowsItsBuckets, JoinsUnevenInputs, MayH
         for index in missing:  # reachable from the output, yet no gradient came: unused too
             self._mark_ready(index)
         self._launch_full_buckets()  # nothing left to launch, unless launch_during_backward=False
-        used = self._static_graph_used()  # static_graph's, learnt in its first backward, or None
-        if self.find_unused_parameters:  # parameters no rank used keep .grad (None stays None)
+        # Parameters no rank used keep .grad (None stays None): static_graph learnt which in its
+        # first backward; find_unused_parameters asks every backward.
+        used = None if self._static_graph is None else self._static_graph.used_on_any_rank
+        if self.find_unused_parameters:
             used = self._usage.on_any_rank(self.params[0].device, self.process_group, self._wait)
         for bucket in self._layout.buckets:
             # Each bucket goes back to `.grad` as soon as it arrives, while later ones travel.
@@ -284,8 +320,15 @@ class MiniDDP(nn.Module, EventRecorder, ShowsItsBuckets, JoinsUnevenInputs, MayH
 
     def _reset_backward(self, phase: Phase) -> None:
         self._phase = phase  # and every bucket empty, no parameter marked ready
-        # what the next backward won't reach: static_graph knows it, find_unused's forward finds it
-        self._unused_in_forward: list[int] = self._static_graph_start_over()
+        # What the next backward won't reach: static_graph knows it from its first backward;
+        # find_unused_parameters finds it in each forward. They fire no hook, so they go last in
+        # the order the buckets are rebuilt from, in index order (as in torch).
+        self._unused_in_forward: list[int] = []
+        if self._static_graph is not None:
+            self._unused_in_forward = self._static_graph.start_over()
+            order = self._layout.ready_order
+            if order and not self._layout.has_rebuilt:
+                order.extend(i for i in self._unused_in_forward if i not in order)
         self._marked_ready = [False] * len(self.params)
         self._next_bucket = 0
         for bucket in self._layout.buckets:
@@ -298,3 +341,137 @@ class MiniDDP(nn.Module, EventRecorder, ShowsItsBuckets, JoinsUnevenInputs, MayH
         broadcast_from_rank0([order], "the ready order", self.process_group, self._wait)
         self._layout.rebuild(order.tolist())
         self._note("rebuild", f"{len(self._layout.buckets)} buckets")
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """`with model.join(): for batch in my_batches: ...` trains on uneven inputs, as torch's
+        `DistributedDataParallel.join` does (the arguments are Join's: miniddp/join.py)."""
+        return Join(
+            [self],
+            enable,
+            throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """What this rank runs once it is out of batches while others train (Joinable)."""
+        self._divide_by_initial_world_size = kwargs.get("divide_by_initial_world_size", True)
+        return ShadowsTraining(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.params[0].device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.process_group
+
+    def _tell_join_this_rank_trains(self) -> None:
+        """At the start of each forward under a Join: count in the ranks still training (and
+        raise on every rank if one has joined and `throw_on_early_termination`), choose the
+        divisor, and say whether this forward's backward will sync. Outside a Join: nothing."""
+        if not self._join_config.enable:
+            return
+        still_training = Join.notify_join_context(self)  # an all-reduce of 1 (0 from joiners)
+        if self._comm_hook is None:  # (a comm hook averages; the bucket is not divided)
+            self._divide_by = self.world_size
+            if still_training is not None and not self._divide_by_initial_world_size:
+                still_training.wait()
+                self._divide_by = int(still_training.get_future().value()[0].item())
+        self._any_rank_syncs(torch.is_grad_enabled() and self._require_backward_grad_sync)
+
+    def _any_rank_syncs(self, this_rank_syncs: bool) -> bool:
+        """Join's second all-reduce per iteration: a joined rank shadows the backward's
+        collectives only if some rank still training syncs this iteration."""
+        flag = torch.tensor([int(this_rank_syncs)], device=self.join_device)
+        work = dist.all_reduce(flag, group=self.process_group, async_op=True)
+        self._wait(work, "all-reduce of whether any rank syncs its gradients (Join)")
+        return bool(flag.item())
+
+    def _sync_buffers(self, training: bool) -> None:
+        """After a synced forward (and with broadcast_buffers), copy every buffer from rank 0:
+        replicas compute with the same BatchNorm statistics. Under Join rank 0 may have joined
+        with stale ones, so they come from the highest rank still `training` (a joined rank
+        passes False)."""
+        if not (self.broadcast_buffers and self._require_forward_param_sync):
+            return
+        if not self._buffers_to_sync:
+            return
+        source = self._highest_rank_where(training) if self._join_config.enable else 0
+        broadcast_from_rank0(
+            self._buffers_to_sync, "buffers", self.process_group, self._wait, source
+        )
+
+    def _highest_rank_where(self, condition: bool) -> int:
+        """The highest rank in the group for which `condition` holds (on at least one rank)."""
+        rank = dist.get_rank(self.process_group) if condition else -1
+        highest = torch.tensor([rank], device=self.join_device)
+        work = dist.all_reduce(
+            highest, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True
+        )
+        self._wait(work, "all-reduce choosing the rank to copy from (Join)")
+        return int(highest.item())
+
+    @property
+    def static_graph(self) -> bool:
+        return self._static_graph is not None
+
+    def _set_static_graph(self) -> None:
+        """Declare the graph static (torch's name, for code written against torch's DDP): from
+        now on a `StaticGraph` says when each gradient is ready (miniddp/static_graph.py)."""
+        if self._static_graph is not None:
+            warnings.warn("static_graph is already True; nothing to do.", stacklevel=2)
+            return
+        if self.all_reduce_count:
+            raise RuntimeError("Set static_graph before the first backward pass, not after.")
+        if self.find_unused_parameters:
+            warnings.warn(
+                "static_graph=True finds unused parameters itself (in the first backward); "
+                "find_unused_parameters=True is not needed with it.",
+                stacklevel=2,
+            )
+            # As in torch: the first backward finds them, and buckets start as one, then rebuild.
+            self.find_unused_parameters = False
+            layout = self._layout
+            layout.has_rebuilt = False
+            layout.build(initial_layout(self.params, layout.first_cap, layout.cap, False))
+        self._static_graph = StaticGraph(self.param_names)
+
+    def _static_graph_first_backward_ends(self) -> bool:
+        """At the end of each synced backward: True if it was static_graph's first, which only
+        counted hooks. Its counts become the expectation, and one all-reduce learns which
+        parameters some rank used (the others keep `.grad` as it is, every iteration)."""
+        graph = self._static_graph
+        if graph is None or not graph.counting:
+            return False
+        graph.remember(self._usage)
+        graph.used_on_any_rank = self._usage.on_any_rank(
+            self.join_device, self.process_group, self._wait
+        )
+        return True
+
+    @property
+    def buckets(self) -> list[BucketInfo]:
+        """The current bucket layout, in launch order, described for printing."""
+        return self._layout.describe(self.param_names)
+
+    def describe_buckets(self) -> str:
+        return describe_layout(self.buckets)
+
+    @property
+    def has_rebuilt_buckets(self) -> bool:
+        return self._layout.has_rebuilt
+
+    def bucket_state(self) -> dict[str, Any]:
+        """The bucket layout by parameter name, for checkpoints (see BucketLayout.state)."""
+        return self._layout.state(self.param_names)
+
+    def load_bucket_state(self, state: dict[str, Any]) -> None:
+        """Adopt a layout saved by `bucket_state()` (the same on every rank)."""
+        self._layout.load_state(state, self.param_names)
+        for bucket in self._layout.buckets:
+            bucket.reset()

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from miniddp.buckets import Bucket, BucketInfo, describe_layout
+from miniddp.buckets import Bucket, BucketInfo
 
 MiB = 1024 * 1024
 DEFAULT_BUCKET_CAP_MB = 25.0
@@ -184,33 +184,3 @@ class BucketLayout:
         self.build([[index[name] for name in bucket] for bucket in state["buckets"]])
         self.has_rebuilt = state["rebuilt"]
         self.ready_order = [index[name] for name in state["ready_order"]]
-
-
-class ShowsItsBuckets:
-    """What a DDP with a `BucketLayout` (`self._layout`) shows of it: for tutorials, tests and
-    checkpoints."""
-
-    _layout: BucketLayout
-    param_names: list[str]
-
-    @property
-    def buckets(self) -> list[BucketInfo]:
-        """The current bucket layout, in launch order, described for printing."""
-        return self._layout.describe(self.param_names)
-
-    def describe_buckets(self) -> str:
-        return describe_layout(self.buckets)
-
-    @property
-    def has_rebuilt_buckets(self) -> bool:
-        return self._layout.has_rebuilt
-
-    def bucket_state(self) -> dict[str, Any]:
-        """The bucket layout by parameter name, for checkpoints (see BucketLayout.state)."""
-        return self._layout.state(self.param_names)
-
-    def load_bucket_state(self, state: dict[str, Any]) -> None:
-        """Adopt a layout saved by `bucket_state()` (the same on every rank)."""
-        self._layout.load_state(state, self.param_names)
-        for bucket in self._layout.buckets:
-            bucket.reset()

@@ -17,14 +17,18 @@ order the buckets are rebuilt from, before the third forward.
 
 from __future__ import annotations
 
-import warnings
+from miniddp.autograd_graph import ParameterUsage
 
-from miniddp.layout import initial_layout
-from miniddp.model_checks import ParameterUsage
+GRAPH_CHANGED = (
+    "the graph changed, which static_graph=True does not allow. Keep which parameters are "
+    "used, and how often, the same every iteration, or construct MiniDDP without static_graph "
+    "(with find_unused_parameters=True if some parameters go unused in some iterations)."
+)
 
 
-class HookCounts:
-    """How many times each parameter's hook fires in one synced backward; the first counts."""
+class StaticGraph:
+    """What MiniDDP(static_graph=True) holds: how many times each parameter's hook fires in one
+    synced backward. The first synced backward counts; the later ones are checked against it."""
 
     def __init__(self, names: list[str]) -> None:
         self.names = names
@@ -32,8 +36,14 @@ class HookCounts:
         self.used_on_any_rank: list[bool] | None = None  # also learnt in the first backward
         self._fired = [0] * len(names)
 
+    @property
+    def counting(self) -> bool:
+        """True until the first synced backward is over: it only counts, and reduces at its end."""
+        return self.expected is None
+
     def start_over(self) -> list[int]:
-        """Forget this backward's counts; return the parameters the next one will not reach."""
+        """Forget this backward's counts; return the parameters the next one will not reach:
+        those that fired no hook in the first backward."""
         self._fired = [0] * len(self.names)
         return [] if self.expected is None else [i for i, n in enumerate(self.expected) if not n]
 
@@ -45,72 +55,14 @@ class HookCounts:
         if self._fired[index] > self.expected[index]:
             raise RuntimeError(
                 f"The hook of '{self.names[index]}' fired {self._fired[index]} times in this "
-                f"backward, but {self.expected[index]} times in the first one: the graph "
-                "changed, which static_graph=True does not allow. Keep which parameters are "
-                "used, and how often, the same every iteration, or drop static_graph."
+                f"backward, but {self.expected[index]} times in the first one: {GRAPH_CHANGED}"
             )
         return self._fired[index] == self.expected[index]
 
     def remember(self, usage: ParameterUsage) -> None:
         """The first synced backward is over: its counts become the expectation. Note in
-        `usage` which parameters it used on this rank."""
+        `usage` which parameters it used on this rank (MiniDDP then asks the other ranks)."""
         self.expected = list(self._fired)
         for index, fired in enumerate(self.expected):
             if fired:
                 usage.note(index)
-
-
-class MayHaveStaticGraph:
-    """`static_graph=True` at construction, or `_set_static_graph()` before training."""
-
-    _static_graph: HookCounts | None = None
-
-    @property
-    def static_graph(self) -> bool:
-        return self._static_graph is not None
-
-    def _static_graph_start_over(self) -> list[int]:
-        """Between backwards: the parameters the next one will not reach. They fire no hook, so
-        they go last in the order the buckets are rebuilt from, in index order (as in torch)."""
-        if self._static_graph is None:
-            return []
-        unused = self._static_graph.start_over()
-        order = self._layout.ready_order
-        if order and not self._layout.has_rebuilt:
-            order.extend(i for i in unused if i not in order)
-        return unused
-
-    def _static_graph_first_backward_ends(self) -> bool:
-        """At the end of each synced backward: True if it was static_graph's first, which only
-        counted hooks. Its counts become the expectation, and one all-reduce learns which
-        parameters some rank used (the others keep `.grad` as it is, every iteration)."""
-        counts = self._static_graph
-        if counts is None or counts.expected is not None:
-            return False
-        counts.remember(self._usage)
-        device = self.params[0].device
-        counts.used_on_any_rank = self._usage.on_any_rank(device, self.process_group, self._wait)
-        return True
-
-    def _static_graph_used(self) -> list[bool] | None:
-        return None if self._static_graph is None else self._static_graph.used_on_any_rank
-
-    def _set_static_graph(self) -> None:
-        """Declare the graph static: torch's name, for code written against torch's DDP."""
-        if self._static_graph is not None:
-            warnings.warn("static_graph is already True; nothing to do.", stacklevel=2)
-            return
-        if self.all_reduce_count:
-            raise RuntimeError("Set static_graph before the first backward pass, not after.")
-        if self.find_unused_parameters:
-            warnings.warn(
-                "static_graph=True finds unused parameters itself (in the first backward); "
-                "find_unused_parameters=True is not needed with it.",
-                stacklevel=2,
-            )
-            # As in torch: the first backward finds them, and buckets start as one, then rebuild.
-            self.find_unused_parameters = False
-            layout = self._layout
-            layout.has_rebuilt = False
-            layout.build(initial_layout(self.params, layout.first_cap, layout.cap, False))
-        self._static_graph = HookCounts(self.param_names)

@@ -135,7 +135,7 @@ export MINIDDP_LINK_RATE="$LINK_RATE"  # lets the script say what link it ran on
 
 # How each node's commands start: in its namespace, or here with loopback. Every attempt gets a
 # fresh store, not the agents' shared one: each agent counts its own restarts, so the nodes could
-# not agree on a per-attempt key prefix (see miniddp/env.py).
+# not agree on a per-attempt key prefix (see miniddp/job/env.py).
 enter_node() {
     if [[ "$NETWORK" == namespaces ]]; then
         # gloo picks its interface by the hostname, which resolves to 127.0.0.1: name the veth.

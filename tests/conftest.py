@@ -35,8 +35,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--ddp-claims",
         default="",
         metavar="CLAIM,...",
-        help="stronger claims to check too, from miniddp.steps.CLAIMS: e.g. torch-layout "
-        "(bitwise torch's DDP at any W), batchnorm, mixed-dtypes, no-sync",
+        help="stronger claims to check too, from miniddp.steps.CLAIMS: e.g. buckets (one "
+        "all-reduce per bucket), torch-layout (torch's buckets, bitwise torch's DDP at any W), "
+        "no-sync, batchnorm, mixed-dtypes",
     )
 
 
@@ -49,22 +50,49 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = keep
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Check --ddp and --ddp-claims before anything starts: a wrong file, class or signature
+    is named at once, not after the rank pool started, once per rank."""
+    if not config.getoption("--ddp"):
+        return
+    from miniddp.steps import CLAIMS
+    from tests.harness.idea_checks import IDEA_CLAIMS
+    from tests.harness.your_ddp import check_your_ddp
+
+    config.your_ddp_class = check_your_ddp(config.getoption("--ddp"))
+    claims = frozenset(c for c in config.getoption("--ddp-claims").split(",") if c)
+    if not claims <= CLAIMS | IDEA_CLAIMS:
+        raise pytest.UsageError(
+            f"unknown claims {sorted(claims - CLAIMS - IDEA_CLAIMS)}; choose from "
+            f"{sorted(CLAIMS | IDEA_CLAIMS)}"
+        )
+    config.your_ddp_claims = claims
+
+
 @pytest.fixture(scope="session")
 def your_ddp(request: pytest.FixtureRequest) -> tuple[str, frozenset[str]]:
-    """The class given with --ddp, as "path/to/file.py:CLASS", and the claims to check."""
-    from miniddp.steps import CLAIMS
+    """The class given with --ddp, as "/absolute/path/to/file.py:CLASS", and the claims to
+    check (both checked in pytest_configure)."""
+    return request.config.your_ddp_class, request.config.your_ddp_claims
 
-    where, _, name = request.config.getoption("--ddp").rpartition(":")
-    path = Path(where).resolve()
-    if not where.endswith(".py") or not name or not path.is_file():
-        example = "tutorials/exercises/naive.py:NaiveDDP"
-        raise pytest.UsageError(f"--ddp takes FILE.py:CLASS, e.g. {example}; got {where}:{name}")
-    claims = frozenset(c for c in request.config.getoption("--ddp-claims").split(",") if c)
-    if not claims <= CLAIMS:
-        raise pytest.UsageError(
-            f"unknown claims {sorted(claims - CLAIMS)}; choose from {sorted(CLAIMS)}"
-        )
-    return f"{path}:{name}", claims
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A learner's class that raised on the ranks: show its own error, with its file:line,
+    first and once (`--tb=long` shows the harness's frames and every rank's traceback)."""
+    report = yield
+    wanted = "your_ddp" in getattr(item, "fixturenames", ())
+    if not (report.failed and call.excinfo and wanted and item.config.option.tbstyle == "auto"):
+        return report
+    from tests.harness.pool import RankError
+    from tests.harness.your_ddp import your_error_first
+
+    if isinstance(call.excinfo.value, RankError):
+        path = Path(item.config.your_ddp_class.rpartition(":")[0])
+        short = your_error_first(call.excinfo.value.failures, path)
+        if short is not None:
+            report.longrepr = f"your DDP raised:\n{short}\n\n(--tb=long shows every frame)"
+    return report
 
 
 @pytest.fixture(scope="session")

@@ -110,9 +110,9 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from miniddp.checkpoint import CheckpointError
-    from miniddp.env import cleanup
-    from miniddp.faults import CollectiveFailed
+    from miniddp.job.checkpoint import CheckpointError
+    from miniddp.job.env import cleanup
+    from miniddp.job.faults import CollectiveFailed
 
     def report(event: str, **fields) -> None:
         print(RESULT + json.dumps({"event": event, "time": time.time(), **fields}), flush=True)
@@ -175,7 +175,7 @@ def _all_reduce_step(number: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from miniddp.faults import wait_for
+    from miniddp.job.faults import wait_for
 
     work = dist.all_reduce(torch.ones(1024), async_op=True)
     wait_for(work.get_future(), f"all-reduce of step {number}")
@@ -186,7 +186,7 @@ def _miniddp_step(args: argparse.Namespace, report: Callable[..., None]) -> Call
     from torch import nn
 
     from miniddp import MiniDDP
-    from miniddp.checkpoint import Progress, load_checkpoint, save_checkpoint
+    from miniddp.job.checkpoint import Progress, load_checkpoint, save_checkpoint
 
     torch.manual_seed(0)
     model = MiniDDP(nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1)))
@@ -219,7 +219,7 @@ def _miniddp_step(args: argparse.Namespace, report: Callable[..., None]) -> Call
 
 def _die_halfway_through_the_next_save(report: Callable[..., None]) -> None:
     """Make the next checkpoint write stop halfway with SIGKILL: no exit note, no goodbye."""
-    import miniddp.checkpoint
+    import miniddp.job.checkpoint
 
     def die_halfway(obj, path) -> None:
         path.with_name(f".{path.name}.{os.getpid()}.tmp").write_bytes(b"PK\x03\x04 half a file")

@@ -163,9 +163,26 @@ def early_termination(wrapper: str) -> int:
                      {"throw_on_early_termination": True})["losses"])  # fmt: skip
 
 
-def join_with_static_graph() -> None:
-    """Join and static_graph together: refused on every rank, the joined one included."""
-    train("miniddp", "twice", [1] + [2] * (dist.get_world_size() - 1), {"static_graph": True}, {})
+def torch_with_a_rank_adding_zeros(model_name: str, steps: int, ddp_options: dict) -> dict:
+    """What Join promises for a rank that has no batch at all: it takes part as a rank whose
+    gradients are zeros. Here rank 0 literally does that, with torch's DDP and no Join: every
+    step it backpropagates its loss times 0, so the others' losses, gradients and weights are
+    what a joined rank 0 would leave them."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = WRAPPERS["torch"](MODELS[model_name](), **ddp_options)
+    optimizer = make_optimizer("torch", model, zero=False)
+    losses = []
+    for inputs, targets in batches(steps, seed=100 + rank):
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(inputs), targets)
+        (loss * 0 if rank == 0 else loss).backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return {
+        "state": {k: v.clone() for k, v in model.module.state_dict().items()},
+        "losses": losses,
+    }
 
 
 def without_static_graph() -> None:

@@ -11,8 +11,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from miniddp import MiniDDP
-from miniddp.faults import wait_for
-from miniddp.link import Link, all_reduce_hook, simulated_link
+from miniddp.job.faults import wait_for
+from miniddp.observe.link import Link, all_reduce_hook, simulated_link
 
 
 def all_reduces_over_the_link(link_text: str, numel: int) -> dict:

@@ -3,6 +3,7 @@ trained side by side on the same awkward little model and the same data."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -122,3 +123,35 @@ def construct(rung: int, case: str) -> None:
         LADDER[rung - 1](nn.Linear(2, 2), bucket_cap_mb="25")
     else:
         raise AssertionError(f"unknown case {case}")
+
+
+def all_reduces_per_micro_step(rung: int, micro_steps: int) -> tuple[list[list[int]], int]:
+    """After one plain step (the buckets' rebuild), two optimizer steps of `micro_steps`
+    micro-steps, all but the last inside no_sync(): the all-reduces each micro-step launched,
+    and the number of buckets."""
+    model = LADDER[rung - 1](Scrambled(seed=0, mixed_dtypes=False), bucket_cap_mb=0.0015)
+    x, y = torch.randn(5, 6), torch.randn(5, 3)
+    for _ in range(2):  # the first records the order, the second's forward rebuilds
+        nn.functional.mse_loss(model(x), y).backward()
+    counts = []
+    for _ in range(2):
+        per_micro_step = []
+        for micro in range(micro_steps):
+            before = model.all_reduce_count
+            last = micro == micro_steps - 1
+            with contextlib.nullcontext() if last else model.no_sync():
+                nn.functional.mse_loss(model(x), y).backward()
+            per_micro_step.append(model.all_reduce_count - before)
+        counts.append(per_micro_step)
+    return counts, len(model.buckets)
+
+
+def register_hook(case: str) -> None:
+    """Rung 7's comm hook registered twice, or after training began: the test expects errors."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    model = LADDER[6](nn.Linear(2, 2))
+    if case == "after_a_backward":
+        model(torch.randn(3, 2)).sum().backward()
+    model.register_comm_hook(None, allreduce_hook)
+    model.register_comm_hook(None, allreduce_hook)

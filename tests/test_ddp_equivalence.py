@@ -29,6 +29,7 @@ from tests.harness.equivalence import (
     check_replicas_identical,
     train_specs,
 )
+from tests.harness.idea_checks import check_ideas
 from tests.harness.properties import property_settings
 from tests.workloads import (
     ModelSpec,
@@ -106,10 +107,7 @@ def test_matches_torch_ddp_and_single_process_on_four_ranks(rank_pools, spec):
     run_and_check(rank_pools, 4, spec)
 
 
-@pytest.mark.parametrize("hook", ["allreduce", "fp16_compress"])
-@property_settings(max_examples=15)
-@given(spec=train_specs(max_width=8))
-def test_torchs_comm_hooks_give_torchs_results(rank_pools, hook, spec):
+def check_torchs_comm_hook(rank_pools, spec: TrainSpec, hook: str) -> None:
     """register_comm_hook takes torch's hooks unchanged; results stay bitwise torch's."""
     spec = dataclasses.replace(spec, comm_hook=hook)
     results = rank_pools(3).run(train_both, spec, timeout=120)
@@ -117,6 +115,22 @@ def test_torchs_comm_hooks_give_torchs_results(rank_pools, hook, spec):
     check_replicas_identical(results)
     if hook == "allreduce":
         check_against_single_process(spec, results, 3)
+
+
+@pytest.mark.parametrize("hook", ["allreduce", "fp16_compress"])
+@property_settings(max_examples=15)
+@given(spec=train_specs(max_width=8))
+def test_torchs_comm_hooks_give_torchs_results(rank_pools, hook, spec):
+    check_torchs_comm_hook(rank_pools, spec, hook)
+
+
+@pytest.mark.parametrize("hook", ["allreduce", "fp16_compress"])
+@property_settings(max_examples=6)
+@given(spec=train_specs(max_width=8))
+def test_torchs_comm_hooks_on_the_comm_hook_rung(rank_pools, hook, spec):
+    """Rung 7 (miniddp/steps/comm_hooks.py) claims torch's hook protocol: the same check."""
+    rung = "miniddp.steps.comm_hooks:CommHookDDP"
+    check_torchs_comm_hook(rank_pools, dataclasses.replace(spec, implementation=rung), hook)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -153,6 +167,11 @@ def test_default_caps_on_a_model_larger_than_the_first_bucket(rank_pools):
 
 
 RUNGS = [f"{rung.__module__}:{rung.__name__}" for rung in LADDER if rung is not MiniDDP]
+TORCH_LAYOUT_RUNGS = [
+    f"{rung.__module__}:{rung.__name__}"
+    for rung in LADDER
+    if rung is not MiniDDP and "torch-layout" in rung.claims
+]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -163,10 +182,45 @@ def test_every_rung_of_the_ladder(rank_pools, rung, world_size, spec):
     check_claims(rank_pools, rung, world_size, spec)
 
 
-@property_settings(max_examples=6)
+@pytest.mark.parametrize("rung", TORCH_LAYOUT_RUNGS)
+@property_settings(max_examples=4)
 @given(spec=train_specs(max_width=6))
-def test_the_torch_layout_rung_on_four_ranks(rank_pools, spec):
-    check_claims(rank_pools, "miniddp.steps.torch_layout:TorchLayoutDDP", 4, spec)
+def test_the_torch_layout_rungs_on_four_ranks(rank_pools, rung, spec):
+    check_claims(rank_pools, rung, 4, spec)
+
+
+def with_unused_head(where: str) -> TrainSpec:
+    model = dataclasses.replace(FIXED_SPEC.model, unused=where)
+    return dataclasses.replace(FIXED_SPEC, model=model, find_unused_parameters=True)
+
+
+# Each rung above torch's layout on the examples that exercise what it adds, at W = 3 (where a
+# wrong layout or scaling changes bits): read these first; the random examples above search.
+IDEAS_OF_THE_RUNGS = {
+    # accumulation inside no_sync, with BatchNorm: buffers refreshed only after a synced forward
+    "no_sync": ("miniddp.steps.no_sync:NoSyncDDP", FIXED_SPEC),
+    # a head one rank of three skips: its gradient is the average with that rank's zeros
+    "unused_on_one_rank": (
+        "miniddp.steps.unused:UnusedParametersDDP",
+        with_unused_head("some_ranks"),
+    ),
+    # a head no rank uses: its .grad stays None, as torch's, so momentum never moves it
+    "unused_everywhere": (
+        "miniddp.steps.unused:UnusedParametersDDP",
+        with_unused_head("all_ranks"),
+    ),
+    # gradients living in the buckets, kept across steps by zero_grad(set_to_none=False)
+    "bucket_views": (
+        "miniddp.steps.comm_hooks:CommHookDDP",
+        dataclasses.replace(FIXED_SPEC, gradient_as_bucket_view=True, set_grads_to_none=False),
+    ),
+}
+
+
+@pytest.mark.parametrize("idea", list(IDEAS_OF_THE_RUNGS))
+def test_each_rung_above_torchs_layout_on_the_example_of_its_idea(rank_pools, idea):
+    rung, spec = IDEAS_OF_THE_RUNGS[idea]
+    check_claims(rank_pools, rung, 3, spec)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -175,6 +229,14 @@ def test_your_ddp_on_one_fixed_example(rank_pools, your_ddp, world_size):
     here, in seconds, before hypothesis searches (and shrinks) random ones."""
     implementation, claims = your_ddp
     check_claims(rank_pools, implementation, world_size, FIXED_SPEC, claims)
+
+
+def test_your_ddp_carries_the_idea_it_claims(rank_pools, your_ddp):
+    """The exercises' ideas that gradients cannot show (tests/harness/idea_checks.py): with
+    `--ddp-claims buckets`, one all-reduce per bucket; torch-layout, torch's two default caps;
+    no-sync, nothing sent inside no_sync(). Without such a claim, nothing to check."""
+    implementation, claims = your_ddp
+    check_ideas(rank_pools, implementation, claims)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -1,6 +1,8 @@
 """The exercises in tutorials/exercises/: each stub, as shipped, has its rung's class name,
 signature and claims, and fails the checks its rung passes, with a message that says which
-exercise to fill in; and the command a learner runs on a stub fails, readably.
+exercise to fill in; a class that gets the numbers right but skips the exercise's idea fails
+that idea's check, which names it; a bad `--ddp` is refused at once, naming the problem; and
+the command a learner runs on a stub fails, readably: the learner's own error first, once.
 
 One fixed spec (FIXED_SPEC), two ranks: the rungs' random examples are
 tests/test_ddp_equivalence.py's job; this file only proves that the stubs are where the
@@ -10,15 +12,23 @@ learner starts and the rungs are where the learner can arrive.
 from __future__ import annotations
 
 import inspect
+import re
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 
 from miniddp.steps import BucketedDDP, NaiveDDP, OverlapDDP, TorchLayoutDDP
 from tests.harness.equivalence import FIXED_SPEC, check_claims
-from tests.harness.pool import RankError
+from tests.harness.idea_checks import (
+    check_buckets,
+    check_no_sync,
+    check_torch_layout_at_default_caps,
+)
+from tests.harness.pool import RankError, RankFailure
 from tests.harness.processes import child_env, run_in_own_session, tail
+from tests.harness.your_ddp import check_your_ddp, your_error_first
 from tests.workloads import load_implementation
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,10 +66,196 @@ def test_the_rung_passes_what_its_stub_fails(rank_pools, rung):
 def test_the_learners_command_fails_on_a_stub_and_says_why(tmp_path):
     """What a learner types first. -x stops at the fixed example, before hypothesis's search."""
     command = [
-        sys.executable, "-m", "pytest", "tests/test_ddp_equivalence.py", "-x", "-q",
-        "-p", "no:cacheprovider", "--ddp", "tutorials/exercises/naive.py:NaiveDDP",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "pytest",
+        "tests/test_ddp_equivalence.py",
+        "-x",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--ddp",
+        "tutorials/exercises/naive.py:NaiveDDP",
+    ]
     returncode, output = run_in_own_session(command, child_env(tmp_path), timeout=300)
     assert returncode == 1, f"expected failing tests (exit 1), got {returncode}:\n{tail(output)}"
     assert "1 failed" in output, tail(output)
-    assert "TODO exercise 1 (tutorials/exercises/naive.py, chapter 02)" in output, tail(output)
+    todo = "NotImplementedError: TODO exercise 1 (tutorials/exercises/naive.py, chapter 02)"
+    assert output.count(todo) == 1, tail(output)
+    assert "tutorials/exercises/naive.py:" in output and "raised on ranks 0, 1" in output, output
+    assert "tests/harness/pool.py" not in output, output  # no harness frames
+
+
+def write_class(tmp_path: Path, source: str) -> str:
+    """A learner's file holding `source`; returns its path."""
+    path = tmp_path / "mine.py"
+    path.write_text(textwrap.dedent(source))
+    return str(path)
+
+
+# A class that passes the property checks without the exercise's idea, and the idea it skips.
+RUNG_2_RENAMED = """
+    from miniddp.steps.overlap import OverlapDDP
+
+    class BucketedDDP(OverlapDDP):
+        "Rung 2 under rung 3's name: one all-reduce per gradient, no buckets."
+"""
+EQUAL_CAPS = """
+    from miniddp.steps.torch_layout import TorchLayoutDDP
+
+    class Mine(TorchLayoutDDP):
+        "torch's layout but one cap for every bucket, also at bucket_cap_mb=None."
+        def __init__(self, module, *, bucket_cap_mb=None):
+            super().__init__(module, bucket_cap_mb=bucket_cap_mb)
+            self.caps = (self.caps[1], self.caps[1])
+"""
+NO_SYNC_THAT_SENDS = """
+    import contextlib
+    from miniddp.steps.torch_layout import TorchLayoutDDP
+
+    class Mine(TorchLayoutDDP):
+        "A no_sync() that changes nothing: every micro-step all-reduces, right but wasteful."
+        def no_sync(self):
+            return contextlib.nullcontext()
+"""
+
+
+def test_rung_2_renamed_fails_the_buckets_claim_which_names_the_idea(rank_pools, tmp_path):
+    path = write_class(tmp_path, RUNG_2_RENAMED)
+    check_claims(rank_pools, f"{path}:BucketedDDP", 2, FIXED_SPEC)  # its numbers are right
+    with pytest.raises(AssertionError, match=r"rung 3's rule gives \d+ buckets.*idea of buckets"):
+        check_buckets(rank_pools, f"{path}:BucketedDDP")
+
+
+def test_one_cap_for_every_bucket_fails_torch_layout_at_the_default_caps(rank_pools, tmp_path):
+    path = write_class(tmp_path, EQUAL_CAPS)
+    check_claims(rank_pools, f"{path}:Mine", 2, FIXED_SPEC)  # an explicit cap: both equal
+    with pytest.raises(AssertionError, match="torch caps the first bucket at 1 MiB"):
+        check_torch_layout_at_default_caps(rank_pools, f"{path}:Mine")
+
+
+def test_a_no_sync_that_still_sends_fails_the_no_sync_claim(rank_pools, tmp_path):
+    path = write_class(tmp_path, NO_SYNC_THAT_SENDS)
+    with pytest.raises(AssertionError, match="ran inside no_sync\\(\\) and sent \\d+ all-reduces"):
+        check_no_sync(rank_pools, f"{path}:Mine")
+
+
+def test_the_rungs_pass_the_idea_checks_of_their_exercises(rank_pools):
+    check_buckets(rank_pools, "miniddp.steps.buckets:BucketedDDP")
+    check_torch_layout_at_default_caps(rank_pools, "miniddp.steps.torch_layout:TorchLayoutDDP")
+    check_no_sync(rank_pools, "miniddp.ddp:MiniDDP")
+
+
+@pytest.mark.parametrize(
+    "source, name, problem",
+    [
+        ("class A:\n    pass\n", "B", "defines no B; the classes it defines: A"),
+        ("def f(:\n", "A", "mine.py:1: SyntaxError"),
+        ("import not_a_module_anywhere\n", "A", "raised ModuleNotFoundError"),
+        ("A = 3\n", "A", "A is a int, not a class"),
+        ("class A:\n    def __init__(self, module):\n        pass\n", "A", "cannot be called"),
+        (
+            "class A:\n    def __init__(self, m, *, bucket_cap_mb=None):\n        pass\n",
+            "A",
+            "has no finish_gradient_synchronization()",
+        ),
+    ],
+    ids=["no-such-class", "syntax-error", "import-fails", "not-a-class", "signature", "protocol"],
+)
+def test_a_bad_ddp_option_is_refused_naming_the_problem(tmp_path, source, name, problem):
+    path = write_class(tmp_path, source)
+    with pytest.raises(pytest.UsageError, match=re.escape(problem)):
+        check_your_ddp(f"{path}:{name}")
+
+
+def test_a_missing_file_is_named_as_missing_not_as_a_bad_format(tmp_path):
+    with pytest.raises(pytest.UsageError, match="there is no file nonexistent.py"):
+        check_your_ddp("nonexistent.py:X")
+    with pytest.raises(pytest.UsageError, match="takes FILE.py:CLASS"):
+        check_your_ddp("naive:NaiveDDP")
+
+
+def test_the_bad_option_stops_pytest_at_once_with_one_line(tmp_path):
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "tests/test_ddp_equivalence.py",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--ddp",
+        "nonexistent.py:X",
+    ]
+    returncode, output = run_in_own_session(command, child_env(tmp_path), timeout=120)
+    assert returncode == 4, tail(output)  # pytest's usage error
+    assert "ERROR: --ddp nonexistent.py:X: there is no file nonexistent.py" in output, output
+    assert "Traceback" not in output, output
+
+
+def test_the_learners_error_is_shown_once_with_its_line(tmp_path):
+    path = tmp_path / "mine.py"
+    raised = textwrap.dedent(f"""\
+        Traceback (most recent call last):
+          File "/repo/tests/harness/pool.py", line 97, in _attempt
+            return pickle.dumps(("ok", work()))
+          File "{path}", line 12, in finish_gradient_synchronization
+            raise NotImplementedError("TODO")
+        NotImplementedError: TODO
+    """)
+    failure = RankFailure("NotImplementedError", "TODO", raised)
+    short = your_error_first({0: failure, 1: failure}, path)
+    assert short.count("NotImplementedError: TODO") == 1, short
+    assert "mine.py:12, in finish_gradient_synchronization" in short, short
+    assert "raised on ranks 0, 1" in short and "pool.py" not in short, short
+    elsewhere = RankFailure("RuntimeError", "x", raised.replace(str(path), "/other.py"))
+    assert your_error_first({0: elsewhere}, path) is None  # not the learner's: the full report
+
+
+# What a learner might write for exercise 5: no_sync() sets a flag, each forward reads it (and
+# refreshes the buffers only after a synced forward), the hook obeys what the forward decided.
+NO_SYNC_SOLVED = """
+    import contextlib
+    import torch
+    from miniddp.steps.torch_layout import TorchLayoutDDP
+
+    class NoSyncDDP(TorchLayoutDDP):
+        claims = TorchLayoutDDP.claims | {"no-sync"}
+        wants_sync = syncing = True
+
+        def __init__(self, module, *, bucket_cap_mb=None, broadcast_buffers=True):
+            super().__init__(module, bucket_cap_mb=bucket_cap_mb)
+            self.broadcast_buffers = broadcast_buffers
+
+        @contextlib.contextmanager
+        def no_sync(self):
+            self.wants_sync = False
+            try:
+                yield
+            finally:
+                self.wants_sync = True
+
+        def forward(self, *inputs, **kwargs):
+            after_synced = self.syncing
+            self.syncing = self.wants_sync and torch.is_grad_enabled()
+            if after_synced and self.broadcast_buffers:
+                return super().forward(*inputs, **kwargs)
+            if self._ready_order and torch.is_grad_enabled():
+                self._rebuild_buckets()
+            return self.module(*inputs, **kwargs)
+
+        def _on_gradient_ready(self, index, param):
+            if self.syncing:
+                super()._on_gradient_ready(index, param)
+"""
+NO_SYNC_CLAIMS = frozenset({"batchnorm", "mixed-dtypes", "torch-layout", "no-sync"})
+
+
+def test_the_no_sync_stub_fails_and_a_solution_passes_its_claims(rank_pools, tmp_path):
+    stub = f"{EXERCISES / 'no_sync.py'}:NoSyncDDP"
+    assert load_implementation(stub).claims == NO_SYNC_CLAIMS
+    with pytest.raises(RankError, match="NotImplementedError: TODO exercise 5 "):
+        check_claims(rank_pools, stub, 2, FIXED_SPEC, NO_SYNC_CLAIMS)
+    solved = f"{write_class(tmp_path, NO_SYNC_SOLVED)}:NoSyncDDP"
+    check_claims(rank_pools, solved, 3, FIXED_SPEC, NO_SYNC_CLAIMS)  # torch's bits at W = 3
+    check_no_sync(rank_pools, solved)

@@ -1,6 +1,6 @@
 """A job that ends without cleanup() still ends its process group before Python shuts down,
 so that gloo's threads cannot abort the process at exit (why: `_end_the_group_at_exit` in
-miniddp/env.py); unless an exception is ending the process.
+miniddp/job/env.py); unless an exception is ending the process.
 """
 
 from __future__ import annotations
@@ -60,12 +60,12 @@ from torch import nn
 import miniddp
 from miniddp import MiniDDP, init_distributed
 
-env = init_distributed(timeout=timedelta(seconds=2))
+env = init_distributed(timeout=timedelta(seconds=5))  # long enough for a loaded start-up
 model = MiniDDP(nn.Linear(4, 1))
 for _ in range(5):
     model(torch.randn(8, 4)).sum().backward()
 if env.rank == 0:
-    time.sleep(6)  # a final evaluation, a save: three timeouts long, and no collective
+    time.sleep(11)  # a final evaluation, a save: two timeouts long, and no collective
     print("rank 0 finished its work", flush=True)
 miniddp.cleanup()
 print(f"rank {env.rank} left", flush=True)
@@ -74,7 +74,7 @@ print(f"rank {env.rank} left", flush=True)
 
 def test_cleanup_waits_for_a_rank_that_is_busy_past_the_timeout(tmp_path: Path) -> None:
     """torch's destroy_process_group() lets rank 1 leave while rank 0 still works; MiniDDP's
-    cleanup() waits for it instead (why: miniddp/meet.py), and must not call it missing."""
+    cleanup() waits for it instead (why: miniddp/job/meet.py), and must not call it missing."""
     script = tmp_path / "busy.py"
     script.write_text(BUSY_RANK_0)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]

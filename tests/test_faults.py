@@ -140,3 +140,21 @@ def test_a_rank_that_stops_early_and_calls_cleanup_is_named_on_both_sides(
         seconds = run.detection_s(rank, victim=1)
         record_detection(f"rank 1 stops early and calls cleanup(): rank {rank} ({layer})", seconds)
         assert seconds < 5 * PROCESS_GROUP_TIMEOUT_S, f"rank {rank} took {seconds:.2f} s"
+
+
+def test_the_first_sign_names_the_rank_that_stopped(tmp_path: Path) -> None:
+    """Three ranks, and the middle one stops a step early: whoever notices first names rank 1,
+    and a survivor that heard it from the other one's flag names that survivor."""
+    run = run_ranks(tmp_path, "fewer-steps", "wait_for", world_size=3, victim=1)
+    signs = {}
+    for survivor in (0, 2):
+        message = run.raised(survivor)["message"]
+        signs[survivor] = next(
+            line.strip() for line in message.splitlines() if "First sign" in line
+        )
+    stopped = "First sign: rank 1's process ended without joining it."
+    assert stopped in signs.values(), signs
+    for survivor, other in ((0, 2), (2, 0)):
+        assert signs[survivor] in (stopped, f"First sign: rank {other} gave up first."), signs
+        if signs[survivor] != stopped:
+            assert signs[other] == stopped, signs

@@ -1,7 +1,8 @@
 """`python -m miniddp.figures --out DIR` draws every figure the README shows, as valid PNGs.
 
 It runs the command as a reader would (the 4-rank job it spawns, and chapter 04 under torchrun
-with --plot), into a fresh folder, with a deadline.
+with --plot), into a fresh folder, with a deadline. A folder it cannot write in, and every other
+bad option, is refused before anything runs, once, saying what to give instead.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ import sys
 from pathlib import Path
 
 import matplotlib.image
+import pytest
 
+from miniddp.figures.__main__ import main as figures
 from tests.harness.processes import child_env, run_in_own_session, tail
 
 REPO = Path(__file__).resolve().parents[1]
@@ -20,7 +23,13 @@ FIGURES = [
     "03_buckets.png",
     "04_timelines.png",
     "04_sweep.png",
+    "05_no_sync.png",
+    "08_memory.png",
+    "13_tensor_parallel.png",
+    "14_pipeline.png",
 ]
+# Drawn only with --only 12: chapter 12's 3-minute training run (its claims: test_train_gpt.py).
+ON_REQUEST = ["12_loss.png"]
 TIMEOUT_SECONDS = 300
 
 
@@ -37,4 +46,61 @@ def test_the_figures_command_draws_every_figure(tmp_path: Path) -> None:
 
 def test_the_committed_figures_are_the_ones_the_command_draws() -> None:
     committed = sorted(path.name for path in (REPO / "docs" / "figures").glob("*.png"))
-    assert committed == sorted(FIGURES)
+    assert committed == sorted(FIGURES + ON_REQUEST)
+
+
+def refusal(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exited:
+        figures(argv)
+    assert exited.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_an_out_that_is_a_file_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    """As a reader runs it: one message from argparse, no traceback, nothing drawn."""
+    a_file = tmp_path / "figures.png"
+    a_file.write_bytes(b"")
+    command = [sys.executable, "-m", "miniddp.figures", "--out", str(a_file)]
+    returncode, output = run_in_own_session(command, child_env(tmp_path), timeout=120)
+    assert returncode == 2, tail(output)
+    message = (
+        f"argument --out: cannot write files in '{a_file}': '{a_file}' is a file, not a folder"
+    )
+    assert output.count(message) == 1, output
+    assert "give a folder you can write to (it is made if missing)" in output
+    assert "Traceback" not in output
+
+
+def test_an_out_below_a_file_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("")
+    printed = refusal(["--out", str(a_file / "figures")], capsys)
+    assert printed.count(f"'{a_file}' is a file, not a folder; give a folder you can write") == 1
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_an_out_where_no_file_can_be_made_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """/proc takes no new files, not even from root, for whom permission bits say nothing."""
+    printed = refusal(["--out", "/proc/figures"], capsys)
+    assert (
+        printed.count("cannot write files in '/proc/figures': no file can be made in '/proc'") == 1
+    )
+    assert not Path("/proc/figures").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--only", "01,02"],
+            "argument --only: unknown figure set '02'; choose from 00, 01, 03, 04",
+        ),
+        (["--iters", "0"], "argument --iters: 0 is too small; give a whole number >= 1"),
+    ],
+)
+def test_other_bad_options_are_refused_without_making_the_folder(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "figures"
+    assert refusal(["--out", str(out), *argv], capsys).count(message) == 1
+    assert not out.exists()

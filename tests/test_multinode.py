@@ -30,7 +30,7 @@ SAID_LOOPBACK = "on loopback, without network namespaces"
 # A tiny job: every rank reports its names, then rank 0 times one all-reduce of 4 MB.
 HELLO = """
 import os, time, torch, torch.distributed as dist
-from miniddp.env import init_distributed
+from miniddp.job.env import init_distributed
 env = init_distributed()
 print(f"hello RANK={env.rank} GROUP_RANK={env.node_rank} WORLD_SIZE={env.world_size}", flush=True)
 tensor = torch.ones(1_000_000)
@@ -49,8 +49,8 @@ dist.destroy_process_group()
 LOSE_A_RANK = """
 import os, torch, torch.distributed as dist
 from datetime import timedelta
-from miniddp.env import init_distributed
-from miniddp.faults import CollectiveFailed, wait_for
+from miniddp.job.env import init_distributed
+from miniddp.job.faults import CollectiveFailed, wait_for
 env = init_distributed(timeout=timedelta(seconds=20))
 try:
     for step in range(6):

@@ -1,4 +1,5 @@
-"""The alpha-beta model of a step (miniddp/overlap_model.py), worked by hand on small cases."""
+"""The alpha-beta model of a step (miniddp/observe/overlap_model.py), worked by hand on small
+cases."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from miniddp.overlap_model import predict_step, uniform_buckets
+from miniddp.observe.overlap_model import predict_step, uniform_buckets
 
 MS = 1e-3
 

@@ -1,7 +1,7 @@
 """At the sizes users train at, on a busy machine: no false alarm, and still torch's bits.
 
 Every other test's collectives are tiny and finish within one look of the fault watcher
-(miniddp/faults.py polls every 0.1 s). A 100 MB all-reduce on a loaded machine takes several
+(miniddp/job/faults.py polls every 0.1 s). A 100 MB all-reduce on a loaded machine takes several
 looks, and the moment a collective completes just after a look timed out is exactly where a
 watcher can mistake "late" for "failed". So here: 100 MB collectives and a 25M-parameter model
 at torch's default bucket caps (one 25 MiB bucket after a 1 MiB first one) and at one 100 MB
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import miniddp.faults as faults
+import miniddp.job.faults as faults
 from miniddp import MiniDDP
 from tests.harness.cpu_hog import cpu_hog
 

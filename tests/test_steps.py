@@ -24,10 +24,10 @@ def test_list_names_every_rung_in_order_with_its_file():
     listing = steps_command("list")
     assert listing.returncode == 0, listing.stderr
     rows = listing.stdout.splitlines()
-    assert len(rows) == len(LADDER) == 5
+    assert len(rows) == len(LADDER) == 8
     for number, (row, cls) in enumerate(zip(rows, LADDER), start=1):
         assert row.split()[:2] == [str(number), cls.__name__]
-    assert "miniddp/steps/naive.py" in rows[0] and "miniddp/ddp.py" in rows[4]
+    assert "miniddp/steps/naive.py" in rows[0] and "miniddp/ddp.py" in rows[7]
 
 
 def test_diff_shows_what_one_rung_adds_to_the_previous():
@@ -41,20 +41,45 @@ def test_diff_shows_what_one_rung_adds_to_the_previous():
     assert any("class OverlapDDP" in line for line in removed)
 
 
-def test_diff_four_five_compares_with_miniddp():
-    result = steps_command("diff", "4", "5")
+def test_diff_from_the_top_rung_compares_with_miniddp():
+    result = steps_command("diff", "7", "8")
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[:2] == [
-        "--- miniddp/steps/torch_layout.py",
+        "--- miniddp/steps/comm_hooks.py",
         "+++ miniddp/ddp.py",
     ]
 
 
-@pytest.mark.parametrize("args", [("diff", "0", "3"), ("show", "6"), ("diff", "1", "x")])
+@pytest.mark.parametrize(
+    "before, after, added, removed",
+    [
+        (4, 5, "def no_sync", "class TorchLayoutDDP"),
+        (5, 6, "def parameters_not_reached", "class NoSyncDDP"),
+        (6, 7, "def register_comm_hook", "class UnusedParametersDDP"),
+    ],
+)
+def test_each_rung_above_torchs_layout_adds_its_idea(before, after, added, removed):
+    lines = steps_command("diff", str(before), str(after)).stdout.splitlines()
+    assert any(line.startswith("+") and added in line for line in lines)
+    assert any(line.startswith("-") and removed in line for line in lines)
+
+
+def test_diff_code_leaves_out_the_changes_that_are_only_prose():
+    """What chapters print: the docstring's new story is told by the chapter itself."""
+    everything = steps_command("diff", "4", "5").stdout
+    code = steps_command("diff", "--code", "4", "5").stdout
+    assert "+++ miniddp/steps/no_sync.py" in code and "+    def no_sync" in code
+    assert "+Why the forward decides" in everything and "Why the forward decides" not in code
+    changed = [line for line in code.splitlines()[2:] if line[:1] in "+-"]
+    kept = [line for line in everything.splitlines()[2:] if line[:1] in "+-"]
+    assert set(changed) < set(kept)
+
+
+@pytest.mark.parametrize("args", [("diff", "0", "3"), ("show", "9"), ("diff", "1", "x")])
 def test_a_bad_rung_number_is_refused_with_the_valid_range(args):
     result = steps_command(*args)
     assert result.returncode != 0
-    assert "1 to 5" in result.stderr or "invalid int value" in result.stderr
+    assert "1 to 8" in result.stderr or "invalid int value" in result.stderr
 
 
 def test_show_prints_the_rungs_source():
@@ -66,6 +91,18 @@ def test_every_rung_claims_a_subset_of_the_known_claims():
     for cls in LADDER:
         assert {"batchnorm", "mixed-dtypes"} <= cls.claims <= CLAIMS, cls.__name__
     assert "torch-layout" in LADDER[3].claims and "torch-layout" not in LADDER[2].claims
+
+
+def test_from_torchs_layout_up_each_rung_claims_what_it_adds_and_keeps_the_rest():
+    added = [
+        {"no-sync"},
+        {"find-unused-parameters"},
+        {"comm-hook", "gradient-as-bucket-view"},
+        set(),  # MiniDDP adds what production needs, no new claim: the top rung's claims
+    ]
+    for below, above, new in zip(LADDER[3:], LADDER[4:], added):
+        assert above.claims == below.claims | new, above.__name__
+    assert LADDER[-1].claims == CLAIMS
 
 
 def assert_same_training(results: list[dict]) -> None:
@@ -88,12 +125,14 @@ def test_every_rung_trains_bitwise_like_torchs_ddp_on_two_ranks(rank_pools, rung
 
 @pytest.mark.parametrize("world_size", [3, 4])
 @pytest.mark.parametrize("bucket_cap_mb", [None, 0.0015, 0.0001])
+@pytest.mark.parametrize("rung", [4, 7])
 def test_torch_layout_is_torchs_layout_and_bits_at_three_and_four_ranks(
-    rank_pools, world_size, bucket_cap_mb
+    rank_pools, rung, world_size, bucket_cap_mb
 ):
-    """With 3+ ranks gloo's bits depend on each gradient's offset in its bucket."""
+    """With 3+ ranks gloo's bits depend on each gradient's offset in its bucket: rung 4 has
+    torch's layout, and the rungs above keep it."""
     results = rank_pools(world_size).run(
-        steps_tasks.rung_and_torch, 4, bucket_cap_mb, False, timeout=120
+        steps_tasks.rung_and_torch, rung, bucket_cap_mb, False, timeout=120
     )
     for result in results:
         assert result["rung"]["layout"] == result["torch"]["layout"]
@@ -114,7 +153,7 @@ def test_a_parameter_unused_on_every_rank_is_named_on_every_rank(pool2, rung):
     assert pool2.alive  # every rank issued the same collectives: the pool is still in step
 
 
-@pytest.mark.parametrize("rung", [1, 3, 4])
+@pytest.mark.parametrize("rung", [1, 3, 4, 5, 6, 7])
 def test_a_parameter_unused_on_one_rank_only_raises_there_without_a_hang(pool2, rung):
     """That rank sends zeros in its place, so the ranks stay in step, then refuses. (Rung 2
     launches in gradient-ready order and cannot stay in step: see overlap.py.)"""
@@ -124,10 +163,25 @@ def test_a_parameter_unused_on_one_rank_only_raises_there_without_a_hang(pool2, 
     assert pool2.alive
 
 
+@pytest.mark.parametrize("rung", [5, 6, 7])
+def test_no_sync_skips_the_all_reduces_of_all_but_the_last_micro_step(pool2, rung):
+    """Three micro-steps per optimizer step, the first two inside no_sync(); one step to learn
+    the gradient order, so the buckets are rebuilt before the counted ones."""
+    for counts, buckets in pool2.run(steps_tasks.all_reduces_per_micro_step, rung, 3):
+        assert counts == [[0, 0, buckets]] * 2, counts
+
+
+@pytest.mark.parametrize("case", ["twice", "after_a_backward"])
+def test_a_comm_hook_registered_twice_or_late_is_refused(pool2, case):
+    for outcome in pool2.run_expecting_errors(steps_tasks.register_hook, case, timeout=60):
+        assert isinstance(outcome, RankFailure) and outcome.type_name == "RuntimeError"
+        assert ("only be called once" if case == "twice" else "before the first") in outcome.message
+
+
 BAD_CONSTRUCTION = {
     "no_trainable": ("ValueError", "no parameter that requires grad", RUNGS),
-    "cap_zero": ("ValueError", "bucket_cap_mb must be a positive", [3, 4]),
-    "cap_text": ("ValueError", "got '25'", [3, 4]),
+    "cap_zero": ("ValueError", "bucket_cap_mb must be a positive", range(3, len(LADDER))),
+    "cap_text": ("ValueError", "got '25'", range(3, len(LADDER))),
 }
 
 

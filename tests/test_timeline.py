@@ -1,6 +1,6 @@
-"""miniddp.timeline: spans and summaries from known event lists, the three views, recording on
-real ranks (and off), torch.profiler spans, and the claims chapter 04 makes about the rungs of
-the ladder and the baselines."""
+"""miniddp.observe.timeline: spans and summaries from known event lists, the three views,
+recording on real ranks (and off), torch.profiler spans, and the claims chapter 04 makes
+about the rungs of the ladder and the baselines."""
 
 from __future__ import annotations
 
@@ -14,9 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from miniddp.events import Event
-from miniddp.timeline import COMM, COMPUTE, ProfilerSpans, StepTimeline, split_steps, summarize
-from miniddp.timeline_views import ascii_timeline, chrome_trace, plot
+from miniddp.observe.events import Event
+from miniddp.observe.timeline import (
+    COMM,
+    COMPUTE,
+    ProfilerSpans,
+    StepTimeline,
+    split_steps,
+    summarize,
+)
+from miniddp.observe.timeline_views import ascii_timeline, chrome_trace, plot
 from tests import timeline_tasks
 from tests.harness.processes import child_env, run_in_own_session
 

@@ -13,7 +13,7 @@ TIMEOUT_SECONDS = 240
 
 
 def test_a_chapter_under_torchrun_prints_no_warning(tmp_path: Path) -> None:
-    chapter = REPO / "tutorials" / "03c_torch_layout.py"  # the one `./launch.sh` runs
+    chapter = REPO / "tutorials" / "03_bucketing.py"  # the one `./launch.sh` runs
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node=2", str(chapter)]  # fmt: skip
     returncode, output = run_in_own_session(command, child_env(tmp_path), TIMEOUT_SECONDS)

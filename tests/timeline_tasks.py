@@ -17,10 +17,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from miniddp import MiniDDP
-from miniddp.baselines import BASELINES, DeferredMiniDDP
+from miniddp.observe.baselines import BASELINES, DeferredMiniDDP
+from miniddp.observe.timeline import gather, recording, split_steps, summarize
+from miniddp.observe.timeline_views import chrome_trace
 from miniddp.steps import BucketedDDP, TorchLayoutDDP
-from miniddp.timeline import gather, recording, split_steps, summarize
-from miniddp.timeline_views import chrome_trace
 
 
 def deep_model() -> nn.Sequential:

@@ -176,11 +176,24 @@ def wrap(net: nn.Module, spec: TrainSpec, use_torch: bool) -> nn.Module:
         return DistributedDataParallel(net, bucket_cap_mb=spec.bucket_cap_mb, **options)
     ours = load_implementation(spec.implementation)
     claimed = getattr(ours, "claims", frozenset())
-    if "find-unused-parameters" not in claimed or "gradient-as-bucket-view" not in claimed:
-        assert not spec.find_unused_parameters and not spec.gradient_as_bucket_view
-        assert spec.broadcast_buffers, "the rungs always broadcast buffers"
-        options = {}
+    taken = {option: OPTION_CLAIMS[option] in claimed for option in options}
+    for option, value in options.items():
+        assert taken[option] or value == OPTION_DEFAULTS[option], f"{option} is not claimed"
+    options = {option: value for option, value in options.items() if taken[option]}
     return ours(net, bucket_cap_mb=spec.bucket_cap_mb, **options)
+
+
+# torch's keyword options, and the claim (miniddp.steps.CLAIMS) of a DDP that takes each
+OPTION_CLAIMS = {
+    "broadcast_buffers": "no-sync",
+    "find_unused_parameters": "find-unused-parameters",
+    "gradient_as_bucket_view": "gradient-as-bucket-view",
+}
+OPTION_DEFAULTS = {
+    "broadcast_buffers": True,
+    "find_unused_parameters": False,
+    "gradient_as_bucket_view": False,
+}
 
 
 def train(spec: TrainSpec, use_torch: bool) -> dict:

@@ -187,9 +187,12 @@ def main() -> None:
         The uneven-size caveat comes back with ranks. Give W = {k} ranks the micro-batches of
         sizes {sizes}: the all-reduce weighs each rank by 1/W, and the average misses the
         big-batch gradient by {naive_gap:.1e}. Scaling each rank's mean loss by W n_r / N
-        brings that to {weighted_gap:.1e}. Chapter 02's DistributedSampler pads every rank to
-        the same count, so equal sizes are the default; where ranks count different numbers of
-        tokens, sum the loss and divide by the all-reduced total.""")
+        brings that to {weighted_gap:.1e}. Chapter 02's DistributedSampler gives every rank the
+        same count, so equal sizes are the default; but it gets there by padding, repeating the
+        first indices of the (shuffled) list until N divides by W, so a padded epoch counts
+        those samples twice (drop_last=True drops the tail instead, and those samples are not
+        seen that epoch). Where ranks count different numbers of tokens, sum the loss and divide
+        by the all-reduced total.""")
     )
 
     section("Final check")

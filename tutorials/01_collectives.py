@@ -34,8 +34,8 @@ from common import add_plot_option, end_chapter, fmt_bytes, say, say_all_ranks, 
 
 from miniddp import collectives
 from miniddp.collectives import Message
-from miniddp.env import init_distributed
 from miniddp.figures import draw
+from miniddp.job.env import init_distributed
 
 SWEEP_ROUNDS = 5  # interleaved rounds per size: enough for a first look, not a benchmark
 COUNTING_NUMEL = 2**18  # about 1 MiB of float32 for the byte counts
@@ -213,12 +213,18 @@ def section_counting(world_size: int) -> tuple[bool, dict]:
     say(
         textwrap.dedent(f"""\
         The ring's busiest rank sends {fmt_bytes(ring)} = 2(W-1)/W x {fmt_bytes(nbytes)}: the least
-        any all-reduce can send per rank (Patarasuk and Yuan, 2009). Each rank must ship out the
-        (W-1)/W of its input that others own, and receive the (W-1)/W of the result it does not
-        compute itself. That this does not grow with W is why gloo and NCCL use rings for large
-        tensors; NCCL also runs trees, whose log W steps win when latency dominates (small
-        tensors, many nodes). The busiest rank of reduce_broadcast sends {fmt_bytes(tree)}, of
-        recursive doubling {fmt_bytes(doubling)}: log2 W whole tensors.
+        any all-reduce can send per rank when only the ranks add (Patarasuk and Yuan, 2009). Why,
+        one element at a time: join two ranks by an edge whenever one sends the other a value of
+        that element. A rank can hold the full sum only once its piece of the graph reaches all W
+        ranks, which takes W-1 messages; and the W-1 others, still lacking the sum at that moment,
+        each need at least one more message. So every element costs 2(W-1) messages, the n
+        elements 2(W-1) n in all, and some rank sends at least a W-th of that: 2(W-1)/W n. That
+        this does not grow with W is why gloo and NCCL use rings for large tensors. (Switches
+        that add, NVLink SHARP on NVSwitch or SHARP on InfiniBand, break the premise: each GPU
+        sends its n once and receives the sum once.) NCCL also runs trees, whose log W steps win
+        when latency dominates (small tensors, many nodes). The busiest rank of reduce_broadcast
+        sends {fmt_bytes(tree)}, of recursive doubling {fmt_bytes(doubling)}: log2 W whole
+        tensors.
         With W = 2 all three send the same n; recursive doubling then needs a single step, and the
         ring's only edge is that each rank adds up half the tensor instead of all of it.""")
     )

@@ -5,7 +5,7 @@
 
 Every rank holds a full copy of the model and trains on its own shard of each batch. Two rules
 keep the copies identical, and `miniddp.steps.NaiveDDP`, the first rung of the ladder of DDPs
-that chapters 03a-03d climb, implements both:
+that chapters 02b-03f climb, implements both:
 
 1. Start equal: broadcast every parameter and buffer from rank 0.
 2. Step equal: after backward, replace each gradient by its average over the ranks. Every rank
@@ -38,7 +38,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
-from miniddp.env import init_distributed
+from miniddp.job.env import init_distributed
 from miniddp.sampler import DistributedSampler
 from miniddp.steps import NaiveDDP
 from miniddp.steps.__main__ import label
@@ -212,7 +212,7 @@ def main() -> None:
         with SUM. With 2 ranks that sum is a + b = b + a, exactly, however the gradients are
         packed, so the bits must agree;
         with more ranks gloo's order of additions depends on where each gradient sits in torch's
-        buckets (rung 4, chapter 03c, copies that layout), so only the tolerance holds.""")
+        buckets (rung 4, chapter 03e, copies that layout), so only the tolerance holds.""")
     )
     assert torch_gap.item() <= TOLERANCE
     if world_size == 2:
@@ -228,7 +228,7 @@ def main() -> None:
           cost of a network round trip, however small the tensor.
         - Nothing overlaps: communication starts only after the whole backward is done, and each
           all-reduce waits for the one before it, while the CPU or GPU sits idle.
-        Chapter 03a climbs one rung: each gradient's all-reduce starts, without blocking, as soon
+        Chapter 02b climbs one rung: each gradient's all-reduce starts, without blocking, as soon
         as backward has produced it, so communication hides behind the rest of backward.""")
     )
     dist.barrier()  # every rank has passed its own checks

@@ -4,7 +4,7 @@
         [--link alpha=5ms,bandwidth=250mbit] the default: a slow network, simulated
         [--link none]                        the bare machine
 
-Chapters 03a-03d showed buckets launching while backward still runs. This chapter measures what
+Chapters 02b-03f showed buckets launching while backward still runs. This chapter measures what
 that buys, on the ladder of designs (`miniddp/steps/`), each fixing the previous one's problem:
 
 1. naive: after backward, one blocking all-reduce per gradient. Nothing overlaps.
@@ -12,11 +12,11 @@ that buys, on the ladder of designs (`miniddp/steps/`), each fixing the previous
    still as many messages, and latencies, as tensors.
 3. buckets (MiniDDP): a few big messages, each launched as soon as it is full.
 
-Then a bucket-size sweep against the alpha-beta model (`miniddp/overlap_model.py`).
+Then a bucket-size sweep against the alpha-beta model (`miniddp/observe/overlap_model.py`).
 
 On one machine the "network" is memory copies by the cores that run backward: fast, and it
 steals compute, so overlap would be noise. So every design talks over the same simulated link
-(`miniddp/link.py`): each collective still runs, but completes only when a link of latency
+(`miniddp/observe/link.py`): each collective still runs, but completes only when a link of latency
 alpha and the given bandwidth would have delivered it; waiting costs no CPU. Designs are timed
 interleaved, in a rotated order, so their ratios mean something even on a busy machine.
 """
@@ -36,16 +36,16 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from miniddp import MiniDDP
-from miniddp.baselines import DeferredMiniDDP, NoCommunication
 from miniddp.bench.paired import paired_ratio, time_interleaved
 from miniddp.bench.workloads import Workload
-from miniddp.env import init_distributed
 from miniddp.figures import draw
-from miniddp.link import all_reduce_hook, simulated_link
-from miniddp.overlap_model import predict_step, uniform_buckets
+from miniddp.job.env import init_distributed
+from miniddp.observe.baselines import DeferredMiniDDP, NoCommunication
+from miniddp.observe.link import all_reduce_hook, simulated_link
+from miniddp.observe.overlap_model import predict_step, uniform_buckets
+from miniddp.observe.timeline import StepTimeline, gather, recording, split_steps, summarize
+from miniddp.observe.timeline_views import ascii_timeline
 from miniddp.steps import BucketedDDP, NaiveDDP, OverlapDDP, TorchLayoutDDP
-from miniddp.timeline import StepTimeline, gather, recording, split_steps, summarize
-from miniddp.timeline_views import ascii_timeline
 
 # A slow, shared network (think cloud regions apart): 5 ms a collective, 250 Mbit/s. Slow enough
 # that the link, not this machine's busy cores, sets the pace of communication.
@@ -230,9 +230,9 @@ def main() -> None:
     say_prose(f"""\
         Fitted on lone all-reduces over this link: alpha = {alpha * 1e6:.0f} us a bucket,
         beta = {beta * 1e9:.2f} ns a byte. Backward takes {backward * 1e3:.1f} ms, the rest of
-        a step {rest * 1e3:.1f} ms. The model (miniddp/overlap_model.py): gradients arrive at an
-        even pace; buckets go one at a time, each alpha + beta b after it is full and the link
-        free. Model = rest + max(backward, the last bucket's arrival).""")
+        a step {rest * 1e3:.1f} ms. The model (miniddp/observe/overlap_model.py): gradients
+        arrive at an even pace; buckets go one at a time, each alpha + beta b after it is full
+        and the link free. Model = rest + max(backward, the last bucket's arrival).""")
     say()
     say(f"{'layers/bucket':>13} {'buckets':>7} {'mean size':>10} {'measured':>9} {'model':>8}")
     sweep = []

@@ -1,6 +1,7 @@
 """Chapter 05: gradient accumulation with no_sync(), and the pitfall that silently undoes it.
 
     torchrun --nproc_per_node=2 tutorials/05_no_sync.py [--micro-steps 4] [--bucket-cap-mb 0.004]
+                                                        [--diff]
 
 Chapter 00 added up k micro-batches in `.grad` before one optimizer step. Under DDP every backward
 ends with an all-reduce, so k micro-steps would pay k rounds of communication when only the final
@@ -12,8 +13,11 @@ sum is needed. `no_sync()` skips the first k-1:
             loss.backward()
     optimizer.step()
 
-The chapter counts the collectives, checks the result against one process training on the
-global batch, then shows the pitfall: the forward outside `no_sync()`, only backward inside.
+Rung 5 of the ladder, NoSyncDDP (miniddp/steps/no_sync.py), is rung 4 plus exactly this. The
+chapter prints what it adds (`python -m miniddp.steps diff --code 4 5`), counts the collectives,
+checks the result against one process training on the global batch and against torch's DDP bit
+for bit, then shows the pitfall: the forward outside `no_sync()`, only backward inside. Its
+picture, docs/figures/05_no_sync.png, is one such step on a time axis.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 from common import (
+    add_diff_option,
     end_chapter,
     fmt_bytes,
     make_dataset,
@@ -32,14 +37,15 @@ from common import (
     parameter_checksum,
     say,
     say_all_ranks,
+    say_rung_diff,
     section,
 )
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from miniddp import MiniDDP
-from miniddp.env import init_distributed
+from miniddp.job.env import init_distributed
+from miniddp.steps import NoSyncDDP
 
 MICRO_BATCH = 4  # samples per rank per micro-step
 OPTIMIZER_STEPS = 3
@@ -92,7 +98,7 @@ def torch_ddp_counting(model: nn.Module, bucket_cap_mb: float) -> DistributedDat
 
 def warm_up(ddp: nn.Module, micro_batches) -> None:
     """Two plain steps, gradients discarded: the first records the gradient order, the second's
-    forward rebuilds the buckets (chapter 03c). The layout is fixed from then on."""
+    forward rebuilds the buckets (chapter 03e). The layout is fixed from then on."""
     for _ in range(2):
         accumulate(ddp, micro_batches[:1], "without no_sync")
 
@@ -101,6 +107,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Chapter 05: no_sync and accumulation.")
     parser.add_argument("--micro-steps", type=int, default=4, help="k, micro-steps per step")
     parser.add_argument("--bucket-cap-mb", type=float, default=0.004, help="bucket cap in MiB")
+    add_diff_option(parser)
     args = parser.parse_args()
     env = init_distributed()
     k, world_size = args.micro_steps, env.world_size
@@ -111,11 +118,24 @@ def main() -> None:
     mine = [[(x[s, j, env.rank], y[s, j, env.rank]) for j in range(k)] for s in range(x.shape[0])]
     say(f"Chapter 05: no_sync on {world_size} ranks, {k} micro-steps of {MICRO_BATCH} samples")
 
+    section("0. What rung 5 adds to rung 4")
+    say_rung_diff(4, 5, whole=args.diff)
+    say(
+        textwrap.dedent("""\
+        One flag, read at the end of every forward: inside no_sync() the forward records that
+        its backward must not synchronize, and every hook of that backward returns at once, so
+        autograd's own accumulation into .grad is all that happens. The first forward outside
+        arms the hooks; its backward copies the whole accumulated .grad into the buckets and
+        all-reduces them, exactly as rung 4 did with one micro-step's gradient. Buffers follow
+        the same flag: they are refreshed from rank 0 only before a forward that follows a
+        synced one. MiniDDP's no_sync() is this rung's.""")
+    )
+
     model = make_model(seed=0)  # float64: differences below are rounding, not noise
-    ddp = MiniDDP(model, bucket_cap_mb=args.bucket_cap_mb)
+    ddp = NoSyncDDP(model, bucket_cap_mb=args.bucket_cap_mb)
     warm_up(ddp, mine[0])
     buckets = len(ddp.buckets)
-    synced_bytes = sum(b.nbytes for b in ddp.buckets)
+    synced_bytes = sum(b.flat.nbytes for b in ddp.buckets)
     say(f"After warm-up: {buckets} buckets, {fmt_bytes(synced_bytes)} all-reduced per synced step.")
 
     section("1. Accumulating without no_sync: every backward all-reduces")
@@ -158,7 +178,7 @@ def main() -> None:
         (the ranks) and knows nothing about micro-steps.""")
     )
 
-    section("3. Same as one process on the global batch")
+    section("3. Same as one process on the global batch, and as torch's DDP")
     single = make_model(seed=0)
     single_optimizer = torch.optim.SGD(single.parameters(), lr=LEARNING_RATE)
     for step in range(OPTIMIZER_STEPS):
@@ -187,6 +207,25 @@ def main() -> None:
     replicas_equal = torch.equal(highest, lowest)
     say_all_ranks(f"checksum after training: {parameter_checksum(model):+.15f}")
     say(f"Replicas bit-for-bit equal on all ranks (elementwise MAX == MIN): {replicas_equal}")
+    reference = make_model(seed=0)
+    torch_plain = DistributedDataParallel(reference, bucket_cap_mb=args.bucket_cap_mb)
+    for _ in range(2):  # the same warm-up: the order recorded, then the buckets rebuilt
+        reference.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(torch_plain(mine[0][0][0]), mine[0][0][1]).backward()
+    torch_optimizer = torch.optim.SGD(reference.parameters(), lr=LEARNING_RATE)
+    for step in range(OPTIMIZER_STEPS):  # the same loop, through torch's DDP
+        torch_optimizer.zero_grad()
+        for j, (inputs, targets) in enumerate(mine[step]):
+            with torch_plain.no_sync() if j < k - 1 else nullcontext():
+                (nn.functional.mse_loss(torch_plain(inputs), targets) / k).backward()
+        torch_optimizer.step()
+    torch_flat = torch.cat([p.detach().flatten() for p in reference.parameters()])
+    same_as_torch = torch.tensor(float(torch.equal(flat, torch_flat)))
+    dist.all_reduce(same_as_torch, op=dist.ReduceOp.MIN)
+    say(
+        f"Parameters bit for bit torch's DDP's after the same loop, on every rank: "
+        f"{bool(same_as_torch.item())}"
+    )
 
     section("4. Forgetting / k")
     _, divided = accumulate(ddp, mine[0], "no_sync")
@@ -216,7 +255,7 @@ def main() -> None:
         Whether a backward synchronizes is decided by its forward: outside no_sync() the forward
         arms the reducer, and the hooks that backward fires only read that decision. So the pitfall
         all-reduces on every micro-step: {k} x {buckets} = {sum(results["pitfall"])} collectives and
-        {every_bytes} instead of {fmt_bytes(synced_bytes)}, in MiniDDP and torch alike. Nothing
+        {every_bytes} instead of {fmt_bytes(synced_bytes)}, in rung 5 and torch alike. Nothing
         fails and the gradient is still right, so the waste shows only in the count, the bytes and
         the time. The reverse, forward inside and backward outside, does skip: only the forward's
         place matters.""")
@@ -228,13 +267,20 @@ def main() -> None:
     assert gap_every <= TOLERANCE, gap_every
     assert max_error.item() <= TOLERANCE, max_error
     assert replicas_equal, "replicas drifted apart"
+    assert same_as_torch.item() == 1, "not torch's DDP's parameters bit for bit"
     assert torch.allclose(ratio, torch.full_like(ratio, k), rtol=TOLERANCE, atol=0), ratio
     assert results["pitfall"] == [buckets] * k == results["torch pitfall"], results
     assert results["forward only inside"] == quiet == results["torch no_sync"], results
+    dist.barrier()  # every rank has passed its own checks
     say(
-        f"Verified: with no_sync, {sum(quiet)} all-reduces per step instead of {sum(every)}; "
-        f"parameters match one process within {TOLERANCE:.0e}; replicas identical; "
-        f"forward outside no_sync still costs {k} x {buckets} all-reduces."
+        f"Verified on {world_size} ranks: with no_sync, {sum(quiet)} all-reduces per step "
+        f"instead of {sum(every)}; parameters match one process within {TOLERANCE:.0e} and "
+        f"torch's DDP bit for bit; replicas identical; forward outside no_sync still costs "
+        f"{k} x {buckets} all-reduces."
+    )
+    say(
+        "The picture: docs/figures/05_no_sync.png, one such step on 2 ranks, timed "
+        "(python -m miniddp.figures --out docs/figures --only 05 draws it again)."
     )
     end_chapter()
 

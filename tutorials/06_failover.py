@@ -23,7 +23,7 @@ Why a checkpoint must hold more than the model (the mistakes of well-known tutor
   only checkpoint. Rank 0 writes, into a temporary file renamed over the old one.
 - `torch.load` without `map_location`: every rank loads onto the GPU that saved the tensors.
 - With 3 or more ranks, even MiniDDP's bucket layout: gloo's sums depend on where each gradient
-  sits in its bucket, and a fresh wrapper starts again from its first-step layout (chapter 03c).
+  sits in its bucket, and a fresh wrapper starts again from its first-step layout (chapter 03e).
 
 Why ranks may change across restarts: each attempt is a new rendezvous. torchrun documents that
 RANK is not stable between restarts (nodes are ranked by sorting their descriptors in each round,
@@ -51,14 +51,14 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from miniddp import DistributedSampler, MiniDDP
-from miniddp.checkpoint import (
+from miniddp.job.checkpoint import (
     Progress,
     load_checkpoint,
     read_checkpoint,
     restore_rng_state,
     save_checkpoint,
 )
-from miniddp.env import DistEnv, init_distributed
+from miniddp.job.env import DistEnv, init_distributed
 
 SEED = 0
 SAMPLES_PER_RANK = 48

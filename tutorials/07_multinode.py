@@ -48,11 +48,11 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from miniddp import MiniDDP
-from miniddp.env import DistEnv, cleanup, init_distributed
-from miniddp.link import simulated_link
+from miniddp.job.env import DistEnv, cleanup, init_distributed
+from miniddp.observe.link import simulated_link
+from miniddp.observe.timeline import recording, split_steps, summarize
+from miniddp.observe.timeline_views import ascii_timeline
 from miniddp.sampler import DistributedSampler
-from miniddp.timeline import recording, split_steps, summarize
-from miniddp.timeline_views import ascii_timeline
 
 TRAIN_STEPS = 4
 LEARNING_RATE = 0.1
@@ -273,8 +273,9 @@ def explain_bucket_caps(results: dict[str, Timed], link_rate: str) -> None:
     )
     if len(results["torch default"].model.buckets) == 1:
         say(
-            "torch's default caps only the first bucket, at 1 MiB: this whole model fits in it, "
-            "so it gets\none bucket too. Real models are far bigger than 1 MiB."
+            "torch's default caps the first bucket at 1 MiB and every later one at 25 MiB: this "
+            "whole model fits\nin the first, so it gets one bucket too. Real models are far "
+            "bigger than 1 MiB."
         )
     if link_rate:
         say(
@@ -286,7 +287,8 @@ def explain_bucket_caps(results: dict[str, Timed], link_rate: str) -> None:
         say(
             "Nothing slows this link down, so communication is cheap. To feel a slow "
             "interconnect, run\n    ./launch.sh --emulate-nodes 2 --link-rate 100mbit "
-            "tutorials/07_multinode.py\nor, without root, over a simulated link (miniddp/link.py):"
+            "tutorials/07_multinode.py\nor, without root, over a simulated link "
+            "(miniddp/observe/link.py):"
             "\n    torchrun --nproc_per_node=2 tutorials/07_multinode.py "
             "--link alpha=200us,bandwidth=100mbit"
         )

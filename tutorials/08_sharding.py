@@ -30,7 +30,7 @@ from torch import nn
 from miniddp import MiniDDP, ZeroRedundancyOptimizer, full_state_dict, fully_shard
 from miniddp.collectives import traffic
 from miniddp.comm_hooks import all_reduce_hook
-from miniddp.env import init_distributed
+from miniddp.job.env import init_distributed
 from miniddp.sharding import (
     Formula,
     clip_grad_norm_,

@@ -2,15 +2,17 @@
 
     torchrun --nproc_per_node=2 tutorials/10_mistakes.py
 
-tutorials/mistakes/ holds twelve classic DDP bugs, each a rung of the ladder or the training
+tutorials/mistakes/ holds eleven classic DDP bugs, each a rung of the ladder or the training
 loop with one change, and tests/test_mistakes.py proves that the property tests catch every one
-of them. This chapter runs five, each next to its fix, on the same model and the same data:
+of them. This chapter runs six, each next to its fix:
 
 1. no broadcast at construction, with ranks seeded differently: the replicas never meet;
 2. a hook that all-reduces the parameter instead of its gradient: the replicas drift apart;
 3. the loss not divided by the accumulation steps: gradients k times too large;
 4. no_sync() around backward only: right numbers, k times the communication;
-5. a parameter that gets no gradient: torch's DDP is silent for a step, MiniDDP names it.
+5. a parameter that gets no gradient: torch's DDP is silent for a step, MiniDDP names it;
+6. buckets launched in the order they filled: ranks whose gradients come in another order sum
+   one bucket with another.
 
 Each section prints the mistake's one-line summary and its code, measures the symptom on the
 mistake and on the fix, and asserts that the symptom is there, and gone with the fix.
@@ -30,14 +32,15 @@ from mistakes import (
     loss_not_divided,
     no_construction_broadcast,
     no_sync_backward_only,
+    ready_order,
     unused_parameter,
 )
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from miniddp import MiniDDP
-from miniddp.env import init_distributed
-from miniddp.steps import NaiveDDP, OverlapDDP
+from miniddp.job.env import init_distributed
+from miniddp.steps import BucketedDDP, NaiveDDP, OverlapDDP
 
 STEPS = 3
 BATCH = 8  # samples per rank per step (or micro-step)
@@ -116,10 +119,21 @@ def unused_parameter_under(wrapper: type, rank: int) -> tuple[float | None, str]
     return gap, "nothing"
 
 
+def gradients_apart_with_rank_ordered_branches(wrapper: type, rank: int) -> float:
+    """One backward of RankOrderedBranches (odd ranks run its two branches in the other order)
+    in `wrapper`, a bucket per weight: how far the ranks' averaged gradients are apart."""
+    torch.manual_seed(0)
+    net = ready_order.RankOrderedBranches()
+    model = wrapper(net, bucket_cap_mb=1e-6)  # 1 byte: every weight in a bucket of its own
+    x = torch.randn(BATCH, 4, generator=torch.Generator().manual_seed(rank))
+    nn.functional.mse_loss(model(x), torch.zeros(BATCH, 4)).backward()
+    return spread([p.grad for p in net.parameters()])
+
+
 def main() -> None:
     env = init_distributed()
     rank, world_size = env.rank, env.world_size
-    say(f"Chapter 10: five classic DDP mistakes on {world_size} ranks, each next to its fix")
+    say(f"Chapter 10: six classic DDP mistakes on {world_size} ranks, each next to its fix")
 
     section("1. No broadcast at construction, ranks seeded differently")
     show(no_construction_broadcast, no_construction_broadcast.NoConstructionBroadcast)
@@ -193,10 +207,31 @@ def main() -> None:
     assert torch_gap > 0 and "Expected to have finished reduction" in torch_raised
     assert "spare_head.weight" in ours_raised and "find_unused_parameters=True" in ours_raised
 
+    section("6. Buckets launched in the order they filled, not in bucket order")
+    show(ready_order, ready_order.LaunchesInReadyOrder)
+    mistake = gradients_apart_with_rank_ordered_branches(ready_order.LaunchesInReadyOrder, rank)
+    fix = gradients_apart_with_rank_ordered_branches(BucketedDDP, rank)
+    say(
+        f"Ranks' averaged gradients apart after one backward: {mistake:.3g} (the mistake), "
+        f"{fix:.3g} (rung 3)."
+    )
+    say(
+        textwrap.dedent("""\
+        The odd ranks run the two branches in the other order, so their backward fills the other
+        bucket first. A collective pairs with the other ranks' calls by its place in the
+        sequence, not by its name: launched as they fill, rank 0's first all-reduce (one weight's
+        bucket) is summed with rank 1's first (the other weight's). Both are 4 x 4, so nothing
+        complains: each rank gets a wrong average, a different one. Rung 3 launches strictly in
+        bucket order, a full bucket waiting for the earlier ones, so every rank's k-th
+        all-reduce is bucket k.""")
+    )
+    assert mistake > 1e-3 and fix == 0
+
     dist.barrier()  # every rank has passed its own checks
     say(
-        f"\nVerified on {world_size} ranks: each of the five mistakes shows its symptom (replicas "
-        f"apart, gradients x{K}, {K}x the all-reduces, a silent step) and each fix removes it."
+        f"\nVerified on {world_size} ranks: each of the six mistakes shows its symptom (replicas "
+        f"apart, gradients x{K}, {K}x the all-reduces, a silent step, buckets mixed up) and each "
+        "fix removes it."
     )
     end_chapter()
 

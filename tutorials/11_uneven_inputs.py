@@ -35,8 +35,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from miniddp import MiniDDP
-from miniddp.env import init_distributed
-from miniddp.faults import CollectiveFailed
+from miniddp.job.env import init_distributed
+from miniddp.job.faults import CollectiveFailed
 
 SHORT_TIMEOUT = timedelta(seconds=3)  # how long the demonstration waits for a silent rank
 BATCH = 4

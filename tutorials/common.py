@@ -17,11 +17,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from miniddp.env import cleanup
-from miniddp.link import ENVIRONMENT_VARIABLE, Link
+from miniddp.job.env import cleanup
+from miniddp.observe.link import ENVIRONMENT_VARIABLE, Link
+from miniddp.observe.timeline import StepTimeline, gather, split_steps
+from miniddp.observe.timeline_views import ascii_timeline
 from miniddp.steps.__main__ import diff, idea, label
-from miniddp.timeline import StepTimeline, gather, split_steps
-from miniddp.timeline_views import ascii_timeline
 
 
 def make_dataset(
@@ -104,7 +104,7 @@ def fmt_bytes(n: float) -> str:
 
 
 def add_link_option(parser: argparse.ArgumentParser, default_link: str = "none") -> None:
-    """--link: a simulated network (miniddp/link.py) for every collective, or 'none'."""
+    """--link: a simulated network (miniddp/observe/link.py) for every collective, or 'none'."""
     parser.add_argument(
         "--link",
         type=Link.parse,
@@ -119,14 +119,25 @@ def add_plot_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", type=Path, metavar="DIR", help="save this run's figures here")
 
 
-def say_rung_diff(before: int, after: int) -> None:
-    """What rung `after` adds to rung `before`: `python -m miniddp.steps diff before after`."""
+def add_diff_option(parser: argparse.ArgumentParser) -> None:
+    """--diff: print the rung's whole diff, its docstring's story included, not just its code."""
+    parser.add_argument(
+        "--diff", action="store_true", help="print the whole diff, not only the code hunks"
+    )
+
+
+def say_rung_diff(before: int, after: int, whole: bool = False) -> None:
+    """What rung `after` adds to rung `before`: its code hunks, the prose being the chapter's
+    (`python -m miniddp.steps diff --code before after`); with `whole`, the whole diff."""
     say(f"Rung {after}, {label(after)}: {idea(after).split(': ', 1)[-1]}")
-    say(f"\n$ python -m miniddp.steps diff {before} {after}\n{diff(before, after)}")
+    command = f"python -m miniddp.steps diff {'' if whole else '--code '}{before} {after}"
+    shown = diff(before, after, code_only=not whole)
+    note = "" if whole else "\n(only the hunks that change code: --diff prints the whole diff)"
+    say(f"\n$ {command}\n{shown}{note}")
 
 
 def ladder_model() -> nn.Sequential:
-    """The model chapters 03a-03d climb the ladder with: five Linear layers, 8 -> 32 -> 32 -> 32
+    """The model chapters 02b-03f climb the ladder with: five Linear layers, 8 -> 32 -> 32 -> 32
     -> 32 -> 1, in float32 like most training: 10 gradient tensors, 3,489 numbers, 13.6 KiB."""
     return make_model(seed=0, in_features=8, hidden=32, depth=5, dtype=torch.float32)
 

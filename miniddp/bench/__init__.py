@@ -1,8 +1,10 @@
 """Benchmarks: `python -m miniddp.bench COMMAND [options]`.
 
-Each command is a module here with a `main(argv)` that runs on every rank. Run plainly, the
-benchmark relaunches itself under torchrun with two ranks (the real launcher, not a home-made
-one); under torchrun it uses the ranks it was given.
+Each command is a module here with a `parse_args(argv)`, which checks every option and touches
+nothing distributed, and a `main(argv)` that runs on every rank. Run plainly, the benchmark
+checks the options, then relaunches itself under torchrun with two ranks (the real launcher, not
+a home-made one); under torchrun it uses the ranks it was given. A bad option is refused by the
+first process, once, before anything starts (`__main__.check_options`).
 """
 
 from __future__ import annotations
@@ -12,17 +14,15 @@ import sys
 
 import torch
 
-from miniddp.env import launched_by_torchrun
+from miniddp.job.env import launched_by_torchrun
 
 
 def relaunch_under_torchrun(argv: list[str], nproc: int = 2) -> None:
     """Replace this process with `torchrun --standalone --nproc_per_node=N -m miniddp.bench ...`."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # one compute thread per rank: the ranks share cores
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={nproc}", "-m", "miniddp.bench", *argv,
-    ]  # fmt: skip
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command = [*torchrun, f"--nproc_per_node={nproc}", "-m", "miniddp.bench", *argv]
     print("+ " + " ".join(command[1:]), flush=True)
     os.execvpe(sys.executable, command, env)
 

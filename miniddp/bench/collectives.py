@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 
 from miniddp import collectives
+from miniddp.bench.options import whole_number, writable_file
 from miniddp.collectives import KiB, MiB
-from miniddp.env import cleanup, init_distributed
+from miniddp.job.env import cleanup, init_distributed
 
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"
 IMPLEMENTATIONS = ("gloo", "reduce_broadcast", "recursive_doubling", "ring", "auto")
@@ -141,25 +142,51 @@ def fastest_of_ours(rows: list[dict]) -> list[tuple[int, str]]:
     return [(size, name) for size, (_, name) in sorted(fastest.items())]
 
 
-def main(argv: list[str]) -> None:
+def parse_sizes(text: str) -> list[int]:
+    """--sizes: bytes of float32 tensors, so each a positive multiple of 4."""
+    sizes = []
+    for part in text.split(","):
+        try:
+            size = parse_size(part)
+        except (ValueError, OverflowError):  # not a number; "infK"
+            size = None
+        if size is None or size <= 0 or size % 4:
+            raise argparse.ArgumentTypeError(
+                f"{part.strip()!r} is not a size in bytes > 0 and a multiple of 4 (float32); "
+                f"give sizes like {DEFAULT_SIZES}"
+            )
+        sizes.append(size)
+    return sizes
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m miniddp.bench collectives",
         description="All-reduce: gloo against MiniDDP's send/recv algorithms, interleaved.",
     )
     parser.add_argument(
-        "--sizes", default=DEFAULT_SIZES, help=f"comma-separated sizes (default {DEFAULT_SIZES})"
+        "--sizes",
+        type=parse_sizes,
+        default=DEFAULT_SIZES,
+        help=f"comma-separated sizes (default {DEFAULT_SIZES})",
     )
     parser.add_argument(
         "--iters",
-        type=int,
+        type=whole_number(at_least=1),
         default=100,
         help="rounds per size (default 100); sizes above 4 MiB get fewer, at least 8",
     )
-    parser.add_argument("--json", metavar="PATH", help="also write the results here")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--json", metavar="PATH", type=writable_file, help="also write the results here"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
     env = init_distributed()
     world_size = env.world_size
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    sizes = args.sizes
     if world_size < 2:
         raise SystemExit("run with at least 2 ranks: there is nothing to communicate with one")
 

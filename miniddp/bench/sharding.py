@@ -26,10 +26,11 @@ import torch.distributed as dist
 from torch import nn
 
 from miniddp import MiniDDP, ZeroRedundancyOptimizer, fully_shard
+from miniddp.bench.options import whole_number, writable_file
 from miniddp.bench.paired import paired_ratio, paired_ratio_interval, rotated
 from miniddp.collectives import traffic
 from miniddp.comm_hooks import all_reduce_hook
-from miniddp.env import cleanup, init_distributed
+from miniddp.job.env import cleanup, init_distributed
 from miniddp.sharding import Formula, ddp_buckets, measure_memory, reduce_scatter_hook
 
 STAGES = ("ddp", "zero1", "zero2", "zero3")
@@ -168,14 +169,30 @@ def report(rows: list[dict], times: dict[str, list[float]] | None) -> dict:
     return summary
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m miniddp.bench sharding",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    positive = whole_number(at_least=1)
+    parser.add_argument("--width", type=positive, default=256, help="Linear width (default 256)")
+    parser.add_argument("--depth", type=positive, default=4, help="Linear layers (default 4)")
+    parser.add_argument("--batch", type=positive, default=32, help="samples per rank (default 32)")
+    parser.add_argument(
+        "--iters",
+        type=whole_number(at_least=0),
+        default=20,
+        help="timed steps (default 20; 0 skips)",
+    )
+    parser.add_argument(
+        "--json", metavar="PATH", type=writable_file, help="also write the results here"
+    )
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="python -m miniddp.bench sharding", description=__doc__)
-    parser.add_argument("--width", type=int, default=256, help="Linear width (default 256)")
-    parser.add_argument("--depth", type=int, default=4, help="Linear layers (default 4)")
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--iters", type=int, default=20, help="timed steps (default 20; 0 skips)")
-    parser.add_argument("--json", metavar="PATH", help="also write the results here")
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     env = init_distributed()
     rows = []
     for world in [w for w in (1, 2, 4) if w <= env.world_size]:

@@ -9,9 +9,9 @@ from collections.abc import Callable
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from miniddp.baselines import BASELINES, DeferredMiniDDP
 from miniddp.ddp import MiniDDP
-from miniddp.link import active_link, all_reduce_hook
+from miniddp.observe.baselines import BASELINES, DeferredMiniDDP
+from miniddp.observe.link import active_link, all_reduce_hook
 
 
 def _torch_ddp(**options) -> Callable[[nn.Module], nn.Module]:

@@ -1,6 +1,6 @@
 """The step benchmark's models, each rebuilt identically on every call, with one rank's batch
-and its loss: an MLP of big tensors, a small transformer with a tied embedding, and a deep stack
-of 300 small tensors (where per-hook Python shows)."""
+and its loss: an MLP of big tensors, a small transformer with a tied embedding, a deep stack
+of 300 small tensors (where per-hook Python shows), and chapter 12's character-level GPT."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from miniddp.models.gpt import GPT, GPTConfig
 
 
 @dataclass(frozen=True)
@@ -20,6 +22,7 @@ class Workload:
     build: Callable[[], nn.Module]
     batch: tuple[torch.Tensor, ...]
     loss: Callable[[nn.Module, tuple[torch.Tensor, ...]], torch.Tensor]
+    tokens: int = 0  # predicted per rank per step, for a language model's tokens per second
 
 
 def _seeded(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
@@ -58,7 +61,7 @@ def _next_token_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch
 
 
 def workloads(rank: int) -> dict[str, Workload]:
-    """The three models, each with this rank's own (seeded) batch."""
+    """The four models, each with this rank's own (seeded) batch."""
     generator = torch.Generator().manual_seed(1000 + rank)
     return {
         "mlp": Workload(
@@ -81,6 +84,15 @@ def workloads(rank: int) -> dict[str, Workload]:
             _seeded(lambda: nn.Sequential(*[m for _ in range(150) for m in _linear_tanh(64)])),
             (torch.randn(32, 64, generator=generator),),
             _mean_square,
+        ),
+        "gpt": Workload(
+            "gpt",
+            "chapter 12's GPT: 4 blocks, width 128, 98 characters, dropout 0.1: 0.8M parameters "
+            "in 52 tensors, 16 x 64 characters",
+            _seeded(lambda: GPT(GPTConfig(vocab_size=98))),
+            (torch.randint(0, 98, (16, 65), generator=generator),),
+            _next_token_loss,
+            tokens=16 * 64,
         ),
     }
 

@@ -10,6 +10,11 @@ Where the data comes from:
 - 04: chapter 04 itself, under torchrun on 2 ranks over its simulated link, with `--plot`: the
   ladder's timelines and the bucket-size sweep come from a real, timed run.
 - 00: one process trains the same model on one big batch and on micro-batches.
+- 05, 08, 13: chapter 05's no_sync timeline (2 gloo ranks), and two drawn from formulas and
+  layouts: memory per rank per sharding stage, the tensor-parallel column/row split.
+- 14: a job of 4 gloo ranks runs GPipe and 1F1B on stages of fixed cost (figures/pipeline.py).
+- 12 (only when asked, `--only 12`: a 3-minute training run): chapter 12 under torchrun on 2
+  ranks with `--plot`, its GPT's loss curves on MiniDDP and torch's DDP.
 """
 
 from __future__ import annotations
@@ -21,12 +26,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-from miniddp.figures import draw, record
+from miniddp.bench.options import whole_number, writable_folder
+from miniddp.figures import draw, memory, no_sync, pipeline, record, tensor_parallel
 
 REPO = Path(__file__).resolve().parents[2]
 CHAPTER_04 = REPO / "tutorials" / "04_overlap.py"
 CHAPTER_04_TIMEOUT_S = 300
 CHAPTER_04_FIGURES = ("04_timelines.png", "04_sweep.png")
+CHAPTER_12 = REPO / "tutorials" / "12_train_gpt.py"
+CHAPTER_12_TIMEOUT_S = 900
+FIGURE_SETS = ("00", "01", "03", "04", "05", "08", "13", "14")  # the default set
+ON_REQUEST = ("12",)  # a whole training run: only with --only 12
 
 
 def run_chapter_04(out: Path, iters: int) -> None:
@@ -53,16 +63,55 @@ def run_chapter_04(out: Path, iters: int) -> None:
               f"(exit {done.returncode}); run it alone to see why", file=sys.stderr)  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m miniddp.figures", description=__doc__)
-    parser.add_argument("--out", type=Path, required=True, help="folder for the PNGs")
-    parser.add_argument("--only", default="00,01,03,04", help="chapters to draw, e.g. 01,03")
-    parser.add_argument("--iters", type=int, default=6, help="chapter 04's timed iterations")
-    args = parser.parse_args(argv)
-    chosen = set(args.only.split(","))
-    unknown = chosen - {"00", "01", "03", "04"}
+def run_chapter_12(out: Path) -> Path:
+    """Chapter 12's default run under torchrun on 2 ranks, with --plot; its checkpoints in a
+    temporary folder. Like chapter 04, it checks its own claims: here, the picture."""
+    figure = out / "12_loss.png"
+    figure.unlink(missing_ok=True)
+    with tempfile.TemporaryDirectory() as checkpoints:
+        command = [
+            *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"),
+            *(str(CHAPTER_12), "--plot", str(out), "--checkpoint-dir", checkpoints),
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        done = subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=CHAPTER_12_TIMEOUT_S
+        )
+    if done.returncode != 0 or not figure.exists():
+        output = (done.stdout + done.stderr)[-4000:]
+        raise RuntimeError(f"chapter 12 failed (exit {done.returncode}):\n{output}")
+    return figure
+
+
+def figure_sets(text: str) -> set[str]:
+    """--only: which chapters' figures to draw."""
+    chosen = set(text.split(","))
+    unknown = chosen - set(FIGURE_SETS) - set(ON_REQUEST)
     if unknown:
-        parser.error(f"unknown figure set {sorted(unknown)}; choose from 00, 01, 03, 04")
+        raise argparse.ArgumentTypeError(
+            f"unknown figure set {', '.join(map(repr, sorted(unknown)))}; choose from "
+            f"{', '.join(FIGURE_SETS + ON_REQUEST)}, comma-separated"
+        )
+    return chosen
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m miniddp.figures",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--out", type=writable_folder, required=True, help="folder for the PNGs (made if missing)"
+    )
+    parser.add_argument(
+        "--only", type=figure_sets, default=",".join(FIGURE_SETS), help="e.g. 01,03"
+    )
+    parser.add_argument(
+        "--iters", type=whole_number(at_least=1), default=6, help="chapter 04's timed iterations"
+    )
+    args = parser.parse_args(argv)
+    args.out, chosen = Path(args.out), args.only
     args.out.mkdir(parents=True, exist_ok=True)
     written = []
     if chosen & {"01", "03"}:
@@ -80,9 +129,24 @@ def main(argv: list[str] | None = None) -> None:
         written.append(
             draw.accumulation(record.accumulation_losses(), args.out / "00_accumulation.png", title)
         )
+    if "05" in chosen:
+        with tempfile.TemporaryDirectory() as work_dir:
+            written.append(
+                no_sync.draw(no_sync.record(Path(work_dir)), args.out / "05_no_sync.png")
+            )
+    if "08" in chosen:
+        written.append(memory.memory_per_rank(args.out / "08_memory.png"))
     if "04" in chosen:
         run_chapter_04(args.out, args.iters)
         written += [args.out / name for name in CHAPTER_04_FIGURES]
+    if "12" in chosen:
+        written.append(run_chapter_12(args.out))
+    if "13" in chosen:
+        written.append(tensor_parallel.column_row_split(args.out / "13_tensor_parallel.png"))
+    if "14" in chosen:
+        with tempfile.TemporaryDirectory() as work_dir:
+            drawn = pipeline.run_pipeline_job(Path(work_dir))
+        written.append(pipeline.schedules(drawn, args.out / "14_pipeline.png"))
     for path in written:
         print(path)
 

@@ -14,10 +14,10 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt
 
-from miniddp import timeline_views
 from miniddp.buckets import BucketInfo
 from miniddp.collectives import Message
-from miniddp.timeline import StepTimeline
+from miniddp.observe import timeline_views
+from miniddp.observe.timeline import StepTimeline
 
 DPI = 100
 # PNGs without the matplotlib version stamped in: the same data gives the same bytes.
@@ -149,6 +149,29 @@ def accumulation(losses: dict[str, Sequence[float]], path: str | Path, title: st
     axes.set_xlabel("optimizer step")
     axes.set_ylabel("loss on the whole batch")
     axes.set_yscale("log")
+    axes.set_title(title, fontsize=10)
+    axes.legend()
+    return save(figure, path)
+
+
+def loss_curves(
+    runs: dict[str, tuple[Sequence[float], Sequence[tuple[int, float]]]],
+    path: str | Path,
+    title: str,
+) -> Path:
+    """Training loss per step (a line) and validation loss (dots), one colour per run; later
+    runs dashed and thinner, so that a run equal to the first lies visibly on top of it."""
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    for number, (label, (train, validation)) in enumerate(runs.items()):
+        style = {"linewidth": max(0.8, 2.5 - 0.9 * number)}
+        style["linestyle"] = "-" if number == 0 else (0, (4, 3))
+        training = {"color": f"C{2 * number}", "label": f"{label}: training"}
+        axes.plot(range(1, len(train) + 1), train, **training, **style)
+        steps, values = zip(*validation)
+        held_out = {"color": f"C{2 * number + 1}", "label": f"{label}: validation"}
+        axes.plot(steps, values, marker="o", markersize=max(3, 9 - 3 * number), **held_out, **style)
+    axes.set_xlabel("optimizer step")
+    axes.set_ylabel("loss, nats per character")
     axes.set_title(title, fontsize=10)
     axes.legend()
     return save(figure, path)

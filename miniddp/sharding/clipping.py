@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from miniddp.faults import wait_for
+from miniddp.job.faults import wait_for
 
 
 @dataclass(frozen=True)

@@ -50,9 +50,9 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from miniddp import collectives
-from miniddp.env import HOW_TO_LAUNCH
-from miniddp.faults import wait_for
-from miniddp.model_checks import verify_same_model_on_every_rank
+from miniddp.job.env import HOW_TO_LAUNCH
+from miniddp.job.faults import wait_for
+from miniddp.same_model import verify_same_model_on_every_rank
 from miniddp.sharding.clipping import Spread, mark_spread
 from miniddp.sharding.units import (
     check_every_rank_gathers,

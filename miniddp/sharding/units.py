@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from miniddp import collectives
-from miniddp.faults import CollectiveFailed, ranks, wait_for
+from miniddp.job.faults import CollectiveFailed, ranks, wait_for
 
 if TYPE_CHECKING:
     from miniddp.sharding.fully_shard import ShardedParameters

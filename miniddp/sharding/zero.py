@@ -29,9 +29,9 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from miniddp import collectives
-from miniddp.env import HOW_TO_LAUNCH
-from miniddp.faults import wait_for
-from miniddp.model_checks import verify_same_model_on_every_rank
+from miniddp.job.env import HOW_TO_LAUNCH
+from miniddp.job.faults import wait_for
+from miniddp.same_model import verify_same_model_on_every_rank
 from miniddp.sharding.clipping import Spread, mark_spread
 
 

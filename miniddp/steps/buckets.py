@@ -33,8 +33,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from miniddp.events import EventRecorder
 from miniddp.layout import bucket_caps
+from miniddp.observe.events import EventRecorder
 from miniddp.steps import shared
 
 

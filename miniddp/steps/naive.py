@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from miniddp.events import EventRecorder
+from miniddp.observe.events import EventRecorder
 from miniddp.steps import shared
 
 

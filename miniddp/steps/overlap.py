@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from miniddp.events import EventRecorder
+from miniddp.observe.events import EventRecorder
 from miniddp.steps import shared
 
 
@@ -77,6 +77,12 @@ class OverlapDDP(nn.Module, EventRecorder):
     def _on_gradient_ready(self, index: int, param: torch.Tensor) -> None:
         """Runs inside the autograd engine right after `param.grad` was accumulated."""
         if not self._in_flight:  # the first gradient of this backward
+            # `Variable._execution_engine` is autograd's engine, the C++ object that runs every
+            # backward pass; `queue_callback(fn)` asks it to call `fn` once, when the backward
+            # pass it is running now has finished, before `loss.backward()` returns. No public
+            # torch API says "when this backward ends", so torch's own FSDP calls this private
+            # one too. It is valid only inside a running backward (elsewhere it raises), as
+            # here in a gradient hook. Every rung from here up uses it the same way.
             Variable._execution_engine.queue_callback(self._finish_backward)
         self._note("hook", self.param_names[index])
         param.grad.mul_(1.0 / self.world_size)

@@ -21,9 +21,8 @@ rank issues the same collectives. A bucket closes once it holds at least its cap
 tensor, then close), so it can overshoot by one tensor; a tensor is never split.
 
 What it costs: as rung 3, B * alpha + 2 (W-1)/W * N * beta, plus one broadcast of P integers,
-once. What it lacks (MiniDDP, miniddp/ddp.py, adds it): no_sync() for gradient accumulation,
-unused parameters, communication hooks, gradient_as_bucket_view, checks that every rank holds
-the same model, and errors that name a rank that stopped answering.
+once. What it lacks (the next rung, no_sync.py, adds it): gradient accumulation without
+communication; each backward all-reduces, even when k micro-steps only need their sum averaged.
 """
 
 from __future__ import annotations
@@ -37,8 +36,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from miniddp.events import EventRecorder
 from miniddp.layout import MiB, bucket_caps
+from miniddp.observe.events import EventRecorder
 from miniddp.steps import shared
 
 

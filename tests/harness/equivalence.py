@@ -86,7 +86,7 @@ def train_specs(draw, max_width: int = 12) -> TrainSpec:
 
 def fit_to_claims(spec: TrainSpec, implementation: str, claims: frozenset[str]) -> TrainSpec:
     """Keep only what a DDP claims to support (miniddp.steps.CLAIMS) of a drawn spec; a DDP
-    without torch's keyword options always broadcasts buffers."""
+    that does not claim no_sync always broadcasts buffers (broadcast_buffers comes with it)."""
     model = spec.model
     if "batchnorm" not in claims:
         model = dataclasses.replace(model, batchnorm=False)
@@ -94,14 +94,14 @@ def fit_to_claims(spec: TrainSpec, implementation: str, claims: frozenset[str]) 
         model = dataclasses.replace(model, dtype="float32")
     if "find-unused-parameters" not in claims:
         model = dataclasses.replace(model, unused="none")
-    takes_torchs_options = {"find-unused-parameters", "gradient-as-bucket-view"} <= claims
     return dataclasses.replace(
         spec,
         model=model,
         implementation=implementation,
-        find_unused_parameters=spec.find_unused_parameters and takes_torchs_options,
-        gradient_as_bucket_view=spec.gradient_as_bucket_view and takes_torchs_options,
-        broadcast_buffers=spec.broadcast_buffers or not takes_torchs_options,
+        find_unused_parameters=spec.find_unused_parameters and "find-unused-parameters" in claims,
+        gradient_as_bucket_view=spec.gradient_as_bucket_view
+        and "gradient-as-bucket-view" in claims,
+        broadcast_buffers=spec.broadcast_buffers or "no-sync" not in claims,
         accumulate_with_no_sync="no-sync" in claims,
         comm_hook=spec.comm_hook if "comm-hook" in claims else None,
     )

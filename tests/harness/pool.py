@@ -67,6 +67,7 @@ class RankError(AssertionError):
     """Some ranks raised. The message holds each one's traceback, so pytest shows them all."""
 
     def __init__(self, failures: dict[int, RankFailure]) -> None:
+        self.failures = failures
         self.errors = {rank: (f.type_name, f.message) for rank, f in failures.items()}
         details = "\n".join(
             f"--- rank {rank} raised {f.type_name}: {f.message}\n{f.traceback}"

@@ -1,15 +1,18 @@
-"""Exercise 3 (chapter 03b): BucketedDDP, gradients packed into a few flat buckets.
+"""Exercise 3 (chapter 03): BucketedDDP, gradients packed into a few flat buckets.
 
 Rung 2 sent one message per gradient: P tensors paid P latencies. Here gradients are copied,
 scaled by 1/W, into flat buckets of about `bucket_cap_mb` MiB, and each full bucket goes out as
-one async all-reduce, strictly in bucket order. Fill in the TODOs, then check:
+one async all-reduce, strictly in bucket order. Fill in the TODOs, then check, with the claim
+that checks the idea itself:
 
-    python -m pytest tests/test_ddp_equivalence.py --ddp tutorials/exercises/buckets.py:BucketedDDP
+    python -m pytest tests/test_ddp_equivalence.py -x \
+        --ddp tutorials/exercises/buckets.py:BucketedDDP --ddp-claims buckets
 
-The checks see gradients, not buckets: a layout of one parameter per bucket passes them too. So
-also look at `len(ddp.buckets)` and `[b.params for b in ddp.buckets]`, as chapter 03b prints them.
-Stuck? Chapter 03b (tutorials/03b_bucketing.py) explains the idea; the answer is rung 3,
-miniddp/steps/buckets.py (`python -m miniddp.steps diff 2 3`).
+The gradient checks alone cannot see buckets: one all-reduce per gradient gets the same numbers.
+`--ddp-claims buckets` counts your all-reduces per step against the buckets rung 3's rule gives
+for the cap, and checks that each one carries exactly its bucket's gradients.
+Stuck? Chapter 03 (tutorials/03_bucketing.py) explains the idea. Only once your own attempt
+passes, compare it with rung 3, miniddp/steps/buckets.py.
 """
 
 from __future__ import annotations
@@ -42,9 +45,11 @@ def assign_buckets(params: list[torch.Tensor], order: list[int], cap: int) -> li
     """Group parameter indices into buckets, walking `order`.
 
     TODO 1. As shipped, every parameter gets a bucket of its own: correct, and rung 2 in
-    disguise. Instead, each (dtype, device) fills its own bucket (a flat tensor has one dtype):
-    add the parameter, *then* close the bucket if it holds at least `cap` bytes (`p.nbytes`).
-    Return the closed buckets in the order they closed, then the partly filled ones.
+    disguise. What must hold: a bucket is one flat tensor, so it holds one dtype on one
+    device; a bucket closes once it holds at least `cap` bytes, the tensor that crosses the cap
+    included (a tensor is never split); and every rank must compute the same layout, so it may
+    depend only on what every rank knows. Chapter 03 states the rule and the order the buckets
+    come out in; `--ddp-claims buckets` compares your layout's all-reduces with it.
     """
     return [[index] for index in order]
 
@@ -82,37 +87,36 @@ class BucketedDDP(nn.Module):
     def _on_gradient_ready(self, index: int, param: torch.Tensor) -> None:
         """Runs inside the autograd engine right after `param.grad` was accumulated.
 
-        TODO 2. On the first gradient of a backward, queue `self._finish_backward`
-        (`torch.autograd.Variable._execution_engine.queue_callback`). Note the arrival in
-        `self._arrived`. Copy the gradient, scaled by 1.0 / W, into its view
-        (`self._slot[index]`; one pass: `torch.mul(..., out=view)`), count it in
-        `bucket.ready`, and once the bucket is full, call `self._launch_ready_buckets()`.
+        TODO 2. As in exercise 2, something must run when this backward is over. The gradient's
+        place is now its slice of a bucket (`self._slot[index]`), scaled as before; a bucket can
+        leave only once all of its gradients are in, so it must know how many are. Copying and
+        scaling are one pass over the memory if done together.
         """
         raise NotImplementedError(
-            "TODO exercise 3 (tutorials/exercises/buckets.py, chapter 03b): copy the gradient "
+            "TODO exercise 3 (tutorials/exercises/buckets.py, chapter 03): copy the gradient "
             "into its bucket in BucketedDDP._on_gradient_ready"
         )
 
     def _launch_ready_buckets(self) -> None:
-        """TODO 3. Launch full buckets strictly in index order, from `self._next_bucket` on:
-        stop at the first bucket that is not full, even if a later one is. Collectives pair up
-        by their order on each rank; launching in the order buckets happen to fill could pair
-        one rank's bucket 2 with another's bucket 1 (tutorials/mistakes/ready_order.py)."""
+        """TODO 3. Launch the buckets that are full, without waiting for them. Collectives pair
+        up by their order on each rank, and buckets may fill in a different order on each rank:
+        what order of launches makes every rank's k-th all-reduce the same bucket, whatever the
+        order they filled in? (tutorials/mistakes/ready_order.py shows what goes wrong.)"""
         raise NotImplementedError(
-            "TODO exercise 3 (tutorials/exercises/buckets.py, chapter 03b): launch the full "
+            "TODO exercise 3 (tutorials/exercises/buckets.py, chapter 03): launch the full "
             "buckets in index order in BucketedDDP._launch_ready_buckets"
         )
 
     def _finish_backward(self) -> None:
         """Queued on the autograd engine: runs once, when the whole backward pass is done.
 
-        TODO 4. Parameters that got no gradient still need zeros in their views, so that every
-        rank launches every bucket (then refuse them: `shared.no_gradient`). Launch what is left,
-        then for each bucket in order: wait, copy each view back into its `param.grad`, and reset
-        the bucket (`ready`, `work`) and `self._arrived`, `self._next_bucket` for the next
-        backward.
+        TODO 4. When this returns, every `.grad` holds its average, read back from its bucket,
+        and nothing is left for the next backward to trip over. Every rank must launch every
+        bucket, even one holding a parameter that got no gradient on this rank (what should its
+        slice hold, so that the others' sum is right?); this rung then refuses such a parameter
+        (`shared.no_gradient`).
         """
         raise NotImplementedError(
-            "TODO exercise 3 (tutorials/exercises/buckets.py, chapter 03b): wait for each "
+            "TODO exercise 3 (tutorials/exercises/buckets.py, chapter 03): wait for each "
             "bucket and write it back in BucketedDDP._finish_backward"
         )

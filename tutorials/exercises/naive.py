@@ -9,8 +9,9 @@ same replica, the gradients must equal one process training on the global batch 
 and with 2 ranks they must be bit for bit those of torch's DistributedDataParallel. A failure
 names the parameter, the step, the values expected and got, and what such a gap usually means.
 
-Stuck? Chapter 02 (tutorials/02_naive_ddp.py) explains the idea; the answer is rung 1,
-miniddp/steps/naive.py (`python -m miniddp.steps show 1`).
+Stuck? Chapter 02 (tutorials/02_naive_ddp.py) explains the idea, and the failure says what the
+gap usually means. Only once your own attempt passes, compare it with rung 1,
+miniddp/steps/naive.py.
 """
 
 from __future__ import annotations
@@ -39,9 +40,11 @@ class NaiveDDP(nn.Module):
         self.world_size = dist.get_world_size()
         # The parameters to average, in registration order, a tied weight once.
         self.param_names, self.params = shared.trainable_parameters(module, "NaiveDDP")
-        # TODO 1: start every replica equal. Ranks may have built their models from different
-        # seeds: overwrite every parameter AND buffer with rank 0's values, on every rank
-        # (hint: dist.broadcast(tensor, src=0), under torch.no_grad()).
+        # TODO 1: every replica must start equal, or averaging gradients keeps them apart
+        # forever: the ranks may have built their models from different seeds. Which rank's
+        # values win does not matter, as long as every rank ends with the same ones; and the
+        # buffers (BatchNorm's statistics) are part of the replica too. Chapter 02, "start
+        # equal", shows the collective that does it.
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         # Given: like torch's DDP, start every forward from rank 0's buffers (BatchNorm's running
@@ -52,11 +55,16 @@ class NaiveDDP(nn.Module):
     def finish_gradient_synchronization(self) -> None:
         """Replace every `param.grad` by its average over the ranks; called after backward.
 
-        TODO 2. The average of W gradients is sum(g_r) / W. Compute it as torch's DDP does, to
-        get torch's bits: multiply each gradient by the float 1.0 / W, then dist.all_reduce it
-        (SUM, in place). Dividing after the sum gives other last bits when W = 3. A parameter
-        whose .grad is None got no gradient: this rung may refuse it (shared.no_gradient), but
-        only after sending zeros in its place, or the other ranks wait for it forever.
+        TODO 2. What must hold afterwards: every rank's `.grad` is the mean over the ranks of
+        their gradients, so each rank takes the optimizer step one process would take on the
+        global batch (chapter 02 derives why the mean, not the sum). The checks also want
+        torch's exact bits, and floating-point arithmetic is not associative: find in chapter 02
+        in which order torch scales and sums, and do the same.
+
+        Two traps. A collective pairs the ranks' calls by their order: every rank must make the
+        same calls in the same order, even for a parameter that got no gradient on this rank
+        (`.grad is None`), or the others wait forever; this rung may then refuse such a
+        parameter (`shared.no_gradient`). And `dist.all_reduce` works in place.
         """
         raise NotImplementedError(
             "TODO exercise 1 (tutorials/exercises/naive.py, chapter 02): average every "

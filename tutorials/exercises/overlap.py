@@ -1,4 +1,4 @@
-"""Exercise 2 (chapter 03a): OverlapDDP, each gradient's all-reduce launched from its hook.
+"""Exercise 2 (chapter 02b): OverlapDDP, each gradient's all-reduce launched from its hook.
 
 Rung 1 sent nothing until backward was over. Here a hook on every parameter launches that
 gradient's all-reduce the moment autograd has accumulated it into `.grad`, without waiting, and
@@ -6,8 +6,8 @@ one callback at the end of backward waits for them all. Fill in the TODOs, then 
 
     python -m pytest tests/test_ddp_equivalence.py --ddp tutorials/exercises/overlap.py:OverlapDDP
 
-Stuck? Chapter 03a (tutorials/03a_overlap.py) explains the idea; the answer is rung 2,
-miniddp/steps/overlap.py (`python -m miniddp.steps diff 1 2` shows what it adds to rung 1).
+Stuck? Chapter 02b (tutorials/02b_overlap.py) explains the idea. Only once your own attempt
+passes, compare it with rung 2, miniddp/steps/overlap.py.
 """
 
 from __future__ import annotations
@@ -54,27 +54,29 @@ class OverlapDDP(nn.Module):
     def _on_gradient_ready(self, index: int, param: torch.Tensor) -> None:
         """Runs inside the autograd engine right after `param.grad` was accumulated.
 
-        TODO 1. On the first gradient of a backward (nothing in flight yet), queue
-        `self._finish_backward` to run when this backward is over:
-        `torch.autograd.Variable._execution_engine.queue_callback(...)`.
-        TODO 2. Scale the gradient by 1.0 / W and launch its all-reduce without waiting
-        (`dist.all_reduce(..., async_op=True)` returns a Work); remember it in `self._in_flight`.
-        Careful: the hook is handed the parameter. Reduce `param.grad`, not `param`.
+        TODO 1. Something must wait for this backward's all-reduces once the last gradient is
+        in, before `loss.backward()` returns, and a hook cannot know it is the last one. So on
+        the first gradient of each backward, arrange for `self._finish_backward` to run when the
+        autograd engine is done with this backward (chapter 02b shows the engine's hook for it).
+        TODO 2. This gradient's all-reduce must leave now, while backward goes on computing the
+        others: launched, not waited for. Scale it as rung 1 did, so the bits stay torch's, and
+        keep what you need to wait for it later. The hook is handed the parameter: which tensor
+        holds its gradient?
         """
         raise NotImplementedError(
-            "TODO exercise 2 (tutorials/exercises/overlap.py, chapter 03a): launch this "
+            "TODO exercise 2 (tutorials/exercises/overlap.py, chapter 02b): launch this "
             "gradient's all-reduce in OverlapDDP._on_gradient_ready"
         )
 
     def _finish_backward(self) -> None:
         """Queued on the autograd engine: runs once, when the whole backward pass is done.
 
-        TODO 3. Wait for every launched all-reduce (`work.wait()`), in launch order, and empty
-        `self._in_flight` for the next backward. Until the wait, `.grad` may hold anything
-        between this rank's share and the sum. If fewer gradients arrived than there are
-        parameters, raise `shared.no_gradient(names)`: this rung does not support unused ones.
+        TODO 3. When this returns, every `.grad` must hold the average: until its all-reduce is
+        waited for, a `.grad` may hold anything between this rank's share and the sum. Leave
+        nothing behind for the next backward. A parameter that got no gradient sent nothing, so
+        the ranks may no longer agree: this rung refuses it (`shared.no_gradient(names)`).
         """
         raise NotImplementedError(
-            "TODO exercise 2 (tutorials/exercises/overlap.py, chapter 03a): wait for every "
+            "TODO exercise 2 (tutorials/exercises/overlap.py, chapter 02b): wait for every "
             "all-reduce in OverlapDDP._finish_backward"
         )

@@ -1,4 +1,4 @@
-"""Exercise 4 (chapter 03c): TorchLayoutDDP, torch's bucket layout, for torch's bits at any W.
+"""Exercise 4 (chapter 03e): TorchLayoutDDP, torch's bucket layout, for torch's bits at any W.
 
 Rung 3 guessed that gradients arrive in reverse registration order. torch's DDP guesses nothing:
 iteration 0 reduces one bucket per dtype (given below) while noting the order in which gradients
@@ -7,11 +7,12 @@ really become ready (given too); before the next forward it rebuilds the buckets
 gradient sits in its bucket, so only this exact layout gives torch's exact bits. The rest is
 exercise 3's solution, given. Fill in the TODOs, then check, with the stronger claim:
 
-    python -m pytest tests/test_ddp_equivalence.py \
+    python -m pytest tests/test_ddp_equivalence.py -x \
         --ddp tutorials/exercises/torch_layout.py:TorchLayoutDDP --ddp-claims torch-layout
 
-Stuck? Chapter 03c (tutorials/03c_torch_layout.py) explains the idea; the answer is rung 4,
-miniddp/steps/torch_layout.py (`python -m miniddp.steps diff 3 4`).
+The claim also trains a 2.9 MB model at bucket_cap_mb=None, where torch's two caps differ.
+Stuck? Chapter 03e (tutorials/03e_torch_layout.py) explains the idea. Only once your own attempt
+passes, compare it with rung 4, miniddp/steps/torch_layout.py.
 """
 
 from __future__ import annotations
@@ -47,8 +48,10 @@ def assign_buckets(
 ) -> list[list[int]]:
     """Walk `order`; each (dtype, device) fills its own buckets until they hold `cap` bytes.
 
-    TODO 1. As shipped this is rung 3's rule, which ignores `first_cap`. torch closes each
-    (dtype, device)'s *first* bucket at `first_cap` bytes and its later ones at `cap`.
+    TODO 1. As shipped this is rung 3's rule, which ignores `first_cap`. torch's differs in one
+    place, and chapter 03e says where and why (what is the first bucket for?). An explicit
+    bucket_cap_mb makes the two caps equal, so only a model over 1 MiB at the default shows the
+    difference: the torch-layout claim trains one.
     """
     closed, filling, filled_bytes = [], {}, {}
     for index in order:
@@ -103,13 +106,13 @@ class TorchLayoutDDP(nn.Module):
     def _rebuild_buckets(self) -> None:
         """Once, before the second synced forward.
 
-        TODO 2. Every rank must launch the same buckets, but each rank observed its own order:
-        broadcast rank 0's `self._ready_order` (as a tensor) to every rank, build the buckets
-        from it with `assign_buckets(..., *self.caps)`, then empty `self._ready_order` and set
-        `self.has_rebuilt_buckets`, so that this happens once.
+        TODO 2. The new layout follows the order gradients became ready, but each rank observed
+        its own order, and every rank must launch the same buckets (chapter 03e: whose order
+        does torch use, and how do the others learn it?). It happens once: afterwards the
+        buckets stay as they are.
         """
         raise NotImplementedError(
-            "TODO exercise 4 (tutorials/exercises/torch_layout.py, chapter 03c): rebuild the "
+            "TODO exercise 4 (tutorials/exercises/torch_layout.py, chapter 03e): rebuild the "
             "buckets from rank 0's gradient order in TorchLayoutDDP._rebuild_buckets"
         )
 

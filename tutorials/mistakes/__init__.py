@@ -1,15 +1,15 @@
-"""The mistakes zoo: the classic DDP bugs, each one small variant of a rung of the ladder
-(miniddp/steps/) or of the training loop with ONE change, and each one caught by a test
-(tests/test_mistakes.py). Teaching material, not MiniDDP's API: nothing here is exported.
+"""The mistakes zoo: the classic DDP bugs (and one lesson in bit-reproducibility), each one a
+small variant of a rung of the ladder (miniddp/steps/) or of the training loop with ONE change,
+and each one caught by a test (tests/test_mistakes.py). Teaching material, not MiniDDP's API:
+nothing here is exported.
 
 Each file's docstring says the symptom, why it happens, and how torch's DDP avoids it (or
 doesn't). Chapter 10 (tutorials/10_mistakes.py) runs a handful of them next to their fixes.
 
     no_sync_backward_only.py      no_sync() around backward only: the forward decides
     hook_averages_weights.py      a post-accumulate hook that all-reduces the parameter
-    divide_after_sum.py           dividing after the SUM: other bits at W = 3
+    divide_after_sum.py           dividing after the SUM: right, but other bits at W = 3
     no_buffer_broadcast.py        BatchNorm's buffers never broadcast
-    tied_weight_twice.py          a tied weight reduced twice
     no_construction_broadcast.py  ranks seeded differently, no broadcast at construction
     ready_order.py                buckets launched in the order they filled
     grad_before_wait.py           .grad read before the all-reduce's wait

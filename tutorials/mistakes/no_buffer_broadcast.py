@@ -2,10 +2,16 @@
 
 Symptom: the running statistics (running_mean, running_var) differ from rank to rank after the
 first step, each rank's the average of its own shards only; evaluation then depends on which
-rank you ask, and a checkpoint saved on rank 0 holds rank 0's statistics. Training itself is
-unaffected: in train mode BatchNorm normalizes with the batch's statistics, so gradients and
-weights still match one process. The property checks catch it against torch's DDP: a buffer
-differs ("does yours broadcast them?").
+rank you ask, and a checkpoint saved on rank 0 holds rank 0's statistics. The exact condition
+under which training is unaffected: every forward that is backpropagated runs in train mode,
+where BatchNorm normalizes with the batch's statistics and the running ones only get updated.
+Then gradients and weights are torch DDP's, bit for bit. They are not one process's on the
+global batch, with or without the broadcast: each rank normalizes with its own shard's mean
+and variance, not the global batch's (that is what SyncBatchNorm is for), so they equal one
+process that normalizes each rank's shard separately. A forward in eval mode that is trained
+through, or evaluation between steps that feeds back into training, uses the running
+statistics and then differs from rank to rank. The property checks catch it against torch's
+DDP: a buffer differs ("does yours broadcast them?").
 
 Why: buffers are not parameters: no gradient, no hook, no all-reduce. Each rank's forward
 updates its own copy from its own batch.

@@ -1,0 +1,5 @@
+"""Models written in the project, to be read: what chapter 12 and the step benchmark train."""
+
+from miniddp.models.gpt import GPT, GPTConfig, next_character_loss, parameter_groups
+
+__all__ = ["GPT", "GPTConfig", "next_character_loss", "parameter_groups"]

@@ -1,0 +1,171 @@
+"""A GPT, small enough to train on a CPU: the decoder-only transformer of GPT-2, as nanoGPT
+writes it, character by character.
+
+    tokens (B, T) -> token embedding + position embedding -> dropout
+                  -> N blocks:  x = x + attention(LayerNorm(x))      (pre-LayerNorm, GPT-2)
+                                x = x + MLP(LayerNorm(x))
+                  -> LayerNorm -> head, whose weight IS the token embedding (tied)
+                  -> logits (B, T, vocab)
+
+Attention is causal: the token at position t sees positions 0..t only, so one window of T + 1
+characters gives T next-character predictions at once. `scaled_dot_product_attention` does
+softmax(q·kᵀ/√d)·v with that mask, and its own dropout on the attention weights.
+
+Dropout draws from torch's global generator, in a fixed order within a forward: two replicas
+seeded alike draw the same masks, which is what lets chapter 12 compare MiniDDP with torch's
+DDP bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int
+    context: int = 64  # T: the longest window the model reads (position embeddings)
+    width: int = 128  # C: every token's vector
+    layers: int = 4  # N blocks
+    heads: int = 4  # C / heads dimensions per head
+    dropout: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.width % self.heads:
+            raise ValueError(
+                f"width {self.width} must be a multiple of heads {self.heads}: each head gets "
+                "width / heads dimensions. Change one of them."
+            )
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.heads = config.heads
+        self.dropout = config.dropout
+        self.qkv = nn.Linear(config.width, 3 * config.width)  # q, k and v in one matmul
+        self.proj = nn.Linear(config.width, config.width)
+        self.residual_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        # (B, T, 3C) -> three (B, heads, T, C / heads): each head attends on its own slice
+        q, k, v = (
+            part.view(batch, length, self.heads, width // self.heads).transpose(1, 2)
+            for part in self.qkv(x).split(width, dim=2)
+        )
+        dropout = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        y = y.transpose(1, 2).reshape(batch, length, width)  # the heads side by side again
+        return self.residual_dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.up = nn.Linear(config.width, 4 * config.width)
+        self.down = nn.Linear(4 * config.width, config.width)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.down(F.gelu(self.up(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm: the residual stream x itself is never normalized, only what each branch
+    reads, so gradients reach the first block through the additions undamped."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(config.width)
+        self.attention = CausalSelfAttention(config)
+        self.mlp_norm = nn.LayerNorm(config.width)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.token = nn.Embedding(config.vocab_size, config.width)
+        self.position = nn.Embedding(config.context, config.width)
+        self.dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.layers))
+        self.norm = nn.LayerNorm(config.width)
+        self.head = nn.Linear(config.width, config.vocab_size, bias=False)
+        # Tied: reading a character in and writing it out share one matrix (Press & Wolf,
+        # 2017). It is one parameter, so DDP sees it once and sums both uses' gradients.
+        self.head.weight = self.token.weight
+        self.apply(self._init_weights)
+        # GPT-2: each block adds two branches to the residual stream, so scale the last
+        # projection of each by 1/√(2N) to keep the stream's variance from growing with depth.
+        for name, param in self.named_parameters():
+            if name.endswith(("attention.proj.weight", "mlp.down.weight")):
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.layers))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, vocab) for the next character after each of `tokens` (B, T)."""
+        length = tokens.shape[1]
+        if length > self.config.context:
+            raise ValueError(
+                f"a window of {length} tokens is longer than the model's context "
+                f"{self.config.context}: crop it, or build the model with a longer context"
+            )
+        positions = torch.arange(length, device=tokens.device)
+        x = self.dropout(self.token(tokens) + self.position(positions))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+    @torch.no_grad()
+    def generate(
+        self, prompt: torch.Tensor, count: int, generator: torch.Generator, top_k: int = 10
+    ) -> torch.Tensor:
+        """`prompt` (1, T) followed by `count` sampled tokens: each drawn from the `top_k` most
+        likely next characters, the window cropped to the last `context` tokens."""
+        was_training = self.training
+        self.eval()
+        tokens = prompt
+        for _ in range(count):
+            logits = self(tokens[:, -self.config.context :])[:, -1, :]
+            best, where = logits.topk(min(top_k, logits.shape[-1]))
+            choice = torch.multinomial(F.softmax(best, dim=-1), 1, generator=generator)
+            tokens = torch.cat([tokens, where.gather(-1, choice)], dim=1)
+        self.train(was_training)
+        return tokens
+
+
+def next_character_loss(model: nn.Module, windows: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of each next character, in nats per character: `windows` (B, T + 1) hold
+    the inputs (the first T) and, shifted by one, the targets."""
+    logits = model(windows[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten())
+
+
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW's two groups, as nanoGPT's: weight decay on the matrices (the Linear weights and
+    the embeddings) and none on biases and LayerNorm gains, which only shift and scale and gain
+    nothing from being pulled towards zero. Decided by name, not by shape, so that it holds for
+    fully_shard's flat 1-D shards too."""
+    named = dict(model.named_parameters())  # the tied weight once, as "token.weight"
+    decayed = {n for n in named if n.endswith("weight") and not n.endswith("norm.weight")}
+    return [
+        {"params": [p for n, p in named.items() if n in decayed], "weight_decay": weight_decay},
+        {"params": [p for n, p in named.items() if n not in decayed], "weight_decay": 0.0},
+    ]

@@ -1,0 +1,322 @@
+"""A simulated network link: the same slow wire under every design, on any laptop.
+
+On one machine, "communication" is memory copies by the cores that run backward: fast, and it
+steals compute, so overlap is noise. `simulated_link` gives the machine a slow link beside
+compute instead. Each torch.distributed collective still runs for real (so the sums are right),
+but its completion is held back until the link would have delivered it:
+
+    seconds = alpha + wire_bytes / bandwidth
+
+alpha is the collective's latency (wake-ups, handshakes, the first byte's trip), paid once per
+collective; wire_bytes is what the best ring algorithm makes each rank send, and receive, at once:
+
+    all_reduce       2(W-1)/W n    reduce-scatter then all-gather (chapter 01)
+    broadcast        n             a pipelined chain: every rank receives it once, passes it on
+    all_gather       (W-1) n       every other rank's n bytes (n: one rank's input)
+    reduce_scatter   (W-1) n       every other rank's share of this rank's n-byte output
+
+Each direction of the link carries one transfer at a time: a collective issued while another is
+on the wire queues behind it (`LinkQueue`). Collectives send and receive the same bytes at once,
+so both directions are busy together and one queue describes both. One rank: no wire.
+
+It completes at the later of its real completion and the link's, by sleeping: one thread keeps
+the deliveries in a heap and sleeps until the earliest is due.
+
+    with simulated_link(Link.parse("alpha=200us,bandwidth=1gbit")):   # or $MINIDDP_LINK
+        model = MiniDDP(net)            # its broadcast and all-reduces cross the link
+        torch_ddp.register_comm_hook(None, all_reduce_hook)   # so do torch's DDP's buckets
+
+It wraps the attributes (`dist.all_reduce`, ...) that MiniDDP, the ladder and the chapters call.
+torch's DDP reduces in C++, past them: `all_reduce_hook` routes its buckets over the link too.
+"""
+
+import argparse
+import atexit
+import heapq
+import inspect
+import itertools
+import math
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from fractions import Fraction
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ENVIRONMENT_VARIABLE = "MINIDDP_LINK"
+EXAMPLE = "alpha=200us,bandwidth=1gbit"
+_BITS = ("bit", "kbit", "mbit", "gbit", "tbit")
+# Exact fractions ("200us" is the float 200e-6, not 200 * 1e-6). Rates as tc spells them, in
+# bits per second with decimal prefixes; stored as bytes per second.
+_TIME_UNITS = {unit: Fraction(1, 1000**power) for power, unit in enumerate(("s", "ms", "us", "ns"))}
+_RATE_UNITS = {unit: Fraction(1000**power, 8) for power, unit in enumerate(_BITS)}
+_LARGEST = Fraction(1e300)  # past any real link, and still a float
+# field -> (what it is, its units, whether it must be > 0 rather than >= 0, a valid value)
+_FIELDS = {
+    "alpha": ("a time", _TIME_UNITS, False, "alpha=200us"),
+    "bandwidth": ("a rate", _RATE_UNITS, True, "bandwidth=1gbit"),
+}
+
+
+class BadLink(ValueError, argparse.ArgumentTypeError):
+    """A link that cannot be read; as an ArgumentTypeError, argparse shows its message."""
+
+    def __init__(self, text: str, problem: str) -> None:
+        examples = f"{EXAMPLE!r}, 'alpha=1ms,bandwidth=100mbit', or 'none' for the bare machine"
+        super().__init__(f"cannot read the link {text!r}: {problem}. Examples: {examples}.")
+
+
+@dataclass(frozen=True)
+class Link:
+    """Latency `alpha` (seconds per collective) and `bandwidth` (bytes per second, each way)."""
+
+    alpha: float
+    bandwidth: float
+
+    def __post_init__(self) -> None:
+        if not (self.alpha >= 0 and math.isfinite(self.alpha)):
+            raise BadLink(str(self), f"alpha must be a finite time >= 0, got {self.alpha}")
+        if not (self.bandwidth > 0):
+            raise BadLink(str(self), f"bandwidth must be > 0, got {self.bandwidth}")
+
+    def seconds(self, wire_bytes: float) -> float:
+        """How long one transfer of `wire_bytes` occupies the link."""
+        return self.alpha + wire_bytes / self.bandwidth
+
+    @staticmethod
+    def parse(text: str | None) -> "Link | None":
+        """ "alpha=200us,bandwidth=1gbit" -> Link; "none", "" or None -> None (the bare machine)."""
+        if text is None or text.strip().lower() in ("", "none"):
+            return None
+        fields: dict[str, str] = {}
+        for part in text.lower().split(","):
+            name, sep, value = (piece.strip() for piece in part.partition("="))
+            if not sep:
+                raise BadLink(text, f"{part.strip()!r} is not name=value")
+            if name not in _FIELDS:
+                raise BadLink(text, f"{name!r} is not a field of a link: give alpha and bandwidth")
+            if name in fields:
+                raise BadLink(text, f"{name} is given twice")
+            fields[name] = value
+        missing = [name for name in _FIELDS if name not in fields]
+        if missing:
+            are = "is" if len(missing) == 1 else "are"
+            raise BadLink(text, f"{' and '.join(missing)} {are} missing: give alpha and bandwidth")
+        return Link(**{name: _quantity(name, fields[name], text) for name in _FIELDS})
+
+    def __str__(self) -> str:
+        bits = self.bandwidth * 8
+        power = max(p for p in range(len(_BITS)) if p == 0 or bits >= 1000**p)
+        return f"alpha={self.alpha * 1e6:g}us,bandwidth={bits / 1000**power:g}{_BITS[power]}"
+
+
+def _quantity(field: str, value: str, text: str) -> float:
+    """One field's value: a number and a unit, such as 200us or 1gbit, checked against its bound."""
+    kind, units, positive, example = _FIELDS[field]
+    match = re.fullmatch(r"([-+]?[0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)\s*([a-z]*)", value)
+    number = Fraction(match.group(1)) if match else None
+    if number is None:
+        problem = "is not a number"
+    elif number < 0 or (positive and number == 0):
+        problem = "is negative" if number < 0 else "is zero"
+    elif not match.group(2):
+        problem = "has no unit"
+    elif match.group(2) not in units:
+        problem = f"has an unknown unit, {match.group(2)!r}"
+    elif number * units[match.group(2)] > _LARGEST:
+        problem = "is too large"
+    else:
+        return float(number * units[match.group(2)])
+    wanted = f"{kind} {'> 0' if positive else '>= 0'} with a unit ({', '.join(units)})"
+    raise BadLink(text, f"{field}={value} {problem}; {field} must be {wanted}, e.g. {example}")
+
+
+def wire_bytes(collective: str, nbytes: int, world_size: int) -> float:
+    """Bytes each rank sends (and receives) in `collective` of an n-byte tensor (see the table
+    above; n is the input for all_gather, the output for reduce_scatter)."""
+    w = world_size
+    per_collective = {
+        "all_reduce": 2 * (w - 1) / w * nbytes,
+        "broadcast": nbytes if w > 1 else 0,
+        "all_gather": (w - 1) * nbytes,
+        "reduce_scatter": (w - 1) * nbytes,
+    }
+    if collective not in per_collective:
+        raise ValueError(f"no wire model for {collective!r}; known: {', '.join(per_collective)}")
+    return per_collective[collective]
+
+
+class LinkQueue:
+    """One rank's link: transfers go one at a time, in issue order. One issued at `now` starts
+    when the link is free (at once, or when the one before arrives), and takes link.seconds."""
+
+    def __init__(self, link: Link) -> None:
+        self.link, self.free_at = link, -math.inf
+
+    def deliver_at(self, now: float, wire_bytes: float) -> float:
+        """Put a transfer on the wire; return when it arrives."""
+        start = max(now, self.free_at)
+        self.free_at = start + self.link.seconds(wire_bytes)
+        return self.free_at
+
+
+class LinkWork(dist.Work):
+    """What a collective returns on the simulated link: torch's Work interface (so MiniDDP's
+    `faults.wait_for` waits on it as on gloo's), done when the link has delivered it."""
+
+    def __init__(self, future: torch.futures.Future, delivered: threading.Event) -> None:
+        super().__init__()
+        self._future, self._delivered = future, delivered
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        """Like torch's: block until done (0: no limit); raise its error, or a timeout's."""
+        seconds = timeout.total_seconds() or None
+        if not self._delivered.wait(seconds):
+            raise RuntimeError("Operation timed out!")
+        self._future.wait()  # raises the collective's error, if it failed
+        return True
+
+    def is_completed(self) -> bool:
+        return self._delivered.is_set()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+
+class _Deliveries:
+    """A thread that completes each LinkWork's future at its delivery time, sleeping between."""
+
+    def __init__(self) -> None:
+        self._due: list[tuple[float, int, Callable[[], None]]] = []
+        self._order = itertools.count()  # ties keep issue order
+        self._changed = threading.Condition()
+        self._stopping = False
+        self.thread = threading.Thread(target=self._serve, name="miniddp-link", daemon=True)
+        self.thread.start()
+
+    def at(self, when: float, deliver: Callable[[], None]) -> None:
+        with self._changed:
+            if not self._stopping:
+                heapq.heappush(self._due, (when, next(self._order), deliver))
+                self._changed.notify()
+                return
+        deliver()  # the link is being taken away: nothing is held back any more
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Deliver everything still held, at once, and end. Nothing is left waiting, and the
+        thread is not killed at exit inside torch's C++ (which can abort the process)."""
+        with self._changed:
+            self._stopping = True
+            self._changed.notify()
+        self.thread.join(timeout)
+
+    def _serve(self) -> None:
+        while True:
+            with self._changed:
+                while not self._stopping:
+                    wait = self._due[0][0] - time.perf_counter() if self._due else None
+                    if wait is not None and wait <= 0:
+                        break
+                    self._changed.wait(wait)
+                if not self._due:
+                    return  # stopping, with nothing held
+                _, _, deliver = heapq.heappop(self._due)
+            deliver()
+
+
+_COLLECTIVES = {  # torch.distributed name -> (wire model, argument holding n bytes)
+    "all_reduce": ("all_reduce", "tensor"),
+    "broadcast": ("broadcast", "tensor"),
+    "all_gather": ("all_gather", "tensor"),
+    "all_gather_into_tensor": ("all_gather", "input_tensor"),
+    "reduce_scatter_tensor": ("reduce_scatter", "output"),
+}
+
+
+def active_link() -> Link | None:  # the link simulated_link installed, if any
+    return getattr(dist.all_reduce, "simulated_link", None)
+
+
+@contextmanager
+def simulated_link(link: Link | None) -> Iterator[Link | None]:
+    """Inside the block, this process's torch.distributed collectives cross `link` (None: the
+    bare machine, nothing changes). Every rank should enter it, with the same link."""
+    if link is None:
+        yield None
+        return
+    if active_link() is not None:
+        raise RuntimeError("a simulated link is already installed; leave its block first")
+    queue, deliveries = LinkQueue(link), _Deliveries()
+    atexit.register(deliveries.stop)
+    originals = {name: getattr(dist, name) for name in _COLLECTIVES}
+    for name, original in originals.items():
+        setattr(dist, name, _delayed(original, *_COLLECTIVES[name], queue, deliveries))
+    try:
+        yield link
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+        deliveries.stop()
+        atexit.unregister(deliveries.stop)
+
+
+def _delayed(original: Callable, wire_model: str, sized: str, queue: LinkQueue, deliveries):
+    signature = inspect.signature(original)
+
+    def collective_over_the_link(*args: Any, **kwargs: Any) -> LinkWork | None:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        async_op = bound.arguments["async_op"]
+        tensor = bound.arguments[sized]
+        world_size = dist.get_world_size(bound.arguments["group"])
+        nbytes = tensor.numel() * tensor.element_size()
+        wire = wire_bytes(wire_model, nbytes, world_size)
+        due = queue.deliver_at(time.perf_counter(), wire) if world_size > 1 else -math.inf
+        bound.arguments["async_op"] = True
+        real = original(*bound.args, **bound.kwargs)
+        if real is None:  # this rank is not in the group: nothing was sent
+            return None
+        work = _deliver_when_both_done(real.get_future(), due, deliveries)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    collective_over_the_link.simulated_link = queue.link
+    return collective_over_the_link
+
+
+def _deliver_when_both_done(real: torch.futures.Future, due: float, deliveries) -> LinkWork:
+    """A LinkWork completed at the later of `real`'s completion and `due`."""
+    future: torch.futures.Future = torch.futures.Future()
+    delivered = threading.Event()
+
+    def deliver() -> None:
+        try:
+            future.set_result(real.value())
+        except Exception as error:  # the real collective failed: so does the simulated one
+            future.set_exception(error)
+        delivered.set()
+
+    real.add_done_callback(lambda _: deliveries.at(due, deliver))
+    return LinkWork(future, delivered)
+
+
+# No `from __future__ import annotations` in this file: torch's DDP checks a hook's annotations
+# as objects, and refuses these two as strings.
+def all_reduce_hook(
+    process_group: Any, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """A comm hook for torch's DDP (or MiniDDP): average the bucket with `dist.all_reduce`, so
+    it crosses the simulated link like every other design's all-reduces. Like MiniDDP, it scales
+    by the float 1/W and then sums: MiniDDP's bits whenever the layouts match."""
+    group = process_group if isinstance(process_group, dist.ProcessGroup) else None
+    flat = bucket.buffer().mul_(1.0 / dist.get_world_size(group))
+    work = dist.all_reduce(flat, group=group, async_op=True)
+    return work.get_future().then(lambda done: done.value()[0])

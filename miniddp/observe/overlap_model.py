@@ -1,0 +1,68 @@
+"""The alpha-beta model of one DDP step: how long it takes, and how much communication hides.
+
+Backward produces the gradients at an even pace, `total` bytes in `backward` seconds, so a
+bucket is full once backward has produced every byte up to its end:
+
+    ready_i = backward * (b_0 + ... + b_i) / total
+
+Buckets go one at a time (a link carries one transfer at a time), each taking alpha + beta b_i:
+
+    start_i = max(ready_i, end_{i-1})         end_i = start_i + alpha + beta * b_i
+
+The step's backward-and-sync part ends at max(backward, end_last). Its communication is the
+union of the spans [ready_i, end_i] (launch to arrival, queueing included), as
+`miniddp.observe.timeline.summarize` measures it; the part before `backward` is hidden.
+
+Two ways to lose. Small buckets: many alphas, and the queue falls behind backward. Big buckets:
+the first one waits for most of backward before it can leave, and the last one is all exposed.
+Chapter 04 measures a sweep of bucket sizes against this model.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from miniddp.observe.timeline import union_of_intervals
+
+
+@dataclass(frozen=True)
+class PredictedStep:
+    """Seconds from backward's start; `overlap` is the hidden fraction of communication."""
+
+    sync_s: float  # backward start -> the last bucket has arrived (or backward ends)
+    comm_s: float  # time with at least one bucket in flight
+    overlapped_s: float  # of which during backward
+
+    @property
+    def overlap(self) -> float:
+        return self.overlapped_s / self.comm_s if self.comm_s > 0 else 0.0
+
+    @property
+    def exposed_s(self) -> float:
+        return self.comm_s - self.overlapped_s
+
+
+def predict_step(
+    bucket_bytes: Sequence[int], backward_s: float, alpha: float, beta: float
+) -> PredictedStep:
+    """The model's step for buckets of `bucket_bytes` (in launch order)."""
+    total = sum(bucket_bytes)
+    spans: list[tuple[float, float]] = []
+    end = 0.0
+    for size, filled in zip(bucket_bytes, itertools.accumulate(bucket_bytes)):
+        ready = backward_s * filled / total
+        end = max(ready, end) + alpha + beta * size
+        spans.append((ready, end))
+    comm = union_of_intervals(spans)
+    comm_s = sum(stop - start for start, stop in comm)
+    overlapped = sum(max(0.0, min(stop, backward_s) - start) for start, stop in comm)
+    return PredictedStep(max(backward_s, end), comm_s, overlapped)
+
+
+def uniform_buckets(total: int, bucket: float) -> list[int]:
+    """`total` bytes cut into buckets of about `bucket` bytes (the model's continuous sweep)."""
+    count = max(1, round(total / bucket))
+    edges = [round(total * i / count) for i in range(count + 1)]
+    return [b - a for a, b in itertools.pairwise(edges)]

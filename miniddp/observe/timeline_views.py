@@ -1,0 +1,185 @@
+"""Three views of recorded steps (miniddp/observe/timeline.py): an ASCII timeline for the
+terminal, a
+Chrome trace (Perfetto, chrome://tracing) merged across ranks, and a matplotlib figure. Each
+draws the two lanes per rank, compute and communication, and a bucket's span from its launch to
+its all-reduce's completion.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from miniddp.observe.timeline import COMM, COMPUTE, Span, StepTimeline
+
+BUCKET_LABELS = string.digits + string.ascii_lowercase + string.ascii_uppercase
+COMPUTE_LABELS = {"forward": "f", "backward": "b", "wait": "w"}
+
+
+def _label(span: Span) -> str:
+    if span.lane == COMPUTE:
+        return COMPUTE_LABELS.get(span.name, "?")
+    index = int(span.name.split()[-1]) if span.name.split()[-1].isdigit() else 0
+    return BUCKET_LABELS[index % len(BUCKET_LABELS)]
+
+
+def ascii_timeline(steps: Sequence[StepTimeline], width: int = 96) -> str:
+    """Draw steps on a shared time axis: a compute and a communication lane per rank and step.
+
+    Compute: f forward, b backward, w waiting for the last all-reduces after backward.
+    Communication: the bucket's index (0-9, then a-z, A-Z); where several buckets are in flight,
+    the oldest, which is the one gloo works on: launches are queued in order.
+    """
+    if not steps:
+        return "(no steps recorded)"
+    t0 = min(step.start for step in steps)
+    total = max(step.end for step in steps) - t0 or 1e-9
+    cell = total / width
+    several_steps = len({step.step for step in steps}) > 1
+    names = {
+        id(step): f"rank {step.rank}" + (f" step {step.step}" if several_steps else "")
+        for step in steps
+    }
+    lane_width = max(len(COMPUTE), len(COMM))  # lane names in full
+    indent = max(map(len, names.values())) + lane_width + 2
+    lines = [f"{'':{indent}}|0 ms{f'{total * 1e3:.2f} ms':>{width - 4}}|"]
+    for step in sorted(steps, key=lambda s: (s.step, s.rank)):
+        for lane in (COMPUTE, COMM):
+            spans = [s for s in step.spans if s.lane == lane]
+            row = "".join(_cell(spans, t0 + i * cell, t0 + (i + 1) * cell) for i in range(width))
+            who = names[id(step)] if lane == COMPUTE else ""
+            lines.append(f"{who:<{indent - lane_width - 2}} {lane:<{lane_width}} |{row}|")
+    lines.append(
+        f"{'':{indent}} f forward, b backward, w wait after backward; 0-9a-z: bucket index"
+    )
+    return "\n".join(lines)
+
+
+def _cell(spans: list[Span], start: float, end: float) -> str:
+    middle = (start + end) / 2
+    in_flight = [s for s in spans if s.start <= middle < s.end]
+    touching = in_flight or [s for s in spans if s.start < end and s.end > start]
+    if not touching:
+        return " "
+    return _label(min(touching, key=lambda s: s.start))
+
+
+def chrome_trace(steps: Sequence[StepTimeline]) -> dict[str, Any]:
+    """The steps as a Chrome trace (JSON object format): one process per rank, threads for
+    compute and communication. Buckets in flight at the same time go on separate rows, since
+    a trace viewer needs the spans on one thread to nest."""
+    t0 = min((step.start for step in steps), default=0.0)
+
+    def micros(seconds: float) -> float:
+        return round((seconds - t0) * 1e6, 3)
+
+    trace: list[dict[str, Any]] = []
+    rows_of_rank: dict[int, list[float]] = {}
+    for step in steps:
+        pid = step.rank
+        if pid not in rows_of_rank:
+            rows_of_rank[pid] = []
+            trace.append(_meta("process_name", pid, 0, f"rank {pid}"))
+            trace.append(_meta("process_sort_index", pid, 0, pid))
+            trace.append(_meta("thread_name", pid, 0, COMPUTE))
+        rows = rows_of_rank[pid]
+        for span in sorted(step.spans, key=lambda s: s.start):
+            tid = 0
+            if span.lane == COMM:
+                row = next((i for i, free_at in enumerate(rows) if free_at <= span.start), None)
+                if row is None:
+                    row = len(rows)
+                    rows.append(0.0)
+                    suffix = f" {row + 1}" if row else ""
+                    trace.append(_meta("thread_name", pid, row + 1, COMM + suffix))
+                rows[row] = span.end
+                tid = row + 1
+            trace.append(
+                {
+                    "name": span.name,
+                    "cat": span.lane,
+                    "ph": "X",
+                    "pid": pid,
+                    "tid": tid,
+                    "ts": micros(span.start),
+                    "dur": round(span.duration * 1e6, 3),
+                    "args": {"step": step.step},
+                }
+            )
+        for mark in step.marks:
+            trace.append(
+                {
+                    "name": f"{mark.kind} {mark.name}",
+                    "cat": mark.kind,
+                    "ph": "i",
+                    "s": "t",
+                    "pid": pid,
+                    "tid": 0,
+                    "ts": micros(mark.time),
+                    "args": {"step": step.step},
+                }
+            )
+    return {"traceEvents": trace, "displayTimeUnit": "ms"}
+
+
+def _meta(name: str, pid: int, tid: int, value: Any) -> dict[str, Any]:
+    key = "sort_index" if name.endswith("sort_index") else "name"
+    return {"name": name, "ph": "M", "pid": pid, "tid": tid, "args": {key: value}}
+
+
+def write_chrome_trace(steps: Sequence[StepTimeline], path: str | Path) -> Path:
+    """Write the merged trace; open it at ui.perfetto.dev or chrome://tracing."""
+    path = Path(path)
+    path.write_text(json.dumps(chrome_trace(steps)))
+    return path
+
+
+def plot(steps: Sequence[StepTimeline], path: str | Path, title: str = "") -> Path:
+    """Save the timeline as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(12, 0.5 + 0.9 * len(steps)))
+    draw(axes, steps)
+    axes.set_title(title)
+    figure.tight_layout()
+    path = Path(path)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+COMPUTE_COLORS = {"forward": "tab:blue", "backward": "tab:green", "wait": "tab:red"}
+
+
+def legend_handles() -> list[Any]:
+    """What `draw`'s colours mean, for a figure's legend."""
+    from matplotlib.patches import Patch
+
+    meanings = [("tab:blue", "forward"), ("tab:green", "backward"),
+                ("tab:red", "waiting for the last all-reduces"),
+                ("tab:orange", "an all-reduce in flight (colours alternate)")]  # fmt: skip
+    return [Patch(color=color, label=label) for color, label in meanings]
+
+
+def draw(axes: Any, steps: Sequence[StepTimeline], t0: float | None = None) -> None:
+    """Draw the steps' lanes on matplotlib `axes`, in ms from `t0` (default: the first start)."""
+    t0 = min(step.start for step in steps) if t0 is None else t0
+    lanes = [(step, lane) for step in steps for lane in (COMPUTE, COMM)]
+    colors = COMPUTE_COLORS
+    for row, (step, lane) in enumerate(lanes):
+        for span in (s for s in step.spans if s.lane == lane):
+            color = colors.get(span.name, "tab:orange" if _label(span) in "02468" else "tab:brown")
+            start_ms = (span.start - t0) * 1e3
+            axes.broken_barh([(start_ms, span.duration * 1e3)], (row - 0.4, 0.8), color=color)
+            if lane == COMM:
+                axes.text(start_ms, row, _label(span), va="center", fontsize=7)
+    axes.set_yticks(range(len(lanes)))
+    axes.set_yticklabels([f"rank {s.rank} step {s.step} {lane}" for s, lane in lanes])
+    axes.invert_yaxis()
+    axes.set_xlabel("ms")

@@ -1,0 +1,142 @@
+"""Bad input to a pipeline step is refused on EVERY stage, before any activation moves.
+
+Each stage sees only its part of a step: the first the batch, the last the target, a middle one
+nothing. A mistake seen by one stage alone would leave the others waiting for messages that
+never come, until the process group's timeout. So at the start of each step every stage states
+what it found, as five numbers, in one small all-reduce over the pipeline's group; then every
+stage raises the same error, naming the stage, the problem and the fix:
+
+    code, a, b            a problem and its two numbers (0 = none)
+    n_microbatches        the schedules must agree on m ...
+    schedule              ... and on the schedule, or their orders of sends would not match
+
+The price is one tiny collective per step (tens of microseconds on gloo). In the first step,
+one more gathers every stage's order and replays them on a logical clock (timeline.replay), so
+orders that would wait for each other forever are refused too, instead of hanging.
+"""
+
+from __future__ import annotations
+
+import zlib
+from enum import IntEnum
+
+import torch
+import torch.distributed as dist
+
+from miniddp.job.faults import wait_for
+from miniddp.pipeline.actions import decode
+from miniddp.pipeline.timeline import replay
+
+
+class Problem(IntEnum):
+    NONE = 0
+    NO_INPUT = 1
+    INPUT_NOT_DIVISIBLE = 2
+    INPUT_SHAPE_CHANGED = 3
+    NO_TARGET = 4
+    TARGET_NOT_DIVISIBLE = 5
+    INPUT_NOT_ON_FIRST = 6
+    BAD_ORDER = 7
+
+
+def describe(problem: Problem, a: int, b: int) -> str:
+    """The problem a stage found, and its fix."""
+    return {
+        Problem.NO_INPUT: "was given no input: call schedule.step(x) on the first stage",
+        Problem.INPUT_NOT_DIVISIBLE: (
+            f"was given a batch of {a} samples, which n_microbatches={b} does not divide into "
+            f"equal microbatches: give a batch whose size is a multiple of {b}, or an "
+            f"n_microbatches that divides {a}"
+        ),
+        Problem.INPUT_SHAPE_CHANGED: (
+            f"was given microbatches of {a} samples, but the pipeline learnt its activation "
+            f"shapes from the first step's {b}: keep the batch size fixed (drop_last=True in "
+            "the DataLoader), or build a new stage and schedule for the new size"
+        ),
+        Problem.NO_TARGET: (
+            "was given no target: call schedule.step(target=y, losses=losses) on the last "
+            "stage, which computes the loss"
+        ),
+        Problem.TARGET_NOT_DIVISIBLE: (
+            f"was given a target of {a} samples, which n_microbatches={b} does not divide: "
+            f"give a target (and a batch) whose size is a multiple of {b}"
+        ),
+        Problem.BAD_ORDER: (
+            "has a schedule whose order() is not one stage's order of a step: it must list "
+            "Action('F', i) and Action('B', i) once each for i in 0 .. m-1, F i before B i"
+        ),
+        Problem.INPUT_NOT_ON_FIRST: (
+            "was given an input, but only the first stage takes one (the others receive their "
+            "activations): call schedule.step() on a middle stage, "
+            "schedule.step(target=y, losses=losses) on the last"
+        ),
+    }[problem]
+
+
+def schedule_id(schedule_name: str) -> int:
+    """A number for the schedule's class name, the same on every rank."""
+    return zlib.crc32(schedule_name.encode()) & 0x7FFFFFFF
+
+
+def gather_rows(row: list[int], what: str, group: dist.ProcessGroup | None, device) -> list:
+    """Every rank's `row` of integers, on every rank: each fills its own row of a zero table
+    and one all-reduce (SUM) adds them up."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    table = torch.zeros(size, len(row), dtype=torch.int64, device=device)
+    table[rank] = torch.tensor(row, dtype=torch.int64)
+    wait_for(dist.all_reduce(table, group=group, async_op=True), what, group)
+    return table.tolist()
+
+
+def check_on_every_stage(
+    found: tuple[Problem, int, int] | tuple[Problem, int, int, str],
+    n_microbatches: int,
+    schedule_name: str,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> None:
+    """Gather every stage's findings; raise the same ValueError on all of them if any is wrong."""
+    problem, a, b, *detail = found
+    mine = [int(problem), a, b, n_microbatches, schedule_id(schedule_name)]
+    rows = gather_rows(mine, "the pipeline step's check of its inputs", group, device)
+    here = dist.get_rank(group)
+    lines = [
+        f"stage {stage} {describe(Problem(code), a, b)}"
+        + (f" (here: {detail[0]})" if stage == here and detail else "")
+        for stage, (code, a, b, _, _) in enumerate(rows)
+        if code != Problem.NONE
+    ]
+    counts = sorted({row[3] for row in rows})
+    if len(counts) > 1:
+        per_stage = ", ".join(f"stage {stage}: {row[3]}" for stage, row in enumerate(rows))
+        lines.append(
+            f"the stages' schedules have different n_microbatches ({per_stage}): "
+            "build every stage's schedule with the same n_microbatches"
+        )
+    if len({row[4] for row in rows}) > 1:
+        lines.append(
+            "the stages run different schedule classes (e.g. GPipe on one, 1F1B on another): "
+            "their sends would not match; use one schedule class everywhere"
+        )
+    if lines:
+        raise ValueError(
+            f"This pipeline step cannot run (seen on stage {here}):\n  " + "\n  ".join(lines)
+        )
+
+
+def check_orders_together(
+    my_order: list[int], group: dist.ProcessGroup | None, device: torch.device
+) -> None:
+    """Each stage's order may be valid alone and the orders still wait for each other forever
+    (stage 0 waiting for gradient 0 before sending activation 1, which stage 1 needs first).
+    Gather every stage's order (encoded, miniddp/pipeline/actions.py) and replay them on a
+    logical clock: a deadlock is refused on every stage, before anything is sent."""
+    rows = gather_rows(my_order, "the pipeline's check of its schedule's orders", group, device)
+    try:
+        replay([decode(row) for row in rows])
+    except ValueError as deadlock:
+        raise ValueError(
+            f"This pipeline's schedule cannot run: {deadlock}. Stage s can run F i only after "
+            "stage s-1 did, and B i only after stage s+1 did: reorder order() so that every "
+            "stage's next action is always possible (compare ScheduleGPipe, Schedule1F1B)."
+        ) from None

@@ -1,0 +1,38 @@
+"""Exercise (chapter 14): GPipe's order, checked by the tests that hold miniddp's schedules.
+
+A schedule is an order: for this stage, the list of actions Action("F", i) (the forward of
+microbatch i) and Action("B", i) (its backward), each exactly once. Everything else (receiving
+activations and gradients, sending them on, computing the loss on the last stage, dividing
+.grad by m) is done by PipelineSchedule, in miniddp/pipeline/schedule.py. Fill in `order`, then:
+
+    MINIDDP_PP_SCHEDULE=tutorials/exercises/gpipe.py:ScheduleGPipe \
+        python -m pytest tests/test_pipeline.py -x -q
+
+The tests train 2- and 4-stage pipelines with your schedule and compare every stage's gradients,
+every microbatch's loss and the parameters after 3 SGD steps, bit for bit, with one process and
+with torch's own ScheduleGPipe; and replay what each stage ran on a logical clock, where GPipe's
+bubble is exactly (p - 1) / (m + p - 1). A wrong order is refused on every stage before any
+message moves, saying why: an action missing or listed twice, a B before its F, or orders that
+would wait for each other forever.
+
+Then try 1F1B: stage s runs min(m, p - s) forwards, then one backward and one forward in turn.
+Does the replay's bubble change? What does `peak_held` say? (Answer: miniddp/pipeline/schedules.py.)
+"""
+
+from __future__ import annotations
+
+from miniddp.pipeline import Action, PipelineSchedule
+
+
+class ScheduleGPipe(PipelineSchedule):
+    """All m forwards, then all m backwards: "fill, then drain"."""
+
+    def order(self) -> list[Action]:
+        m = self.n_microbatches  # also there: self.stage.stage_index, self.stage.num_stages
+        # TODO: the forwards of microbatches 0 .. m-1, then their backwards, in the same order
+        # (the order of the backwards is the order .grad accumulates in: keep it 0 .. m-1 to
+        # get one process's bits).
+        raise NotImplementedError(
+            "TODO exercise gpipe (tutorials/exercises/gpipe.py, chapter 14): return "
+            f"ScheduleGPipe's order of the {m} forwards and {m} backwards"
+        )
