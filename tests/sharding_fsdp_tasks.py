@@ -231,3 +231,16 @@ def child_called_on_its_own() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
     fully_shard(model)
     model[0](torch.randn(2, 4))
+
+
+def skip_a_unit_on_rank_1() -> None:
+    """Rank 0 runs the whole model; rank 1 only its last unit (a branch in the forward)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    fully_shard(model[0])
+    fully_shard(model[2])
+    fully_shard(model)
+    if dist.get_rank() == 0:
+        model(torch.randn(3, 4)).sum().backward()
+    else:
+        model[2](torch.randn(3, 8)).sum().backward()

@@ -7,6 +7,7 @@ rank draws its own data from its rank.
 
 from __future__ import annotations
 
+import copy
 import io
 from dataclasses import dataclass, replace
 
@@ -201,3 +202,64 @@ def zero1_resumes_through_save_checkpoint(spec: ShardSpec, path: str) -> dict:
     progress = load_checkpoint(path, model, optimizer).progress
     resumed = train(spec, "ours", model, optimizer, first_step=progress.step)["params"][-1]
     return {"straight": straight, "resumed": resumed}
+
+
+def zero_with_a_group_added_later(spec: ShardSpec) -> dict:
+    """One step over all but the last layer, then `add_param_group` with it (half the lr), then
+    `steps` more: ours and torch's ZeroRedundancyOptimizer, each under MiniDDP."""
+    runs = {}
+    for kind in ("ours", "torch"):
+        model = build_model(spec)
+        ddp, params = MiniDDP(model), list(model.parameters())
+        if kind == "ours":
+            optimizer = ZeroRedundancyOptimizer(params[:-2], torch.optim.AdamW, lr=spec.lr)
+        else:
+            from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+            optimizer = TorchZero(params[:-2], torch.optim.AdamW, lr=spec.lr)
+        after = []
+        for step in range(1 + spec.steps):
+            if step == 1:
+                optimizer.add_param_group({"params": params[-2:], "lr": spec.lr / 2})
+            x, y = batch(spec, dist.get_rank(), step)
+            nn.functional.mse_loss(ddp(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            after.append([p.detach().clone() for p in params])
+        index = {p: i for i, p in enumerate(params)}
+        owned = sorted(index[p] for g in optimizer.optim.param_groups for p in g["params"])
+        runs[kind] = {"params": after, "owned": owned}
+    return runs
+
+
+def zero2_gradients_and_their_ring_order_reference(spec: ShardSpec) -> dict:
+    """ZeRO-2's averaged gradients of the parameters this rank owns, and what the ring makes of
+    every rank's local gradient times fl(1/W): the piece of owner o starts at rank o+1, and each
+    next rank adds its own in (tests/test_collectives.py's ring_reduce), one step at a time."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = build_model(spec)
+    ddp = MiniDDP(model)
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=spec.lr)
+    ddp.register_comm_hook(optimizer, reduce_scatter_hook)
+    ours, expected, divided = [], [], []  # divided: gloo's order, then / W
+    for step in range(spec.steps):
+        x, y = batch(spec, rank, step)
+        local = copy.deepcopy(model)
+        nn.functional.mse_loss(local(x), y).backward()
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, [p.grad for p in local.parameters()])
+        nn.functional.mse_loss(ddp(x), y).backward()
+        for index, param in enumerate(model.parameters()):
+            owner = optimizer.owner_of(param)
+            if owner != rank:
+                continue
+            scaled = [everyone[r][index].mul(1.0 / world) for r in range(world)]
+            total = scaled[(owner + 1) % world]
+            for k in range(2, world + 1):
+                total = scaled[(owner + k) % world] + total
+            ours.append(param.grad.clone())
+            expected.append(total)
+            divided.append(sum(everyone[r][index] for r in range(world)) / world)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"ours": ours, "expected": expected, "divided": divided}

@@ -231,3 +231,28 @@ def test_torch_save_writes_the_checksums_that_loading_checks() -> None:
     torch.save({"x": torch.ones(2)}, buffer)
     with zipfile.ZipFile(buffer) as archive:
         assert archive.testzip() is None
+
+
+def test_one_ranks_shards_are_named_as_shards_cut_for_their_world_size(tmp_path: Path) -> None:
+    """A fully sharded model's `state_dict()` saved from one rank (what save_checkpoint wrote
+    before it saved the full state): its 1-D entries of ceil(n/W) elements read like another
+    model's. The error says they are shards, for which W, and how to save the full state."""
+    from miniddp.job.checkpoint_file import write_atomically
+
+    path = tmp_path / "shards.pt"
+    model, optimizer = new_training()
+    shards = {
+        key: value.reshape(-1)[: -(-value.numel() // 2)]
+        for key, value in model.state_dict().items()
+    }
+    progress = {"step": 1, "epoch": 0, "batches_done": 1}
+    checkpoint = {"format": FORMAT, "version": 1, "model": shards, "buckets": None, "extra": {}}
+    checkpoint |= {"optimizer": optimizer.state_dict(), "progress": progress}
+    checkpoint |= {"world_size": 2, "rng": [None, None]}
+    write_atomically(checkpoint, path)
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(path, model, allow_world_size_change=True)
+    assert "'0.weight' has shape (32,) in the checkpoint and (16, 4) in this model" in str(
+        caught.value
+    )
+    assert "a shard" in str(caught.value) and "cut for W = 2" in str(caught.value)

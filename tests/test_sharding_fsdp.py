@@ -17,6 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from miniddp.sharding import Formula
+from miniddp.sharding.units import UNIT_NUMBER_BYTES
 from tests import sharding_fsdp_tasks
 from tests.harness.measurements import record_max
 from tests.harness.properties import property_settings
@@ -30,6 +31,9 @@ specs = st.builds(
     accumulation=st.integers(1, 2),
     reshard_after_forward=st.booleans(),
 )
+
+
+UNITS = 3  # FsdpSpec's three Linear layers; the root holds no parameters of its own
 
 
 def largest_difference(ours: list, reference: list) -> float:
@@ -48,14 +52,16 @@ def assert_bitwise(ours: list, reference: list, what: str) -> None:
 
 def test_one_fixed_example_at_w2_is_torchs_bits_its_memory_and_its_traffic(pool2):
     """6 parameters, Ψ = 135 elements; shards of ceil(n/2): 69 elements per rank, 3 padding.
-    Per step each rank sends 3(W-1)·69 elements: all-gather, all-gather again, reduce-scatter."""
+    Per step each rank sends 3(W-1)·69 elements: all-gather, all-gather again, reduce-scatter;
+    and before each all-gather, the 8-byte number of the unit it gathers (the check that every
+    rank gathers the same unit)."""
     for rank, result in enumerate(pool2.run(sharding_fsdp_tasks.against_torch_and_ddp, FsdpSpec())):
         params = result["params"]
         assert_bitwise(params["ours"], params["torch"], f"rank {rank}: against FSDP2")
         assert_bitwise(params["ours"], params["ddp"], f"rank {rank}: against MiniDDP")
         assert result["shard_elements"] == 69
         assert result["memory"] == Formula("zero3", 135, 6, 2).expected(69)
-        assert result["sent"] == [3 * 1 * 69 * 4] * 3
+        assert result["sent"] == [3 * 1 * 69 * 4 + 2 * UNITS * UNIT_NUMBER_BYTES] * 3
 
 
 def test_accumulation_without_gradient_sync_sends_no_reduce_scatter(pool2):
@@ -66,7 +72,7 @@ def test_accumulation_without_gradient_sync_sends_no_reduce_scatter(pool2):
         assert result["collectives"] == [["all_gather/ring"]] * 2 + [
             ["all_gather/ring", "reduce_scatter/ring"]
         ]
-        assert result["sent"][:2] == [2 * 69 * 4] * 2
+        assert result["sent"][:2] == [2 * 69 * 4 + 2 * UNITS * UNIT_NUMBER_BYTES] * 2
         assert_bitwise(result["params"]["ours"], result["params"]["ddp"], "no-sync vs no_sync()")
         assert_bitwise(result["params"]["ours"], result["params"]["torch"], "against FSDP2")
 
@@ -190,3 +196,13 @@ def test_calling_a_submodule_whose_parameters_its_unit_holds_is_refused(pool2):
     for outcome in pool2.run_expecting_errors(sharding_fsdp_tasks.child_called_on_its_own):
         assert outcome.type_name == "RuntimeError", outcome
         assert "its parameters belong to fully_shard unit" in outcome.message
+
+
+def test_a_unit_skipped_on_one_rank_is_named_on_every_rank(pool2):
+    """gloo aborted the process (SIGABRT, "Received data size doesn't match expected size"),
+    as it does under torch's fully_shard. Now every rank names both units."""
+    outcomes = pool2.run_expecting_errors(sharding_fsdp_tasks.skip_a_unit_on_rank_1)
+    for rank, outcome in enumerate(outcomes):
+        assert outcome.type_name == "CollectiveFailed", outcome
+        assert f"cannot be gathered on rank {rank}" in outcome.message
+        assert "fully_shard unit" in outcome.message and "skipped on one rank" in outcome.message

@@ -11,6 +11,7 @@ tensors' storages, then removes them one kind at a time, each stage on MiniDDP's
     3. ZeRO-2               the averaged gradients sharded too
     4. ZeRO-3               the parameters themselves: miniddp.fully_shard
     5. the price            bytes each rank sends per step, against theory
+    6. clipping             where sharding stops being invisible
 
 The benchmark `python -m miniddp.bench sharding` measures the same at W = 1, 2 and 4, and the
 step time against torch's ZeroRedundancyOptimizer and fully_shard.
@@ -30,9 +31,17 @@ from miniddp import MiniDDP, ZeroRedundancyOptimizer, full_state_dict, fully_sha
 from miniddp.collectives import traffic
 from miniddp.comm_hooks import all_reduce_hook
 from miniddp.job.env import init_distributed
-from miniddp.sharding import Formula, ddp_buckets, measure_memory, reduce_scatter_hook
+from miniddp.sharding import (
+    Formula,
+    clip_grad_norm_,
+    ddp_buckets,
+    measure_memory,
+    reduce_scatter_hook,
+)
+from miniddp.sharding.units import UNIT_NUMBER_BYTES
 
 STEPS = 3
+CLIP_NORM = 0.01  # below the gradients' norm: every step clips
 WIDTHS = (64, 129, 128, 65, 8)  # sizes the world size rarely divides: ZeRO-3 pads
 KINDS = ("parameters", "gradients", "buckets", "optimizer_state")
 RUNS: dict[str, dict] = {}  # stage -> what train(stage) returned on this rank
@@ -46,9 +55,11 @@ def build_model() -> nn.Sequential:
     return nn.Sequential(*layers[:-1])
 
 
-def train(stage: str, bucket_view: bool = False) -> dict:
+def train(stage: str, bucket_view: bool = False, clip=None) -> dict:
     """Train STEPS AdamW steps under one design; the memory before the last optimizer step, the
-    bytes this rank sent in that step, and the full parameters at the end."""
+    bytes this rank sent in that step, and the full parameters at the end. With `clip` (torch's
+    clip_grad_norm_ or miniddp's), the gradients are clipped to CLIP_NORM before each step, and
+    the norm it returned in the first step comes back too."""
     model = build_model()
     options = {"lr": 1e-3, "weight_decay": 0.01}
     if stage == "zero3":
@@ -68,10 +79,13 @@ def train(stage: str, bucket_view: bool = False) -> dict:
             else:
                 module.register_comm_hook(None, all_reduce_hook("ring"))
     generator = torch.Generator().manual_seed(dist.get_rank())
+    norms = []
     for _ in range(STEPS):
         traffic.reset()
         x = torch.randn(16, WIDTHS[0], generator=generator)
         module(x).pow(2).mean().backward()
+        if clip is not None:
+            norms.append(clip(model.parameters(), CLIP_NORM).item())
         memory = measure_memory(model.parameters(), optimizer, ddp_buckets(module))
         optimizer.step()
         sent = traffic.bytes_sent
@@ -82,8 +96,14 @@ def train(stage: str, bucket_view: bool = False) -> dict:
     if stage in ("zero1", "zero2"):
         mine = [p for p in model.parameters() if optimizer.owner_of(p) == optimizer.rank]
         owned, owned_tensors = sum(p.numel() for p in mine), len(mine)
-    return {"memory": memory, "sent": sent, "params": list(params.values()),
-            "owned": owned, "owned_tensors": owned_tensors}  # fmt: skip
+    return {
+        "memory": memory,
+        "sent": sent,
+        "params": list(params.values()),
+        "owned": owned,
+        "owned_tensors": owned_tensors,
+        "norms": norms,
+    }
 
 
 def say_memory(stage: str, run: dict, psi: int, world: int) -> bool:
@@ -190,7 +210,9 @@ def main() -> None:
         reduce-scatter of the gradients, an all-gather of the parameters. ZeRO-1 as torch
         builds it sends more: a whole all-reduce, then the parameters. ZeRO-3 gathers the
         parameters twice (forward, backward) and reduce-scatters the gradients: 3(W-1)/W·Ψ.
-        Measured on rank 0 in the last step, every message counted (padding is the excess):""")
+        Measured on rank 0 in the last step, every message counted (the excess is padding, and
+        for ZeRO-3 the 8-byte unit number each rank sends before each gather, so that a unit
+        skipped on one rank is an error naming it rather than a mismatched collective):""")
     )
     theory = {"ddp": 2, "zero1": 3, "zero2": 2, "zero3": 3}
     for stage, run in RUNS.items():
@@ -199,6 +221,45 @@ def main() -> None:
             f"{theory[stage]}(W-1)/W·Ψ = {fmt_bytes(expected):>10}")  # fmt: skip
     if args.plot and env.rank == 0:
         draw(args.plot, world)
+
+    section("6. Clipping: where sharding stops being invisible")
+    say(
+        textwrap.dedent("""\
+        Everything so far trains as DDP does without the training loop knowing. Gradient
+        clipping is where that ends. torch.nn.utils.clip_grad_norm_(params, max_norm) scales
+        the gradients by min(1, max_norm / ||g||), where ||g|| is the norm of the gradients it
+        is given. Under DDP and ZeRO-1 every rank holds every averaged gradient; under ZeRO-2 a
+        rank holds only those it owns, and under ZeRO-3 only its shard of each. So each rank
+        computes the norm of its part, smaller than the true one and different on every rank,
+        and clips by a factor of its own: nothing fails, the model just trains differently.
+
+        The true norm is a sum over ranks: ||g||^2 = sum over r of ||part r||^2. So
+        miniddp.sharding.clip_grad_norm_ (torch's signature) squares each rank's part, adds
+        them in one all-reduce, and takes the root, the same on every rank. Gradients every
+        rank holds (DDP's) are counted once, not W times: under ZeRO-1 each on its owner only.
+        The first step's norm on each rank, and how far the parameters end from DDP's with
+        the same clipping:""")
+    )
+    clipped = {"ddp": train("ddp", clip=torch.nn.utils.clip_grad_norm_)}
+    true_norm = clipped["ddp"]["norms"][0]
+    drifts = {}
+    for stage in ("zero2", "zero3"):
+        for name, clip in (
+            ("torch's", torch.nn.utils.clip_grad_norm_),
+            ("miniddp's", clip_grad_norm_),
+        ):
+            run = train(stage, clip=clip)
+            everyone = [None] * world
+            dist.all_gather_object(everyone, run["norms"][0])
+            drifts[stage, name] = max(
+                (a - b).abs().max().item() for a, b in zip(run["params"], clipped["ddp"]["params"])
+            )
+            shown = "  ".join(f"{n:.4f}" for n in everyone)
+            say(
+                f"  {stage} + {name:<10} norms {shown}   (true {true_norm:.4f})   drift from DDP "
+                f"{drifts[stage, name]:.1e}"
+            )
+    say("  Under ZeRO-2 and ZeRO-3, call miniddp.sharding.clip_grad_norm_, on every rank.")
 
     section("Checks")
     differences = {stage: same_training(RUNS[stage]) for stage in ("zero1", "zero2", "zero3")}
@@ -212,12 +273,17 @@ def main() -> None:
         assert differences[stage] == 0.0 if bitwise else differences[stage] <= 1e-5, stage
     assert RUNS["zero2"]["sent"] <= RUNS["zero1"]["sent"]
     # ZeRO-3: two all-gathers and a reduce-scatter of the padded shards, W-1 chunks each
-    assert RUNS["zero3"]["sent"] == 3 * (world - 1) * RUNS["zero3"]["owned"] * 4
+    units = len(WIDTHS) - 1  # each gathered twice, after telling the others its number
+    numbers = 2 * units * (world - 1) * UNIT_NUMBER_BYTES
+    assert RUNS["zero3"]["sent"] == 3 * (world - 1) * RUNS["zero3"]["owned"] * 4 + numbers
     assert RUNS["zero3"]["memory"].total < RUNS["zero2"]["memory"].total or world == 1
+    for stage in ("zero2", "zero3"):
+        assert drifts[stage, "miniddp's"] <= 1e-6, f"{stage}: clipping by the true norm"
+        assert drifts[stage, "torch's"] > drifts[stage, "miniddp's"] or world == 1, stage
     dist.barrier()  # every rank has passed its own checks
     say(
-        f"Verified on {world} ranks: every byte where the formula says it is, and ZeRO-1, 2 and 3 "
-        "train as DDP does."
+        f"Verified on {world} ranks: every byte where the formula says it is, ZeRO-1, 2 and 3 "
+        "train as DDP does, and clip as it does with miniddp.sharding.clip_grad_norm_."
     )
     end_chapter()
 

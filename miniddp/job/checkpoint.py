@@ -79,7 +79,7 @@ from miniddp.sharding.full_state import (
     load_full_optimizer_state_dict,
     load_full_state_dict,
 )
-from miniddp.sharding.fully_shard import is_fully_sharded
+from miniddp.sharding.units import is_fully_sharded
 from miniddp.sharding.zero import ZeroRedundancyOptimizer
 
 __all__ = [
@@ -147,7 +147,14 @@ def save_checkpoint(
         optimizer_state = full_optimizer_state_dict(inner, optimizer)
     world_size, save_id = _world_size(), _save_id(progress)
     if _rank() != 0:
-        write_atomically(_rng_entry(save_id), rng_path(path, _rank()))
+        beside = rng_path(path, _rank())
+        try:
+            write_atomically(_rng_entry(save_id), beside)
+        except OSError as error:
+            raise CheckpointError(
+                f"Rank {_rank()} could not write its RNG state {beside}: "
+                f"{type(error).__name__}: {error}"
+            ) from None
         problem = hear_from_rank_0(_word_on(path, save_id), RANK_0_WRITES)
         if problem:
             raise CheckpointError(f"Rank 0 could not write the checkpoint {path}: {problem}")

@@ -4,6 +4,7 @@ memory.py        where a rank's bytes go, counted from storages, and the formula
 zero.py          ZeRO-1: each rank keeps and steps only its partition's optimizer state
 zero2.py         ZeRO-2: a comm hook that reduce-scatters each bucket onto the owners
 fully_shard.py   ZeRO-3: each rank keeps 1/W of every parameter, gathered around its module
+units.py         fully_shard's units by number, and the mistakes it refuses at the call
 full_state.py    a fully sharded model's and optimizer's full state, out and back in
 clipping.py      clip_grad_norm_ over the ranks: the true norm under every stage
 """

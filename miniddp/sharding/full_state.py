@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from miniddp.sharding.fully_shard import _UNIT_OF, ShardedParameters
+from miniddp.sharding.fully_shard import ShardedParameters
+from miniddp.sharding.units import UNIT_OF
 
 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -76,10 +77,10 @@ def full_optimizer_state_dict(
     saved = optimizer.state_dict()
     state = dict(saved["state"])
     for index, param in enumerate(_optimized(optimizer)):
-        unit_index = _UNIT_OF.get(param)
-        if unit_index is None or index not in state:
+        unit = UNIT_OF.get(param)
+        if unit is None or index not in state:
             continue
-        unit, shape = unit_index, _shape_of(unit_index, param)
+        shape = _shape_of(unit, param)
         state[index] = {
             name: unit.unshard(value, shape) if _is_piece(value, param) else value
             for name, value in sorted(state[index].items())  # the same order on every rank
@@ -93,7 +94,7 @@ def load_full_optimizer_state_dict(
     """Load `full_optimizer_state_dict`'s result: each rank keeps its pieces of the states."""
     state = dict(state_dict["state"])
     for index, param in enumerate(_optimized(optimizer)):
-        unit = _UNIT_OF.get(param)
+        unit = UNIT_OF.get(param)
         if unit is None or index not in state:
             continue
         shape = _shape_of(unit, param)
@@ -108,7 +109,7 @@ def _sharded_keys(module: nn.Module) -> dict[str, tuple[ShardedParameters, int]]
     """Each state_dict key that holds a shard, with its unit and its index there."""
     found = {}
     for key, value in module.state_dict(keep_vars=True).items():
-        unit = _UNIT_OF.get(value)
+        unit = UNIT_OF.get(value)
         if unit is not None:
             found[key] = (unit, _index_in(unit, value))
     return found

@@ -29,8 +29,12 @@ r's chunk is `module.<name>`: a 1-D Parameter the optimizer steps. Padding stays
 gradient is zero, so Adam leaves it alone); the benchmark states its cost.
 
 Communication per step, per rank: 3(W-1)/W·Ψ (two all-gathers and a reduce-scatter), 1.5 times
-DDP's all-reduce. Bitwise: with two ranks the sums are a + b = b + a, and the result equals
-torch's fully_shard and DDP bit for bit; with more, ring and gloo add in different orders.
+DDP's all-reduce; and before each all-gather, 8 bytes to every other rank, the unit's number: a
+unit skipped on one rank (a branch in the forward) would pair two units' gathers, which gloo
+answers by aborting the process, or, when the sizes match, by mixing their parameters.
+
+Bitwise: with two ranks the sums are a + b = b + a, and the result equals torch's fully_shard
+and DDP bit for bit; with more, ring and gloo add in different orders.
 """
 
 from __future__ import annotations
@@ -50,12 +54,20 @@ from miniddp.job.env import HOW_TO_LAUNCH
 from miniddp.job.faults import wait_for
 from miniddp.same_model import verify_same_model_on_every_rank
 from miniddp.sharding.clipping import Spread, mark_spread
+from miniddp.sharding.units import (
+    check_every_rank_gathers,
+    next_number,
+    refuse_outside_its_unit,
+    refuse_what_would_shard_wrongly,
+    register,
+)
 
 
 @dataclass
 class ShardedParameters:
     """What one fully_shard call manages: its parameters' places, shapes and shards."""
 
+    number: int  # the how-manieth fully_shard call over this group: the same on its every rank
     name: str  # "fully_shard unit 2 (Linear: weight, bias)": what errors call it
     places: list[list[tuple[nn.Module, str]]]  # per parameter: (module, attribute) it lives at
     shapes: list[torch.Size]
@@ -74,6 +86,7 @@ class ShardedParameters:
 
     def gather(self) -> list[torch.Tensor]:
         """All-gather every shard; one full tensor per parameter (one collective for all)."""
+        check_every_rank_gathers(self)
         world, length = self.world_size, sum(s.numel() for s in self.shards)
         like = self.shards[0]
         gathered = torch.empty(world * length, dtype=like.dtype, device=like.device)
@@ -202,7 +215,7 @@ def fully_shard(
             if param is not None:
                 places.setdefault(id(param), []).append((owner, name))
                 params[id(param)] = param
-    _refuse_what_would_shard_wrongly(module, params, places)
+    refuse_what_would_shard_wrongly(module, params, places)
     dtypes = {str(p.dtype) for p in params.values()}
     if len(dtypes) > 1:
         raise ValueError(
@@ -211,8 +224,10 @@ def fully_shard(
         )
     # Every rank must shard the same shapes, or the collectives below would not match: a clear
     # error on every rank instead of a hang.
-    named = [(f"{type(places[0][0]).__name__}.{places[0][1]}", params[key])
-             for key, places in places.items()]  # fmt: skip
+    named = [
+        (f"{type(where[0][0]).__name__}.{where[0][1]}", params[key])
+        for key, where in places.items()
+    ]
     settings = {"reshard_after_forward": reshard_after_forward}
     verify_same_model_on_every_rank(named, settings, process_group)
     source = dist.get_global_rank(process_group or dist.group.WORLD, 0)
@@ -220,16 +235,23 @@ def fully_shard(
     shards = []
     for param in params.values():
         if param.device.type == "meta" or not param.dtype.is_floating_point:
-            raise ValueError(f"fully_shard shards floating-point CPU parameters; got {param.dtype} "
-                             f"on {param.device}")  # fmt: skip
+            raise ValueError(
+                f"fully_shard shards floating-point CPU parameters; got {param.dtype} on "
+                f"{param.device}"
+            )
         full = param.detach().clone()
-        collectives.broadcast(full, src=source, group=process_group)  # rank 0's, as DDP does
+        work = collectives.broadcast(full, src=source, group=process_group, async_op=True)
+        wait_for(
+            work.get_future(),
+            f"broadcast of rank 0's {tuple(full.shape)} parameter (fully_shard)",
+            process_group,
+        )  # rank 0's values, as DDP does
         shards.append(nn.Parameter(cut(full, rank, world), param.requires_grad))
-    global _units
-    _units += 1
+    number = next_number(process_group)
     names = ", ".join(dict.fromkeys(name for p in places.values() for _, name in p))
     sharded = ShardedParameters(
-        name=f"fully_shard unit {_units} ({type(module).__name__}: {names})",
+        number=number,
+        name=f"fully_shard unit {number} ({type(module).__name__}: {names})",
         places=list(places.values()),
         shapes=[p.shape for p in params.values()],
         shards=shards,
@@ -237,67 +259,18 @@ def fully_shard(
         reshard_after_forward=reshard_after_forward,
     )
     sharded.originals.update(dict.fromkeys(params.values()))
+    register(sharded)
     for shard in shards:
-        _UNIT_OF[shard] = sharded
         mark_spread(shard, Spread(process_group))  # for clip_grad_norm_: a piece per rank
     sharded.place(shards)
     module._sharded = sharded if shards else None
     module.register_forward_pre_hook(_before_forward)
     module.register_forward_hook(_after_forward)
     for owner in dict.fromkeys(o for p in places.values() for o, _ in p if o is not module):
-        owner.register_forward_pre_hook(partial(_refuse_outside_its_unit, sharded))
+        owner.register_forward_pre_hook(partial(refuse_outside_its_unit, sharded))
     cls = type(module)
     module.__class__ = type(f"FullyShard{cls.__name__}", (FullyShardedModule, cls), {})
     return module
-
-
-_units = 0  # fully_shard calls in this process: the same numbers on every rank
-_UNIT_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # shard -> its ShardedParameters
-
-
-def _refuse_what_would_shard_wrongly(
-    module: nn.Module,
-    params: dict[int, torch.Tensor],
-    places: dict[int, list[tuple[nn.Module, str]]],
-) -> None:
-    """Two mistakes that would otherwise fail much later, or never: sharding a child after its
-    ancestor (its parameters are already shards: they would be cut again, and the first forward
-    fails with "mat2 must be a matrix"), and a parameter tied across units (each unit would
-    shard its own copy: after one step they are two different parameters, silently)."""
-    for key, param in params.items():
-        owner, name = places[key][0]
-        if param in _UNIT_OF:
-            raise ValueError(
-                f"fully_shard({type(module).__name__}) came after its ancestor was sharded: "
-                f"its parameter {name!r} is already a shard of {_UNIT_OF[param].name}. Shard "
-                "the submodules first, then the root: for block in model.blocks: "
-                "fully_shard(block); then fully_shard(model)."
-            )
-    units = [getattr(sub, "_sharded", None) for sub in module.modules()]
-    units = [unit for unit in units if unit is not None]
-    qualified = {id(sub): prefix for prefix, sub in module.named_modules(remove_duplicate=False)}
-    for key, param in params.items():
-        for unit in units:
-            if param in unit.originals:
-                owner, name = places[key][0]
-                where = f"{qualified.get(id(owner), type(owner).__name__)}.{name}".lstrip(".")
-                raise ValueError(
-                    f"Parameter {where!r} is shared with a parameter already managed by "
-                    f"{unit.name}: sharded twice, the two would be cut and stepped apart, and "
-                    "come untied. Put tied modules in one unit: torch's fully_shard([module_a, "
-                    "module_b]); here, leave both to their common ancestor's fully_shard (do "
-                    "not shard either alone)."
-                )
-
-
-def _refuse_outside_its_unit(unit: ShardedParameters, module: nn.Module, args: Any) -> None:
-    if not unit.gathered:
-        raise RuntimeError(
-            f"{type(module).__name__} was called on its own, but its parameters belong to "
-            f"{unit.name} and are full only during that module's forward. Call the unit "
-            "instead, or make this module a unit of its own: fully_shard(it) before its "
-            "ancestor."
-        )
 
 
 def _own_modules(module: nn.Module) -> list[nn.Module]:
@@ -332,8 +305,3 @@ def _after_forward(module: nn.Module, args: Any, output: Any) -> None:
     if state.reshard_after_forward:
         state.free(full)
     torch.autograd.graph.register_multi_grad_hook(waiting, lambda _: state.refill(full), mode="any")
-
-
-def is_fully_sharded(module: nn.Module) -> bool:
-    """Does fully_shard manage any of `module`'s parameters?"""
-    return any(param in _UNIT_OF for param in module.parameters())

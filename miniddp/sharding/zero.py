@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 
 from miniddp import collectives
 from miniddp.job.env import HOW_TO_LAUNCH
+from miniddp.job.faults import wait_for
 from miniddp.same_model import verify_same_model_on_every_rank
 from miniddp.sharding.clipping import Spread, mark_spread
 
@@ -163,7 +164,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 [p.detach().reshape(-1) for p in shares[self.rank]]
             )
         gathered = torch.empty(self.world_size * longest, dtype=like.dtype, device=like.device)
-        collectives.all_gather_into_tensor(gathered, mine, group=self.process_group)
+        work = collectives.all_gather_into_tensor(
+            gathered, mine, group=self.process_group, async_op=True
+        )
+        what = f"all-gather of the updated parameters ({gathered.nbytes:,} bytes, ZeRO)"
+        wait_for(work.get_future(), what, self.process_group)
         with torch.no_grad():
             for rank, share in enumerate(shares):
                 if rank == self.rank or not share:
@@ -216,8 +221,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                     local_state[position] = copy.deepcopy(state_dict["state"][index_of[id(param)]])
                 indices.append(position)
                 position += 1
-            local_groups.append({**{k: v for k, v in group.items() if k != "params"},
-                                 "params": indices})  # fmt: skip
+            settings = {k: v for k, v in group.items() if k != "params"}
+            local_groups.append({**settings, "params": indices})
         self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
 
     def _every_param(self) -> list[torch.Tensor]:
