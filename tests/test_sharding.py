@@ -166,6 +166,34 @@ def test_memory_per_rank_matches_the_formulas(rank_pools):
     assert sum(r["owned_elements"] for r in results) == psi
 
 
+def test_add_param_group_is_torchs_partition_and_its_bits(pool2):
+    """torch's ZeroRedundancyOptimizer accepts a group after construction: the partition is
+    redone over every group, which leaves the earlier ones where they were."""
+    for result in pool2.run(
+        sharding_tasks.zero_with_a_group_added_later, ShardSpec(widths=(6, 9, 7, 3))
+    ):
+        assert result["ours"]["owned"] == result["torch"]["owned"]
+        assert_bitwise(result["ours"]["params"], result["torch"]["params"], "after add_param_group")
+
+
+def test_zero2_scaling_at_w3_is_the_rings_order_bit_for_bit(rank_pools):
+    """At W = 2, g/W and g·fl(1/W) agree and a + b = b + a, so any order gives DDP's bits. At
+    W = 3 neither holds (a third of the float32 values differ in the last bit), so the
+    reference redoes our order: every rank's gradient times fl(1/3), summed as the ring does."""
+    spec = ShardSpec(widths=(6, 9, 7, 3), steps=2)
+    results = rank_pools(3).run(sharding_tasks.zero2_gradients_and_their_ring_order_reference, spec)
+    for rank, result in enumerate(results):
+        assert result["ours"], f"rank {rank} owns nothing"
+        for index, (mine, expected) in enumerate(
+            zip(result["ours"], result["expected"], strict=True)
+        ):
+            assert torch.equal(mine, expected), f"rank {rank}: owned gradient {index}"
+    differ = [
+        not torch.equal(a, b) for r in results for a, b in zip(r["ours"], r["divided"], strict=True)
+    ]
+    assert any(differ), "the reference would not tell the ring's order from sum-then-divide"
+
+
 # Your own ZeRO-1, with `--zero1 FILE.py:CLASS` (tutorials/exercises/zero1.py), against torch's
 # ZeroRedundancyOptimizer. Without --zero1 these are skipped; with it, only these run.
 
@@ -198,26 +226,3 @@ def test_your_zero1_on_one_fixed_example(rank_pools, your_zero1, world_size):
 @given(spec=specs)
 def test_your_zero1_equals_torchs(rank_pools, your_zero1, world_size, spec):
     check_zero1_class(rank_pools, your_zero1, world_size, spec)
-def test_add_param_group_is_torchs_partition_and_its_bits(pool2):
-    """torch's ZeroRedundancyOptimizer accepts a group after construction: the partition is
-    redone over every group, which leaves the earlier ones where they were."""
-    for result in pool2.run(
-        sharding_tasks.zero_with_a_group_added_later, ShardSpec(widths=(6, 9, 7, 3))
-    ):
-        assert result["ours"]["owned"] == result["torch"]["owned"]
-        assert_bitwise(result["ours"]["params"], result["torch"]["params"], "after add_param_group")
-def test_zero2_scaling_at_w3_is_the_rings_order_bit_for_bit(rank_pools):
-    """At W = 2, g/W and g·fl(1/W) agree and a + b = b + a, so any order gives DDP's bits. At
-    W = 3 neither holds (a third of the float32 values differ in the last bit), so the
-    reference redoes our order: every rank's gradient times fl(1/3), summed as the ring does."""
-    spec = ShardSpec(widths=(6, 9, 7, 3), steps=2)
-    results = rank_pools(3).run(sharding_tasks.zero2_gradients_and_their_ring_order_reference, spec)
-        assert result["ours"], f"rank {rank} owns nothing"
-        for index, (mine, expected) in enumerate(
-            zip(result["ours"], result["expected"], strict=True)
-        ):
-            assert torch.equal(mine, expected), f"rank {rank}: owned gradient {index}"
-    differ = [
-        not torch.equal(a, b) for r in results for a, b in zip(r["ours"], r["divided"], strict=True)
-    ]
-    assert any(differ), "the reference would not tell the ring's order from sum-then-divide"
