@@ -4,18 +4,28 @@ collectives over it.
 The arithmetic is the alpha-beta model: a transfer of b bytes takes alpha + b / bandwidth, and
 each rank puts 2(W-1)/W n bytes on the wire for an all-reduce of n bytes. Transfers queue: one
 issued while the link is busy starts when the one before it arrives.
+
+The scenarios run on the ranks are module-level functions next to their tests: the pool's
+workers import them as `tests.test_link.<function>`.
 """
 
 from __future__ import annotations
 
+import copy
 import math
+import time
 
 import pytest
+import torch
+import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
-from miniddp.observe.link import Link, LinkQueue, wire_bytes
-from tests import link_tasks
+from miniddp import MiniDDP
+from miniddp.job.faults import wait_for
+from miniddp.observe.link import Link, LinkQueue, all_reduce_hook, simulated_link, wire_bytes
 from tests.harness.pool import RankPool
 
 GBIT = 1e9 / 8  # bytes per second
@@ -122,13 +132,41 @@ def test_the_queue_is_a_single_server_in_issue_order(issues: list[tuple[float, i
         previous = arrival
 
 
+def all_reduces_over_the_link(link_text: str, numel: int) -> dict:
+    """Two async all-reduces issued back to back, waited through MiniDDP's `wait_for`, and one
+    blocking one: their sums, and when each was seen complete (seconds after the first issue)."""
+    rank = dist.get_rank()
+    first = torch.full((numel,), float(rank + 1))
+    second = torch.full((numel,), 10.0 * (rank + 1))
+    blocking = torch.full((numel,), 100.0 * (rank + 1))
+    dist.barrier()
+    with simulated_link(Link.parse(link_text)):
+        start = time.perf_counter()
+        works = [dist.all_reduce(t, async_op=True) for t in (first, second)]
+        issued = time.perf_counter() - start
+        done = []
+        for index, work in enumerate(works):
+            wait_for(work, f"test all-reduce {index}")
+            done.append(time.perf_counter() - start)
+        returned = dist.all_reduce(blocking)
+        done.append(time.perf_counter() - start)
+    return {
+        "issued_s": issued,
+        "done_s": done,
+        "returned": returned,
+        "sums": [first[0].item(), second[0].item(), blocking[0].item()],
+        "work_type": type(works[0]).__name__,
+        "restored": not hasattr(dist.all_reduce, "simulated_link"),
+    }
+
+
 def test_all_reduces_over_the_link_sum_correctly_and_arrive_in_turn(pool2: RankPool) -> None:
     """On 2 ranks: two 4 MB all-reduces at 1 Gbit/s (32 ms each on the wire) issued back to back
     return at once, arrive no sooner than 32 and 64 ms, and sum as without the link; a blocking
     one returns None, like torch's; leaving the block restores torch.distributed."""
     link, numel = Link.parse("alpha=1ms,bandwidth=1gbit"), 1_000_000
     transfer = link.seconds(wire_bytes("all_reduce", 4 * numel, 2))
-    results = pool2.run(link_tasks.all_reduces_over_the_link, str(link), numel)
+    results = pool2.run(all_reduces_over_the_link, str(link), numel)
     for result in results:
         assert result["sums"] == [1.0 + 2.0, 10.0 + 20.0, 100.0 + 200.0]
         assert result["work_type"] == "LinkWork" and result["returned"] is None
@@ -138,8 +176,24 @@ def test_all_reduces_over_the_link_sum_correctly_and_arrive_in_turn(pool2: RankP
         assert result["restored"]
 
 
+def gradients_over_the_link(link_text: str) -> bool:
+    """MiniDDP, and torch's DDP through `all_reduce_hook`, on the link: bit-identical gradients."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    batch = torch.randn(4, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
+    grads = []
+    with simulated_link(Link.parse(link_text)):
+        ours = MiniDDP(copy.deepcopy(net), bucket_cap_mb=0.0005)
+        theirs = DistributedDataParallel(copy.deepcopy(net), bucket_cap_mb=0.0005)
+        theirs.register_comm_hook(None, all_reduce_hook)
+        for model in (ours, theirs):
+            model(batch).square().mean().backward()
+            grads.append([p.grad for p in model.parameters()])
+    return all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 def test_torch_ddp_through_the_hook_matches_miniddp_on_the_link(pool2: RankPool) -> None:
-    assert pool2.run(link_tasks.gradients_over_the_link, "alpha=100us,bandwidth=10gbit") == [
+    assert pool2.run(gradients_over_the_link, "alpha=100us,bandwidth=10gbit") == [
         True,
         True,
     ]

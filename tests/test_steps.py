@@ -1,16 +1,26 @@
 """The ladder (miniddp/steps/): its command, and a smoke check that every rung trains like
-torch's DDP. The full property tests over `LADDER` live in tests/test_ddp_equivalence.py."""
+torch's DDP. The full property tests over `LADDER` live in tests/test_ddp_equivalence.py.
+
+What the pool's ranks run is a module-level function of this file, next to its test (the workers
+import `tests.test_steps`): mostly a rung of the ladder and torch's DDP, trained side by side on
+the same awkward little model and the same data."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
 
+from miniddp import MiniDDP
 from miniddp.steps import CLAIMS, LADDER
-from tests import steps_tasks
 from tests.harness.pool import RankFailure
 
 
@@ -105,6 +115,82 @@ def test_from_torchs_layout_up_each_rung_claims_what_it_adds_and_keeps_the_rest(
     assert LADDER[-1].claims == CLAIMS
 
 
+class Scrambled(nn.Module):
+    """Layers registered in one order and used in another, so gradients arrive in neither
+    registration order nor its reverse; BatchNorm statistics; optionally a float64 layer."""
+
+    def __init__(self, seed: int, mixed_dtypes: bool) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.head = nn.Linear(16, 3)
+        self.first = nn.Linear(6, 16)
+        self.norm = nn.BatchNorm1d(16)
+        self.middle = nn.Linear(16, 16)
+        self.wide = nn.Linear(16, 16).double() if mixed_dtypes else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.middle(self.norm(torch.tanh(self.first(x)))))
+        if self.wide is not None:
+            hidden = torch.tanh(self.wide(hidden.double())).float()
+        return self.head(hidden)
+
+
+def train(
+    wrap: Callable[[nn.Module], nn.Module], mixed_dtypes: bool, steps: int, backwards_per_step: int
+) -> dict:
+    """Train one replica; gradients after each synchronized backward, state after each step.
+
+    Each rank builds its model from its own seed: the wrapper must start every rank from
+    rank 0's weights. Several backwards between optimizer steps accumulate into `.grad`.
+    """
+    rank = dist.get_rank()
+    net = Scrambled(seed=rank, mixed_dtypes=mixed_dtypes)
+    model = wrap(net)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    grads, states = [], []
+    for step in range(steps):
+        optimizer.zero_grad()
+        for micro in range(backwards_per_step):
+            data = torch.Generator().manual_seed(1000 * rank + 10 * step + micro)
+            x, y = torch.randn(5, 6, generator=data), torch.randn(5, 3, generator=data)
+            nn.functional.mse_loss(model(x), y).backward()
+            if hasattr(model, "finish_gradient_synchronization"):  # torch's DDP has none
+                model.finish_gradient_synchronization()
+            grads.append([p.grad.clone() for p in net.parameters()])
+        optimizer.step()
+        states.append([t.clone() for t in net.state_dict().values()])
+    return {"grads": grads, "states": states, "layout": bucket_layout(model, net)}
+
+
+def bucket_layout(model: nn.Module, net: nn.Module) -> list[list[str]] | None:
+    """Buckets in launch order, as parameter names; None for a rung without buckets."""
+    if isinstance(model, DistributedDataParallel):
+        name_of = {id(p): n for n, p in net.named_parameters()}
+        buckets = model.reducer._get_zeros_like_grad_buckets()
+        return [[name_of[id(p)] for p in bucket.parameters()] for bucket in buckets]
+    if isinstance(model, MiniDDP):
+        return [list(info.param_names) for info in model.buckets]
+    if hasattr(model, "buckets"):
+        return [[model.param_names[i] for i in bucket.params] for bucket in model.buckets]
+    return None
+
+
+def rung_and_torch(
+    rung: int, bucket_cap_mb: float | None, mixed_dtypes: bool = False, steps: int = 3
+) -> dict:
+    """Rung `rung` (numbered from 1) and torch's DDP, with the same cap, one after the other."""
+    cls = LADDER[rung - 1]
+    return {
+        "rung": train(lambda m: cls(m, bucket_cap_mb=bucket_cap_mb), mixed_dtypes, steps, 2),
+        "torch": train(
+            lambda m: DistributedDataParallel(m, bucket_cap_mb=bucket_cap_mb),
+            mixed_dtypes,
+            steps,
+            2,
+        ),
+    }
+
+
 def assert_same_training(results: list[dict]) -> None:
     for rank, result in enumerate(results):
         ours, theirs = result["rung"], result["torch"]
@@ -119,7 +205,7 @@ def assert_same_training(results: list[dict]) -> None:
 @pytest.mark.parametrize("mixed_dtypes", [False, True])
 def test_every_rung_trains_bitwise_like_torchs_ddp_on_two_ranks(rank_pools, rung, mixed_dtypes):
     """On 2 ranks a + b = b + a: any correct rung gives torch's bits, whatever its layout."""
-    results = rank_pools(2).run(steps_tasks.rung_and_torch, rung, 0.0015, mixed_dtypes, timeout=120)
+    results = rank_pools(2).run(rung_and_torch, rung, 0.0015, mixed_dtypes, timeout=120)
     assert_same_training(results)
 
 
@@ -131,12 +217,32 @@ def test_torch_layout_is_torchs_layout_and_bits_at_three_and_four_ranks(
 ):
     """With 3+ ranks gloo's bits depend on each gradient's offset in its bucket: rung 4 has
     torch's layout, and the rungs above keep it."""
-    results = rank_pools(world_size).run(
-        steps_tasks.rung_and_torch, rung, bucket_cap_mb, False, timeout=120
-    )
+    results = rank_pools(world_size).run(rung_and_torch, rung, bucket_cap_mb, False, timeout=120)
     for result in results:
         assert result["rung"]["layout"] == result["torch"]["layout"]
     assert_same_training(results)
+
+
+class WithExtraLayer(nn.Module):
+    """`extra` takes part in the loss only on the ranks in `used_on`."""
+
+    def __init__(self, used_on: tuple[int, ...]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.used = nn.Linear(4, 2)
+        self.extra = nn.Linear(4, 2)
+        self.use_extra = dist.get_rank() in used_on
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x) + (self.extra(x) if self.use_extra else 0)
+
+
+def backward_with_extra_layer(rung: int, used_on: tuple[int, ...]) -> str:
+    """One backward of a rung whose `extra` layer some ranks (or none) do not use."""
+    model = LADDER[rung - 1](WithExtraLayer(used_on))
+    model(torch.randn(3, 4)).sum().backward()
+    model.finish_gradient_synchronization()
+    return "synchronized"
 
 
 RUNGS = range(1, len(LADDER))  # the ladder's own rungs; MiniDDP has tests of its own
@@ -144,7 +250,7 @@ RUNGS = range(1, len(LADDER))  # the ladder's own rungs; MiniDDP has tests of it
 
 @pytest.mark.parametrize("rung", RUNGS)
 def test_a_parameter_unused_on_every_rank_is_named_on_every_rank(pool2, rung):
-    outcomes = pool2.run_expecting_errors(steps_tasks.backward_with_extra_layer, rung, ())
+    outcomes = pool2.run_expecting_errors(backward_with_extra_layer, rung, ())
     for rank, outcome in enumerate(outcomes):
         assert isinstance(outcome, RankFailure), f"rank {rank} did not raise"
         assert outcome.type_name == "RuntimeError"
@@ -157,39 +263,100 @@ def test_a_parameter_unused_on_every_rank_is_named_on_every_rank(pool2, rung):
 def test_a_parameter_unused_on_one_rank_only_raises_there_without_a_hang(pool2, rung):
     """That rank sends zeros in its place, so the ranks stay in step, then refuses. (Rung 2
     launches in gradient-ready order and cannot stay in step: see overlap.py.)"""
-    outcomes = pool2.run_expecting_errors(steps_tasks.backward_with_extra_layer, rung, (1,))
+    outcomes = pool2.run_expecting_errors(backward_with_extra_layer, rung, (1,))
     assert isinstance(outcomes[0], RankFailure) and "extra.weight" in outcomes[0].message
     assert outcomes[1] == "synchronized"
     assert pool2.alive
+
+
+def all_reduces_per_micro_step(rung: int, micro_steps: int) -> tuple[list[list[int]], int]:
+    """After one plain step (the buckets' rebuild), two optimizer steps of `micro_steps`
+    micro-steps, all but the last inside no_sync(): the all-reduces each micro-step launched,
+    and the number of buckets."""
+    model = LADDER[rung - 1](Scrambled(seed=0, mixed_dtypes=False), bucket_cap_mb=0.0015)
+    x, y = torch.randn(5, 6), torch.randn(5, 3)
+    for _ in range(2):  # the first records the order, the second's forward rebuilds
+        nn.functional.mse_loss(model(x), y).backward()
+    counts = []
+    for _ in range(2):
+        per_micro_step = []
+        for micro in range(micro_steps):
+            before = model.all_reduce_count
+            last = micro == micro_steps - 1
+            with contextlib.nullcontext() if last else model.no_sync():
+                nn.functional.mse_loss(model(x), y).backward()
+            per_micro_step.append(model.all_reduce_count - before)
+        counts.append(per_micro_step)
+    return counts, len(model.buckets)
 
 
 @pytest.mark.parametrize("rung", [5, 6, 7])
 def test_no_sync_skips_the_all_reduces_of_all_but_the_last_micro_step(pool2, rung):
     """Three micro-steps per optimizer step, the first two inside no_sync(); one step to learn
     the gradient order, so the buckets are rebuilt before the counted ones."""
-    for counts, buckets in pool2.run(steps_tasks.all_reduces_per_micro_step, rung, 3):
+    for counts, buckets in pool2.run(all_reduces_per_micro_step, rung, 3):
         assert counts == [[0, 0, buckets]] * 2, counts
 
 
-@pytest.mark.parametrize("case", ["twice", "after_a_backward"])
-def test_a_comm_hook_registered_twice_or_late_is_refused(pool2, case):
-    for outcome in pool2.run_expecting_errors(steps_tasks.register_hook, case, timeout=60):
-        assert isinstance(outcome, RankFailure) and outcome.type_name == "RuntimeError"
-        assert ("only be called once" if case == "twice" else "before the first") in outcome.message
+def hook_registered_twice() -> None:
+    model = LADDER[6](nn.Linear(2, 2))
+    model.register_comm_hook(None, allreduce_hook)
+    model.register_comm_hook(None, allreduce_hook)
 
 
-BAD_CONSTRUCTION = {
-    "no_trainable": ("ValueError", "no parameter that requires grad", RUNGS),
-    "cap_zero": ("ValueError", "bucket_cap_mb must be a positive", range(3, len(LADDER))),
-    "cap_text": ("ValueError", "got '25'", range(3, len(LADDER))),
-}
+def hook_registered_after_a_backward() -> None:
+    model = LADDER[6](nn.Linear(2, 2))
+    model(torch.randn(3, 2)).sum().backward()
+    model.register_comm_hook(None, allreduce_hook)
 
 
 @pytest.mark.parametrize(
-    "case, rung", [(case, rung) for case, (*_, rungs) in BAD_CONSTRUCTION.items() for rung in rungs]
+    "register, phrase",
+    [
+        pytest.param(hook_registered_twice, "only be called once", id="twice"),
+        pytest.param(hook_registered_after_a_backward, "before the first", id="after_a_backward"),
+    ],
 )
-def test_bad_construction_raises_on_every_rank(pool2, case, rung):
-    error, phrase, _ = BAD_CONSTRUCTION[case]
-    for outcome in pool2.run_expecting_errors(steps_tasks.construct, rung, case, timeout=60):
+def test_a_comm_hook_registered_twice_or_late_is_refused(
+    pool2, register: Callable[[], None], phrase: str
+):
+    """Rung 7's comm hook registered twice, or after training began."""
+    for outcome in pool2.run_expecting_errors(register, timeout=60):
+        assert isinstance(outcome, RankFailure) and outcome.type_name == "RuntimeError"
+        assert phrase in outcome.message
+
+
+def no_trainable(rung: int) -> None:
+    LADDER[rung - 1](nn.Linear(2, 2).requires_grad_(False))
+
+
+def cap_zero(rung: int) -> None:
+    LADDER[rung - 1](nn.Linear(2, 2), bucket_cap_mb=0)
+
+
+def cap_text(rung: int) -> None:
+    LADDER[rung - 1](nn.Linear(2, 2), bucket_cap_mb="25")
+
+
+BAD_CONSTRUCTION = [
+    (no_trainable, "ValueError", "no parameter that requires grad", RUNGS),
+    (cap_zero, "ValueError", "bucket_cap_mb must be a positive", range(3, len(LADDER))),
+    (cap_text, "ValueError", "got '25'", range(3, len(LADDER))),
+]
+
+
+@pytest.mark.parametrize(
+    "construct, rung, error, phrase",
+    [
+        pytest.param(construct, rung, error, phrase, id=f"{construct.__name__}-{rung}")
+        for construct, error, phrase, rungs in BAD_CONSTRUCTION
+        for rung in rungs
+    ],
+)
+def test_bad_construction_raises_on_every_rank(
+    pool2, construct: Callable[[int], None], rung: int, error: str, phrase: str
+):
+    """Building a rung from one kind of bad input: every rank raises."""
+    for outcome in pool2.run_expecting_errors(construct, rung, timeout=60):
         assert isinstance(outcome, RankFailure) and outcome.type_name == error
         assert phrase in outcome.message

@@ -1,6 +1,11 @@
 """miniddp.observe.timeline: spans and summaries from known event lists, the three views,
-recording on real ranks (and off), torch.profiler spans, and the claims chapter 04 makes
-about the rungs of the ladder and the baselines."""
+recording on real ranks (and off), torch.profiler spans, and the claims chapter 04 makes about
+the rungs of the ladder and the baselines.
+
+What the ranks run sits next to the test that checks it: the pool's workers import it as
+`tests.test_timeline.<function>`; `profile_a_step` runs under torchrun instead, as
+`python -m tests.test_timeline OUT_DIR` (see there why).
+"""
 
 from __future__ import annotations
 
@@ -13,18 +18,25 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
+from miniddp import MiniDDP
+from miniddp.observe.baselines import BASELINES, DeferredMiniDDP
 from miniddp.observe.events import Event
 from miniddp.observe.timeline import (
     COMM,
     COMPUTE,
     ProfilerSpans,
     StepTimeline,
+    gather,
+    recording,
     split_steps,
     summarize,
 )
 from miniddp.observe.timeline_views import ascii_timeline, chrome_trace, plot
-from tests import timeline_tasks
+from miniddp.steps import BucketedDDP, TorchLayoutDDP
 from tests.harness.processes import child_env, run_in_own_session
 
 REPO = Path(__file__).resolve().parents[1]
@@ -181,8 +193,46 @@ def test_profiler_spans_close_bucket_ranges_from_another_thread():
     assert 15 < ms["miniddp: bucket 0"] < 150
 
 
+def deep_model() -> nn.Sequential:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(32, 32) for _ in range(8)])
+
+
+def rank_batch() -> torch.Tensor:
+    return torch.randn(16, 32, generator=torch.Generator().manual_seed(dist.get_rank()))
+
+
+def train_step(model: nn.Module) -> None:
+    for param in model.parameters():
+        param.grad = None
+    model(rank_batch()).square().mean().backward()
+    if hasattr(model, "finish_gradient_synchronization"):  # the naive rung averages here
+        model.finish_gradient_synchronization()
+
+
+def recording_off_leaves_no_trace() -> dict:
+    """Steps outside `recording()` record nothing, before and after a recorded block."""
+    ddp = MiniDDP(deep_model(), bucket_cap_mb=0.005)
+    train_step(ddp)
+    before = (ddp.events, list(ddp.event_listeners))
+    with recording(ddp) as events:
+        train_step(ddp)
+        listeners_inside = len(ddp.event_listeners)
+    recorded = len(events)
+    train_step(ddp)
+    train_step(ddp)
+    return {
+        "before": before,
+        "listeners_inside": listeners_inside,
+        "recorded": recorded,
+        "after": len(ddp.events),
+        "listeners_after": len(ddp.event_listeners),
+    }
+
+
 def test_recording_is_opt_in_and_leaves_nothing_behind(pool2):
-    for outcome in pool2.run(timeline_tasks.recording_off_leaves_no_trace):
+    for outcome in pool2.run(recording_off_leaves_no_trace):
         assert outcome["before"] == (None, [])
         assert outcome["listeners_inside"] == 1  # the profiler spans
         assert outcome["recorded"] > 0
@@ -190,8 +240,26 @@ def test_recording_is_opt_in_and_leaves_nothing_behind(pool2):
         assert outcome["listeners_after"] == 0
 
 
+def recorded_steps(cap_mb: float, steps: int = 2) -> dict:
+    """A recorded MiniDDP run on every rank: buckets, gathered steps, summaries, trace."""
+    ddp = MiniDDP(deep_model(), bucket_cap_mb=cap_mb)
+    train_step(ddp)  # learn the order; buckets are rebuilt at the next forward
+    with recording(ddp) as events:
+        for _ in range(steps):
+            dist.barrier()
+            train_step(ddp)
+    everyone = gather(split_steps(events, dist.get_rank()))
+    return {
+        "buckets": len(ddp.buckets),
+        "steps": everyone,
+        "summaries": [summarize(s) for s in everyone],
+        "trace": chrome_trace(everyone),
+        "events": [(e.kind, e.name) for e in events],
+    }
+
+
 def test_recorded_buckets_on_real_ranks(pool2):
-    results = pool2.run(timeline_tasks.recorded_steps, 0.005, 2)
+    results = pool2.run(recorded_steps, 0.005, 2)
     for result in results:
         assert result["buckets"] >= 3
         steps = result["steps"]
@@ -211,13 +279,41 @@ def test_recorded_buckets_on_real_ranks(pool2):
     assert results[0]["trace"] == results[1]["trace"]  # gathered: the same on every rank
 
 
+def every_design() -> dict:
+    """Every design on the same model and data: its averaged gradients and one recorded step,
+    with that step's summary."""
+    designs = {name: cls for name, cls in BASELINES.items() if name != "none"}
+    designs["buckets"] = lambda m: BucketedDDP(m, bucket_cap_mb=0.005)
+    designs["torch layout"] = lambda m: TorchLayoutDDP(m, bucket_cap_mb=0.005)
+    designs["bucketed"] = lambda m: MiniDDP(m, bucket_cap_mb=0.005)
+    designs["deferred"] = lambda m: DeferredMiniDDP(m, bucket_cap_mb=0.005)
+    designs["torch"] = lambda m: DistributedDataParallel(m, bucket_cap_mb=0.005)
+    out = {}
+    for name, wrap in designs.items():
+        model = wrap(deep_model())
+        train_step(model)
+        train_step(model)  # after the rebuild
+        grads = [p.grad.clone() for p in model.parameters()]
+        events = []
+        if hasattr(model, "record_events"):
+            with recording(model) as events:
+                train_step(model)
+        out[name] = {
+            "grads": grads,
+            "events": [(e.time, e.kind, e.name) for e in events],
+            "all_reduces": getattr(model, "all_reduce_count", None),
+            "summaries": [summarize(one) for one in split_steps(events)],
+        }
+    return out
+
+
 def launch_times(events: list) -> tuple[list[float], float]:
     backward_end = next(t for t, kind, name in events if (kind, name) == ("backward", "end"))
     return [t for t, kind, _ in events if kind == "launch"], backward_end
 
 
 def test_every_design_averages_to_the_same_bits_and_launches_when_it_says(pool2):
-    for rank_result in pool2.run(timeline_tasks.every_design):
+    for rank_result in pool2.run(every_design):
         reference = rank_result["torch"]["grads"]
         for name, outcome in rank_result.items():
             for ours, theirs in zip(outcome["grads"], reference):
@@ -245,9 +341,43 @@ def test_every_design_averages_to_the_same_bits_and_launches_when_it_says(pool2)
         assert rank_result["naive"]["summaries"][0].overlap == 0  # nothing sent during backward
 
 
+def profile_a_step(out_dir: str) -> None:
+    """Profile two recorded MiniDDP steps with torch.profiler; each rank writes what it saw.
+
+    Runs under torchrun, not in the test pool: with torch 2.13 on CPU, gloo collectives issued
+    after a torch.profiler session that saw gloo work can corrupt the heap (reproduced with plain
+    torch), and would crash the pool's next test. So: no collective after the profile.
+    """
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    ddp = MiniDDP(deep_model(), bucket_cap_mb=0.005)
+    train_step(ddp)
+    with recording(ddp) as events, torch.profiler.profile() as profile:
+        for _ in range(2):
+            dist.barrier()
+            train_step(ddp)
+    launches = [e.name for e in events if e.kind == "launch"]
+    spans = [
+        {"name": e.name, "thread": e.thread, "ms": e.time_range.elapsed_us() / 1e3}
+        for e in profile.events()
+        if e.name.startswith("miniddp: ") or e.name.startswith("gloo:")
+    ]
+    steps = split_steps(events, dist.get_rank())
+    comm_ms = {s.name: s.duration * 1e3 for s in steps[-1].buckets}
+    step_ms = (steps[-1].end - steps[-1].start) * 1e3
+    report = {
+        "launches": launches,
+        "spans": spans,
+        "last_step_comm_ms": comm_ms,
+        "last_step_ms": step_ms,
+    }
+    Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()  # local: no collective
+
+
 def test_profiler_trace_shows_buckets_beside_gloos_all_reduce(tmp_path):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node=2", "-m", "tests.timeline_tasks", str(tmp_path)]  # fmt: skip
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    command += ["-m", "tests.test_timeline", str(tmp_path)]
     returncode, output = run_in_own_session(command, child_env(tmp_path), timeout=120)
     assert returncode == 0, output[-3000:]
     for rank in (0, 1):
@@ -268,3 +398,7 @@ def test_profiler_trace_shows_buckets_beside_gloos_all_reduce(tmp_path):
         for span in last:
             comm_ms = report["last_step_comm_ms"][span["name"].removeprefix("miniddp: ")]
             assert comm_ms - 1 <= span["ms"] <= report["last_step_ms"] + 1
+
+
+if __name__ == "__main__":
+    profile_a_step(sys.argv[1])
