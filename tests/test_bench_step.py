@@ -143,8 +143,8 @@ def no_relaunch(monkeypatch: pytest.MonkeyPatch) -> None:
             "argument --trace-iters: -1 is too small; give a whole number >= 0",
         ),
         (
-            ["step", "--models", "mlp,gpt"],
-            "--models: unknown 'gpt'; choose from mlp, transformer, deep",
+            ["step", "--models", "mlp,bert"],
+            "--models: unknown 'bert'; choose from mlp, transformer, deep, gpt",
         ),
         (["step", "--variants", "miniddp,torch-2"], "--variants: unknown 'torch-2'; choose from"),
         (

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch import nn
 
+from miniddp.bench.options import whole_number, writable_file
 from miniddp.bench.paired import paired_ratio, paired_ratio_interval, quantile, rotated
 from miniddp.job.env import cleanup, init_distributed
 from miniddp.observe.link import Link, LinkQueue, LinkWork
@@ -165,14 +166,15 @@ def report(times: dict[str, list[float]], link: Link | None) -> dict:
     return {"link": str(link) if link else "none", "times": times, "ratios": ratios}
 
 
-def main(argv: list[str]) -> None:
+def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m miniddp.bench pp", description=__doc__)
-    parser.add_argument("--width", type=int, default=512, help="Linear width (default 512)")
-    parser.add_argument("--layers", type=int, default=2, help="Linear+GELU per stage (default 2)")
-    parser.add_argument("--batch", type=int, default=64, help="samples per step (default 64)")
-    parser.add_argument("--microbatches", type=int, default=4, help="m (default 4)")
-    parser.add_argument("--iters", type=int, default=30, help="timed iterations (default 30)")
-    parser.add_argument("--warmup", type=int, default=3)
+    count = whole_number(at_least=1)
+    parser.add_argument("--width", type=count, default=512, help="Linear width (default 512)")
+    parser.add_argument("--layers", type=count, default=2, help="Linear+GELU per stage (default 2)")
+    parser.add_argument("--batch", type=count, default=64, help="samples per step (default 64)")
+    parser.add_argument("--microbatches", type=count, default=4, help="m (default 4)")
+    parser.add_argument("--iters", type=count, default=30, help="timed iterations (default 30)")
+    parser.add_argument("--warmup", type=whole_number(at_least=0), default=3)
     parser.add_argument(
         "--link",
         type=Link.parse,
@@ -180,8 +182,14 @@ def main(argv: list[str]) -> None:
         help="'none' or e.g. alpha=1ms,bandwidth=1gbit; repeat to run several "
         "(default: none, then alpha=1ms,bandwidth=1gbit)",
     )
-    parser.add_argument("--json", metavar="PATH", help="also write the results here")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--json", metavar="PATH", type=writable_file, help="also write the results here"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
     links = args.link or [None, Link.parse("alpha=1ms,bandwidth=1gbit")]
     init_distributed()
     results = []

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from miniddp.bench.options import whole_number, writable_file
 from miniddp.bench.paired import paired_ratio, paired_ratio_interval, rotated
 from miniddp.job.env import cleanup, init_distributed
 from miniddp.tensor_parallel import ColwiseParallel, TransformerBlock, parallelize_module, plan_for
@@ -95,18 +96,26 @@ def time_both(args: argparse.Namespace, device: torch.device) -> tuple[dict, flo
     return {name: seconds[i].tolist() for i, name in enumerate(names)}, apart
 
 
-def main(argv: list[str]) -> None:
+def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m miniddp.bench tp", description=__doc__)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--length", type=int, default=64)
-    parser.add_argument("--iters", type=int, default=30, help="timed steps (default 30)")
+    parser.add_argument("--width", type=whole_number(at_least=1), default=256)
+    parser.add_argument("--heads", type=whole_number(at_least=1), default=8)
+    parser.add_argument("--batch", type=whole_number(at_least=1), default=8)
+    parser.add_argument("--length", type=whole_number(at_least=1), default=64)
+    parser.add_argument(
+        "--iters", type=whole_number(at_least=1), default=30, help="timed steps (default 30)"
+    )
     parser.add_argument(
         "--separate-qkv", dest="fused_qkv", action="store_false", help="q, k, v apart"
     )
-    parser.add_argument("--json", metavar="PATH", help="also write the results here")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--json", metavar="PATH", type=writable_file, help="also write the results here"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
     env = init_distributed()
     if env.device.type == "cpu":
         torch.set_num_threads(1)  # the ranks share the cores
