@@ -167,16 +167,17 @@ def test_default_caps_on_a_model_larger_than_the_first_bucket(rank_pools):
 
 
 RUNGS = [f"{rung.__module__}:{rung.__name__}" for rung in LADDER if rung is not MiniDDP]
+# At 4 ranks (oversubscribed here): the first rung with torch's layout, and the top one.
+_WITH_TORCHS_LAYOUT = [r for r in LADDER if r is not MiniDDP and "torch-layout" in r.claims]
 TORCH_LAYOUT_RUNGS = [
     f"{rung.__module__}:{rung.__name__}"
-    for rung in LADDER
-    if rung is not MiniDDP and "torch-layout" in rung.claims
+    for rung in (_WITH_TORCHS_LAYOUT[0], _WITH_TORCHS_LAYOUT[-1])
 ]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("rung", RUNGS)
-@property_settings(max_examples=10)
+@property_settings(max_examples=5)  # 7 rungs x 2 world sizes; each rung's idea has its own test
 @given(spec=train_specs(max_width=8))
 def test_every_rung_of_the_ladder(rank_pools, rung, world_size, spec):
     check_claims(rank_pools, rung, world_size, spec)

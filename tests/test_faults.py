@@ -143,8 +143,9 @@ def test_a_rank_that_stops_early_and_calls_cleanup_is_named_on_both_sides(
 
 
 def test_the_first_sign_names_the_rank_that_stopped(tmp_path: Path) -> None:
-    """Three ranks, and the middle one stops a step early: whoever notices first names rank 1,
-    and a survivor that heard it from the other one's flag names that survivor."""
+    """Three ranks, and the middle one stops a step early. Whoever notices first names rank 1
+    (gloo's "Connection closed by peer" names no rank: its exit note does); a survivor that
+    heard it from the other one's flag names that survivor."""
     run = run_ranks(tmp_path, "fewer-steps", "wait_for", world_size=3, victim=1)
     signs = {}
     for survivor in (0, 2):
@@ -152,9 +153,9 @@ def test_the_first_sign_names_the_rank_that_stopped(tmp_path: Path) -> None:
         signs[survivor] = next(
             line.strip() for line in message.splitlines() if "First sign" in line
         )
-    stopped = "First sign: rank 1's process ended without joining it."
-    assert stopped in signs.values(), signs
+    stopped = "First sign: rank 1's process ended without joining it"
+    assert any(sign.startswith(stopped) for sign in signs.values()), signs
     for survivor, other in ((0, 2), (2, 0)):
-        assert signs[survivor] in (stopped, f"First sign: rank {other} gave up first."), signs
-        if signs[survivor] != stopped:
-            assert signs[other] == stopped, signs
+        if not signs[survivor].startswith(stopped):
+            assert signs[survivor] == f"First sign: rank {other} gave up first.", signs
+            assert signs[other].startswith(stopped), signs

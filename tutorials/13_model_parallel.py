@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import textwrap
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,7 +28,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import add_link_option, end_chapter, fmt_bytes, say, say_all_ranks, section
+from common import (
+    add_link_option,
+    end_chapter,
+    fmt_bytes,
+    say,
+    say_all_ranks,
+    say_prose,
+    section,
+)
 from torch import nn
 from torch.nn import functional as F
 
@@ -156,10 +163,6 @@ def adam_formula(elements: int, tensors: int, buckets: bool) -> MemoryPerRank:
     return MemoryPerRank(
         4 * elements, 4 * elements, 4 * elements * buckets, 8 * elements + 4 * tensors
     )
-
-
-def say_prose(text: str) -> None:
-    say(textwrap.dedent(text).rstrip())
 
 
 def section_holdings(size: Size, world: int) -> bool:

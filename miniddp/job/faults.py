@@ -58,6 +58,7 @@ from miniddp.job.notes import Board, ExitNote, Note, board_of, collective_timeou
 __all__ = ["CollectiveFailed", "collective_timeout", "future_of", "wait_for"]
 
 REPORT_GRACE_S = 1.0  # how long survivors wait to hear from every other rank
+GLOO_FAILED = "the collective failed: "  # the first sign when gloo's own wait raised
 POLL_S = 0.1  # while a collective is late: how often to look for another rank's fault flag
 SAME_STEPS = "give every rank the same number of batches, e.g. with DistributedSampler"
 UNUSABLE = (
@@ -97,7 +98,7 @@ def wait_for(
     except CollectiveFailed:
         raise
     except RuntimeError as error:  # gloo: a peer's connection closed, or the timeout passed
-        raise _diagnose(board, what, f"the collective failed: {first_line(error)}") from error
+        raise _diagnose(board, what, f"{GLOO_FAILED}{first_line(error)}") from error
     board.finished += 1
     return result
 
@@ -154,13 +155,13 @@ def _news_of_a_fault(board: Board) -> str | None:
         note = board.exit_note(rank)
         # A rank that stopped after finishing this collective is no fault: its share is sent.
         if note is not None and note.finished <= board.finished:
-            who = (
-                f"rank {rank} called cleanup()"
-                if note.by_cleanup
-                else f"rank {rank}'s process ended"
-            )
-            return f"{who} without joining it"
+            return _stopped_without_joining(rank, note)
     return None
+
+
+def _stopped_without_joining(rank: int, note: ExitNote) -> str:
+    who = f"rank {rank} called cleanup()" if note.by_cleanup else f"rank {rank}'s process ended"
+    return f"{who} without joining it"
 
 
 def _diagnose(board: Board, what: str, cause: str) -> CollectiveFailed:
@@ -180,6 +181,12 @@ def _diagnose(board: Board, what: str, cause: str) -> CollectiveFailed:
             [],
         )
     missing = [rank for rank in range(board.world_size) if rank not in reports]
+    # gloo's error ("Connection closed by peer") names no rank; an exit note says which one
+    # stopped before this collective, and that is the first sign worth reading.
+    stopped = [r for r, note in sorted(exits.items()) if note.finished <= position]
+    if stopped and cause.startswith(GLOO_FAILED):
+        gloo_said = cause.removeprefix(GLOO_FAILED)
+        cause = f"{_stopped_without_joining(stopped[0], exits[stopped[0]])} (gloo: {gloo_said})"
     lines = [f"{what} could not finish on rank {board.rank}: {_name_ranks(missing)}."]
     for rank in missing:
         lines.append(f"  rank {rank}: {_why_missing(exits.get(rank), position, cause)}")
