@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from miniddp.figures.draw import plt, save
+from miniddp.figures.record import spawn_and_collect
 from miniddp.observe.timeline_views import COMPUTE_COLORS
 from miniddp.steps import NoSyncDDP
 
@@ -87,21 +87,7 @@ def train_on_rank(rank: int, store_path: str, out_path: str) -> None:
 
 def record(work_dir: Path) -> list[list[list[Span]]]:
     """Spawn the ranks, wait (with a deadline); per rank, its compute and communication spans."""
-    out_path = work_dir / "no_sync.pickle"
-    context = mp.start_processes(
-        train_on_rank,
-        args=(str(work_dir / "store"), str(out_path)),
-        nprocs=WORLD_SIZE,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            raise TimeoutError(f"the {WORLD_SIZE}-rank job did not finish in {JOB_TIMEOUT_S} s")
-    return pickle.loads(out_path.read_bytes())
+    return spawn_and_collect(train_on_rank, WORLD_SIZE, work_dir, JOB_TIMEOUT_S)
 
 
 def draw(ranks: list[list[list[Span]]], path: str | Path) -> Path:

@@ -9,16 +9,15 @@ numbered by microbatch, with the measured bubble against (p - 1)/(m + p - 1).
 from __future__ import annotations
 
 import pickle
-import time
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from miniddp.figures.draw import plt, save
+from miniddp.figures.record import spawn_and_collect
 from miniddp.pipeline import FixedCost, PipelineStage, Schedule1F1B, ScheduleGPipe
 from miniddp.pipeline.timeline import Block, bubble_formula, bubble_fraction, gather_blocks
 
@@ -62,21 +61,7 @@ def record_on_ranks(rank: int, store_path: str, out_path: str) -> None:
 
 def run_pipeline_job(work_dir: Path) -> dict[str, list[list[Block]]]:
     """Spawn the 4 stages, wait (with a deadline), and return each schedule's blocks."""
-    out_path = work_dir / "pipeline.pickle"
-    context = mp.start_processes(
-        record_on_ranks,
-        args=(str(work_dir / "store"), str(out_path)),
-        nprocs=STAGES,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            raise TimeoutError(f"the {STAGES}-stage job did not finish in {JOB_TIMEOUT_S} s")
-    return pickle.loads(out_path.read_bytes())
+    return spawn_and_collect(record_on_ranks, STAGES, work_dir, JOB_TIMEOUT_S)
 
 
 def schedules(drawn: dict[str, list[list[Block]]], path: str | Path) -> Path:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import pickle
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -74,20 +76,28 @@ def bucket_layouts() -> dict[str, list[BucketInfo]]:
 
 def run_rank_job(work_dir: Path) -> tuple[dict, dict]:
     """Spawn the 4 ranks, wait (with a deadline), and return rank 0's (messages, layouts)."""
+    return spawn_and_collect(record_on_ranks, WORLD_SIZE, work_dir, JOB_TIMEOUT_S)
+
+
+def spawn_and_collect(
+    task: Callable[[int, str, str], None], ranks: int, work_dir: Path, timeout_s: float
+) -> Any:
+    """Run `task(rank, store_path, out_path)` on `ranks` spawned processes; past `timeout_s`,
+    kill them all and raise. Returns what the task pickled to `out_path` (rank 0 writes it)."""
     out_path = work_dir / "recorded.pickle"
     context = mp.start_processes(
-        record_on_ranks,
+        task,
         args=(str(work_dir / "store"), str(out_path)),
-        nprocs=WORLD_SIZE,
+        nprocs=ranks,
         join=False,
         start_method="spawn",
     )
-    deadline = time.monotonic() + JOB_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     while not context.join(timeout=1):
         if time.monotonic() > deadline:
             for process in context.processes:
                 process.kill()
-            raise TimeoutError(f"the {WORLD_SIZE}-rank job did not finish in {JOB_TIMEOUT_S} s")
+            raise TimeoutError(f"the {ranks}-rank job did not finish in {timeout_s} s")
     return pickle.loads(out_path.read_bytes())
 
 
