@@ -9,7 +9,7 @@ from tests.harness.processes import child_env, run_in_own_session
 
 
 def test_a_short_soak_reports_no_false_alarm_and_torchs_bits(tmp_path):
-    command = [sys.executable, "-m", "miniddp.bench", "soak", "--minutes", "0.1", "--hogs", "1"]
+    command = [sys.executable, "-m", "miniddp.bench", "soak", "--minutes", "0.05", "--hogs", "1"]
     command += ["--width", "64", "--depth", "2", "--check-every", "3"]
     returncode, output = run_in_own_session(command, child_env(tmp_path), timeout=120)
     assert returncode == 0, output[-3000:]

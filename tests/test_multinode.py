@@ -139,6 +139,7 @@ def write_script(tmp_path: Path, text: str = HELLO, name: str = "hello.py") -> s
     return str(script)
 
 
+@pytest.mark.slow  # 29 s; chapter 07 also runs on one node in test_tutorials
 def test_chapter_07_runs_on_two_emulated_nodes(tmp_path: Path) -> None:
     launcher = launch(["--emulate-nodes", "2", "tutorials/07_multinode.py"], tmp_path)
     output = finish(launcher)
@@ -175,7 +176,11 @@ def test_link_rate_caps_the_bandwidth_between_nodes(tmp_path: Path) -> None:
     assert seconds > 0.5, f"4 MB crossed a 40mbit link in {seconds} s"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize(
+    "sig",
+    [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)],  # one is enough here
+    ids=["SIGINT", "SIGTERM"],
+)
 def test_an_interrupted_launch_stops_everything_and_removes_its_namespaces(
     tmp_path: Path, sig: signal.Signals
 ) -> None:

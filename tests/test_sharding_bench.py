@@ -8,10 +8,13 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
+
 from miniddp.sharding.units import UNIT_NUMBER_BYTES
 from tests.harness.processes import child_env, run_in_own_session
 
 
+@pytest.mark.slow  # 17 s, 4 ranks; the formulas are checked in test_sharding*
 def test_the_report_matches_every_formula_at_w_1_2_and_4(tmp_path):
     report_path = tmp_path / "sharding.json"
     command = [sys.executable, "-m", "miniddp.bench", "sharding", "--width", "8", "--depth", "2",

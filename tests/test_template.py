@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -36,6 +37,7 @@ def train(epochs: int, checkpoint: Path, tmp_path: Path) -> str:
     return output
 
 
+@pytest.mark.slow  # 17 s; test_failover and test_train_gpt resume bit-identical too
 def test_template_resumes_bit_identical_to_an_uninterrupted_run(tmp_path: Path) -> None:
     stopped, uninterrupted = tmp_path / "stopped.pt", tmp_path / "uninterrupted.pt"
     first = train(1, stopped, tmp_path)

@@ -33,6 +33,7 @@ def test_the_answer_passes_through_the_learners_seam(pool2):
         assert max(report["ours"].values()) <= 1e-5
 
 
+@pytest.mark.slow  # 10 s; the stub's failure is checked in-process too
 def test_the_learners_command_fails_on_the_stub_and_says_why(tmp_path):
     command = [
         *(sys.executable, "-m", "pytest", "tests/test_tensor_parallel.py", "-x", "-q"),

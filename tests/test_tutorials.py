@@ -56,7 +56,7 @@ def test_chapter_runs_on_two_ranks(chapter: Path, tmp_path: Path) -> None:
             assert (tmp_path / "figures" / name).stat().st_size > 10_000, name
 
 
-@pytest.mark.parametrize("nproc", [3, 4])
+@pytest.mark.parametrize("nproc", [3, pytest.param(4, marks=pytest.mark.slow)])  # 4: oversubscribed
 def test_collectives_chapter_runs_on_three_and_four_ranks(nproc: int, tmp_path: Path) -> None:
     """Chapter 01 is written for 4 ranks: trees two levels deep, a ring of four chunks. On 3 (the
     FAQ's odd number of ranks) a tree step has an idle sender and recursive doubling an extra
