@@ -36,7 +36,7 @@ ON_REQUEST = ["12_loss.png"]
 TIMEOUT_SECONDS = 300
 
 
-@pytest.mark.slow  # 25 s; each figure module is drawn by its chapter run or its own test
+@pytest.mark.slow  # 25 s: run it (pytest -m slow) after changing a figure
 def test_the_figures_command_draws_every_figure(tmp_path: Path) -> None:
     """Every set but chapter 04's, whose figures the chapter draws itself with --plot: that
     timed run is tests/test_tutorials.py's (chapter 04 with --plot)."""
