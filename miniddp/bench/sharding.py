@@ -109,10 +109,17 @@ def measure(stage: str, args: argparse.Namespace, group: dist.ProcessGroup) -> d
     expected = Formula(stage, psi, owned_tensors, world).expected(owned)
     theory = {"ddp": 2, "zero1": 3, "zero2": 2, "zero3": 3}[stage] * (world - 1) / world * psi * 4
     return {
-        "stage": stage, "world_size": world, "psi": psi, "owned_elements": owned,
-        "memory": memory.__dict__, "total": memory.total, "formula_total": expected.total,
-        "exact": memory == expected, "sent": sent, "sent_theory": theory,
-    }  # fmt: skip
+        "stage": stage,
+        "world_size": world,
+        "psi": psi,
+        "owned_elements": owned,
+        "memory": memory.__dict__,
+        "total": memory.total,
+        "formula_total": expected.total,
+        "exact": memory == expected,
+        "sent": sent,
+        "sent_theory": theory,
+    }
 
 
 def time_designs(args: argparse.Namespace, group: dist.ProcessGroup) -> dict[str, list[float]]:
@@ -146,14 +153,19 @@ def report(rows: list[dict], times: dict[str, list[float]] | None) -> dict:
         values = [m["parameters"], m["gradients"], m["buckets"], m["optimizer_state"]]
         values += [row["total"], row["formula_total"], row["sent"], round(row["sent_theory"])]
         mark = "" if row["exact"] else "  (differs from the formula)"
-        print(f"{row['world_size']:>2} {row['rank']:>4} {row['stage']:<6} "
-              + " ".join(f"{v:>11,}" for v in values) + mark)  # fmt: skip
+        print(
+            f"{row['world_size']:>2} {row['rank']:>4} {row['stage']:<6} "
+            + " ".join(f"{v:>11,}" for v in values)
+            + mark
+        )
     for row in rows:
         if row["stage"] == "zero3" and row["rank"] == 0 and row["world_size"] > 1:
             padding = row["owned_elements"] * row["world_size"] - row["psi"]
             per_rank = 16 * padding // row["world_size"]  # 4 + 4 + 8 bytes per element
-            print(f"ZeRO-3 at W = {row['world_size']}: {padding} padding elements over all "
-                  f"ranks, {per_rank:,} bytes per rank (parameter, gradient, Adam)")  # fmt: skip
+            print(
+                f"ZeRO-3 at W = {row['world_size']}: {padding} padding elements over all "
+                f"ranks, {per_rank:,} bytes per rank (parameter, gradient, Adam)"
+            )
     summary: dict = {"rows": rows}
     if times:
         print("\nstep time on 2 ranks, paired ratio ours / torch's (median, 95% interval)")
@@ -162,8 +174,10 @@ def report(rows: list[dict], times: dict[str, list[float]] | None) -> dict:
             ratio = paired_ratio(times[ours], times[theirs])
             low, high = paired_ratio_interval(times[ours], times[theirs])
             verdict = "meets" if high <= 1.10 else "misses" if low > 1.10 else "unsettled at"
-            print(f"  {ours:<6} vs {theirs:<12} {ratio:5.2f}x  [{low:.2f}, {high:.2f}]  "
-                  f"{verdict} the 1.10x target")  # fmt: skip
+            print(
+                f"  {ours:<6} vs {theirs:<12} {ratio:5.2f}x  [{low:.2f}, {high:.2f}]  "
+                f"{verdict} the 1.10x target"
+            )
             summary["ratios"][ours] = {"against": theirs, "ratio": ratio, "interval": [low, high]}
         summary["seconds"] = times
     return summary

@@ -70,8 +70,11 @@ def run_chapter_04(out: Path, iters: int) -> None:
         output = (done.stdout + done.stderr)[-4000:]
         raise RuntimeError(f"chapter 04 drew nothing (exit {done.returncode}):\n{output}")
     if done.returncode != 0:  # it draws before its final check: the pictures are this run's
-        print(f"note: chapter 04 drew its figures, but its final check failed on this run "
-              f"(exit {done.returncode}); run it alone to see why", file=sys.stderr)  # fmt: skip
+        print(
+            f"note: chapter 04 drew its figures, but its final check failed on this run "
+            f"(exit {done.returncode}); run it alone to see why",
+            file=sys.stderr,
+        )
 
 
 def run_chapter_12(out: Path) -> Path:

@@ -126,13 +126,29 @@ def sweep(
     `model(bucket bytes)` over even buckets from 1/64 of `total` to all of it."""
     figure, axes = plt.subplots(figsize=(8, 4.5))
     sizes = [total / 2 ** (i / 4) for i in range(25)]
-    axes.plot([b / 1024 for b in sizes], [model(b) * 1e3 for b in sizes], color="gray",
-              label="alpha-beta model, even buckets")  # fmt: skip
+    axes.plot(
+        [b / 1024 for b in sizes],
+        [model(b) * 1e3 for b in sizes],
+        color="gray",
+        label="alpha-beta model, even buckets",
+    )
     kib = [size / 1024 for size, _, _ in rows]
-    axes.plot(kib, [m * 1e3 for _, _, m in rows], "x", color="black", markersize=8,
-              label="model, these layouts")  # fmt: skip
-    axes.plot(kib, [m * 1e3 for _, m, _ in rows], "o", color="C1", markersize=8,
-              label="measured (median step)")  # fmt: skip
+    axes.plot(
+        kib,
+        [m * 1e3 for _, _, m in rows],
+        "x",
+        color="black",
+        markersize=8,
+        label="model, these layouts",
+    )
+    axes.plot(
+        kib,
+        [m * 1e3 for _, m, _ in rows],
+        "o",
+        color="C1",
+        markersize=8,
+        label="measured (median step)",
+    )
     axes.set_xscale("log", base=2)
     axes.set_xlabel("mean bucket size (KiB)")
     axes.set_ylabel("step (ms)")

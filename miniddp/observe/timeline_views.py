@@ -165,9 +165,12 @@ def legend_handles() -> list[Any]:
     """What `draw`'s colours mean, for a figure's legend."""
     from matplotlib.patches import Patch
 
-    meanings = [("tab:blue", "forward"), ("tab:green", "backward"),
-                ("tab:red", "waiting for the last all-reduces"),
-                ("tab:orange", "an all-reduce in flight (colours alternate)")]  # fmt: skip
+    meanings = [
+        ("tab:blue", "forward"),
+        ("tab:green", "backward"),
+        ("tab:red", "waiting for the last all-reduces"),
+        ("tab:orange", "an all-reduce in flight (colours alternate)"),
+    ]
     return [Patch(color=color, label=label) for color, label in meanings]
 
 
