@@ -58,6 +58,7 @@ class Bucket:
             piece.view_as(p)
             for piece, p in zip(self.flat.split([p.numel() for p in self.params]), self.params)
         ]
+        self._small_runs = [] if gradient_as_bucket_view else self._runs_of_small_gradients()
         self.reset()
 
     def reset(self) -> None:
@@ -101,16 +102,33 @@ class Bucket:
         """A speed trick; skip it on a first reading (its measured effect: docs/PERFORMANCE.md).
         Copying one gradient costs a few microseconds of Python and dispatch however small it
         is, so gradients under `small_gradient_numel` elements wait for the bucket to fill, then
-        all go in with one batched copy and one batched scaling: the same products, so the same
-        bits."""
+        all go in with one batched copy. Neighbouring small gradients then share one slice of
+        `flat` (a run), scaled by 1/W in one multiplication: the same products as one each, so
+        the same bits. (A small parameter without a gradient holds zeros, which scale to zeros.)"""
         if self._small:
             views = [self.views[position] for position, _ in self._small]
             torch._foreach_copy_(views, [grad for _, grad in self._small])
-            # 1/W as a tensor of the bucket's dtype: the factor a Python float would become,
-            # which _foreach_mul_ takes without converting it once per tensor
-            scale = torch.tensor(1.0 / divide_by, dtype=self.flat.dtype, device=self.flat.device)
-            torch._foreach_mul_(views, scale)
             self._small = []
+        if self._small_runs:
+            # 1/W as a tensor of the bucket's dtype: the factor a Python float would become,
+            # which _foreach_mul_ takes without converting it once per run
+            scale = torch.tensor(1.0 / divide_by, dtype=self.flat.dtype, device=self.flat.device)
+            torch._foreach_mul_(self._small_runs, scale)
+
+    def _runs_of_small_gradients(self) -> list[torch.Tensor]:
+        """The slices of `flat` that hold consecutive gradients under `small_gradient_numel`."""
+        runs, start, offset = [], None, 0
+        for param in self.params:
+            small = param.numel() < self.small_gradient_numel
+            if small and start is None:
+                start = offset
+            if not small and start is not None:
+                runs.append(self.flat[start:offset])
+                start = None
+            offset += param.numel()
+        if start is not None:
+            runs.append(self.flat[start:offset])
+        return runs
 
     @property
     def is_full(self) -> bool:
