@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 from tests.harness.processes import child_env, run_in_own_session
 
 
+@pytest.mark.slow  # 15 s; tests/test_real_scale.py checks no false alarm beside a hog
 def test_a_short_soak_reports_no_false_alarm_and_torchs_bits(tmp_path):
     command = [sys.executable, "-m", "miniddp.bench", "soak", "--minutes", "0.05", "--hogs", "1"]
     command += ["--width", "64", "--depth", "2", "--check-every", "3"]

@@ -118,6 +118,7 @@ def test_the_guide_names_every_file() -> None:
 
 
 @pytest.mark.skipif(shutil.which("ip") is None, reason="two_vms.sh needs the ip command")
+@pytest.mark.slow  # 9 s; the emulated nodes of tests/test_multinode.py run the same launch
 def test_two_vm_script_runs_a_two_node_job_on_loopback(tmp_path: Path) -> None:
     """Both "VMs" here, at 127.0.0.1: the script finds the address and interface (lo) itself."""
     with socket.socket() as probe:

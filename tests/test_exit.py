@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tests.harness.processes import child_env, run_in_own_session, tail
+from tests.harness.processes import child_env, run_in_own_session, run_ranks_like_torchrun, tail
 
 # The atexit handler registered first runs last: it sees what is left once MiniDDP's have run.
 SCRIPT = """
@@ -84,3 +84,34 @@ def test_cleanup_waits_for_a_rank_that_is_busy_past_the_timeout(tmp_path: Path) 
     assert "rank 0 finished its work" in output and "CollectiveFailed" not in output
     assert "rank 0 left" in output and "rank 1 left" in output, tail(output)
     assert "cleanup() on rank 1: waiting for rank 0" in output, tail(output)
+
+
+RANK_1_READS_SLOWLY = """
+import time
+import torch
+from torch import nn
+import miniddp
+from miniddp import MiniDDP, init_distributed
+from miniddp.job.notes import Board
+
+env = init_distributed()
+model = MiniDDP(nn.Linear(4, 1))
+model(torch.randn(8, 4)).sum().backward()
+if env.rank == 1:  # rank 1 arrives at cleanup(), then takes a while to read that rank 0 did
+    read = Board.arrived_at
+    Board.arrived_at = lambda board, rank: time.sleep(1) or read(board, rank)
+miniddp.cleanup()
+print(f"rank {env.rank} left", flush=True)
+"""
+
+
+def test_rank_0_hosting_the_store_leaves_cleanup_last(tmp_path: Path) -> None:
+    """Started without torchrun's agent, rank 0's process holds the store cleanup() meets
+    through. Rank 0 sees rank 1 arrive and could exit while rank 1 still reads whether rank 0
+    did: rank 1 then failed with "Connection reset by peer" in a healthy job."""
+    script = tmp_path / "slow_reader.py"
+    script.write_text(RANK_1_READS_SLOWLY)
+    command = [sys.executable, str(script)]
+    returncode, output = run_ranks_like_torchrun(command, 2, child_env(tmp_path), timeout=120)
+    assert returncode == 0, tail(output)
+    assert "rank 0 left" in output and "rank 1 left" in output, tail(output)

@@ -151,6 +151,7 @@ def test_chapter_07_runs_on_two_emulated_nodes(tmp_path: Path) -> None:
         assert "Each node talks from its own address" in output
 
 
+@pytest.mark.slow  # 10 s; the namespace launch above goes through the same launcher
 def test_loopback_fallback_can_be_forced(tmp_path: Path) -> None:
     args = ["--emulate-nodes", "2", "--loopback", write_script(tmp_path)]
     launcher = launch(args, tmp_path, NPROC="1")
@@ -162,6 +163,7 @@ def test_loopback_fallback_can_be_forced(tmp_path: Path) -> None:
         assert f"hello RANK={rank} GROUP_RANK={rank} WORLD_SIZE=2" in output, tail(output)
 
 
+@pytest.mark.slow  # 12 s; tests/test_link.py checks the simulated link's arithmetic
 @pytest.mark.skipif(not NAMESPACES, reason="needs root and working `ip netns`")
 def test_link_rate_caps_the_bandwidth_between_nodes(tmp_path: Path) -> None:
     args = ["--emulate-nodes", "2", "--link-rate", "40mbit", write_script(tmp_path)]

@@ -9,9 +9,12 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
+
 from tests.harness.processes import child_env, run_in_own_session
 
 
+@pytest.mark.slow  # 12 s; tests/test_tensor_parallel.py checks the same block's maths
 def test_the_bench_times_both_on_the_same_block(tmp_path):
     report_path = tmp_path / "tp.json"
     command = [

@@ -1,6 +1,9 @@
 """Every tutorial chapter runs to the end on 2 ranks, and launch.sh works.
 
 Chapters check their own claims with asserts, so exit code 0 means the chapter's story held.
+Most run as torchrun's workers would, without its agent (tests/harness/processes.py says why);
+the README's chapter runs through `./launch.sh`, and the chapters about torchrun itself
+(restarts, nodes) under torchrun.
 """
 
 from __future__ import annotations
@@ -10,20 +13,28 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.processes import child_env, run_in_own_session, tail
+from tests.harness.processes import (
+    child_env,
+    run_in_own_session,
+    run_ranks_like_torchrun,
+    tail,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 # Globbed at collection time, so a new chapter is tested without touching this file; a chapter
 # is a number, perhaps a letter (02b_overlap.py: chapter 02 comes in parts), then a name.
 # Chapter 12's default run is a minutes-long training: tests/test_train_gpt.py runs the same
 # code on a tiny GPT, with its checks, instead.
-OWN_TESTS = {"12_train_gpt.py"}
+# Chapter 03, the README's, runs through `./launch.sh` below.
+OWN_TESTS = {"12_train_gpt.py", "03_bucketing.py"}
 CHAPTERS = [
     chapter
     for chapter in sorted((REPO / "tutorials").glob("[0-9][0-9]*_*.py"))
     if chapter.name not in OWN_TESTS
 ]
 TIMEOUT_SECONDS = 240
+# Chapters that need torchrun's agent: 06 restarts its workers, 07 reads the node's variables.
+UNDER_TORCHRUN = {"06_failover.py", "07_multinode.py"}
 # Inherited values would change what launch.sh runs.
 LAUNCH_VARIABLES = ("NPROC", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "MAX_RESTARTS")
 
@@ -31,6 +42,14 @@ LAUNCH_VARIABLES = ("NPROC", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"
 def run(command: list[str], tmp_path: Path) -> tuple[int, str]:
     """Run `command` from the repo root; return its exit code and combined output."""
     return run_in_own_session(command, child_env(tmp_path, drop=LAUNCH_VARIABLES), TIMEOUT_SECONDS)
+
+
+def run_chapter(chapter: Path, nproc: int, tmp_path: Path, *args: str) -> tuple[int, str]:
+    if chapter.name in UNDER_TORCHRUN:
+        return run(torchrun(chapter, nproc) + list(args), tmp_path)
+    env = child_env(tmp_path, drop=LAUNCH_VARIABLES)
+    command = [sys.executable, str(chapter), *args]
+    return run_ranks_like_torchrun(command, nproc, env, TIMEOUT_SECONDS)
 
 
 def torchrun(chapter: Path, nproc: int) -> list[str]:
@@ -46,14 +65,24 @@ def torchrun(chapter: Path, nproc: int) -> list[str]:
 
 @pytest.mark.parametrize("chapter", CHAPTERS, ids=[chapter.name for chapter in CHAPTERS])
 def test_chapter_runs_on_two_ranks(chapter: Path, tmp_path: Path) -> None:
-    command = torchrun(chapter, 2)
+    args = []
     if chapter.name == "04_overlap.py":  # it draws its own figures (python -m miniddp.figures)
-        command += ["--plot", str(tmp_path / "figures")]
-    returncode, output = run(command, tmp_path)
+        args = ["--plot", str(tmp_path / "figures")]
+    returncode, output = run_chapter(chapter, 2, tmp_path, *args)
     assert returncode == 0, f"{chapter.name} exited with {returncode}:\n{tail(output)}"
     if chapter.name == "04_overlap.py":
         for name in ("04_timelines.png", "04_sweep.png"):
             assert (tmp_path / "figures" / name).stat().st_size > 10_000, name
+
+
+def test_launch_sh_runs_the_readmes_chapter_and_prints_no_warning(tmp_path: Path) -> None:
+    """A fresh install says only what the chapter says: no "Failed to initialize NumPy", no
+    deprecation notice, from torchrun, torch or MiniDDP."""
+    returncode, output = run(["./launch.sh"], tmp_path)
+    assert returncode == 0, f"launch.sh exited with {returncode}:\n{tail(output)}"
+    assert "torchrun --standalone --nproc_per_node=2 " in output and "03_bucketing.py" in output
+    warnings = [line for line in output.splitlines() if "warning" in line.lower()]
+    assert not warnings, "\n".join(warnings)
 
 
 @pytest.mark.parametrize("nproc", [3, pytest.param(4, marks=pytest.mark.slow)])  # 4: oversubscribed
@@ -62,15 +91,9 @@ def test_collectives_chapter_runs_on_three_and_four_ranks(nproc: int, tmp_path: 
     FAQ's odd number of ranks) a tree step has an idle sender and recursive doubling an extra
     rank."""
     chapter = REPO / "tutorials" / "01_collectives.py"
-    returncode, output = run(torchrun(chapter, nproc), tmp_path)
+    returncode, output = run_chapter(chapter, nproc, tmp_path)
     assert returncode == 0, f"{chapter.name} exited with {returncode}:\n{tail(output)}"
     assert f"Verified on {nproc} ranks" in output
-
-
-def test_launch_sh_runs_chapter_02(tmp_path: Path) -> None:
-    returncode, output = run(["./launch.sh", "tutorials/02_naive_ddp.py"], tmp_path)
-    assert returncode == 0, f"launch.sh exited with {returncode}:\n{tail(output)}"
-    assert "torchrun --standalone --nproc_per_node=2 tutorials/02_naive_ddp.py" in output
 
 
 def test_launch_sh_help_prints_usage(tmp_path: Path) -> None:

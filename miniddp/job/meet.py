@@ -71,6 +71,28 @@ def leave_together(group: dist.ProcessGroup | None = None) -> None:
     for board in boards() or [board_of(group)]:
         board.post_exit(by_cleanup=True)
     meet(CLEANUP, f"The ranks ran different numbers of steps: {SAME_STEPS}.", group)
+    _rank_0_leaves_last(board_of(group))
+
+
+def _rank_0_leaves_last(board: Board) -> None:
+    """Without torchrun's agent (ranks started by hand, or by srun) the store every meeting
+    goes through lives in rank 0's process. A rank that has seen everyone arrive may leave while
+    another is still reading that rank 0 arrived; were rank 0 to exit first, that read would
+    fail ("Connection reset by peer") in a healthy job. So each rank says it is through, and
+    rank 0 leaves once every other rank has said so, or has ended (it counted as arrived)."""
+    board.store.set(board.key("left", board.meetings, board.rank), "")
+    if board.rank != 0:
+        return
+    through = {rank: board.key("left", board.meetings, rank) for rank in board.others()}
+    deadline = time.monotonic() + board.timeout.total_seconds()
+    pause = FIRST_POLL_S
+    while through and time.monotonic() < deadline:
+        for rank, key in list(through.items()):
+            note = board.exit_note(rank)
+            if board.store.check([key]) or (note is not None and not note.by_cleanup):
+                del through[rank]
+        time.sleep(pause if through else 0)
+        pause = min(2 * pause, POLL_S)
 
 
 def tell_the_others(word_on: str, word: str, group: dist.ProcessGroup | None = None) -> None:

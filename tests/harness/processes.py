@@ -1,4 +1,5 @@
-"""Running torchrun (or launch.sh) as a child of a test: with a deadline, and nothing left over.
+"""Running torchrun (or launch.sh, or the ranks alone) as a child of a test: with a deadline, and
+nothing left over.
 
 Each run gets a session of its own, so a timeout kills torchrun and every worker it started, and
 its own TMPDIR, because torchrun leaves a `torchelastic_*` folder there on every run.
@@ -8,8 +9,11 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -53,3 +57,57 @@ def run_in_own_session(
 
 def tail(output: str, lines: int = 60) -> str:
     return "\n".join(output.splitlines()[-lines:])
+
+
+def run_ranks_like_torchrun(
+    command: list[str], nproc: int, env: dict[str, str], timeout: float, cwd: Path = REPO
+) -> tuple[int, str]:
+    """Start `nproc` copies of `command` with the variables `torchrun --standalone` gives its
+    workers, without torchrun's agent: the agent imports torch once more before any rank
+    starts, about 3 s a launch on this machine, which the suite would pay for every chapter.
+    For scripts that need nothing of the agent (no restarts, no rendezvous of several nodes);
+    the torchrun path itself is tested where it matters (launch.sh, chapters 06 and 07).
+
+    Like torchrun, the first rank to fail ends the others. Returns the first failing exit code
+    (0 if none failed) and every rank's output, rank by rank."""
+    with socket.socket() as probe:  # a free port for rank 0's store, as --standalone finds one
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    shared = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc)}
+    shared |= {"LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "ROLE_RANK": "0"}
+    shared |= {"TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0"}
+    # Files, not pipes: a rank that prints more than a pipe holds would block while we poll.
+    logs = [tempfile.TemporaryFile("w+") for _ in range(nproc)]
+    ranks = []
+    for rank, log in enumerate(logs):
+        rank_env = {**env, **shared, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        ranks.append(
+            subprocess.Popen(
+                command,
+                cwd=cwd,
+                env=rank_env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        )
+    deadline, failed = time.monotonic() + timeout, 0
+    try:
+        while any(rank.poll() is None for rank in ranks) and not failed:
+            if time.monotonic() > deadline:
+                pytest.fail(f"timed out after {timeout} s: {command} on {nproc} ranks")
+            failed = next((rank.returncode for rank in ranks if rank.poll()), 0)
+            time.sleep(0.05)
+        failed = failed or next((rank.returncode for rank in ranks if rank.returncode), 0)
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                os.killpg(rank.pid, signal.SIGKILL)
+                rank.wait()
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
+    return failed, "\n".join(outputs)
