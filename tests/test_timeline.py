@@ -3,7 +3,7 @@ recording on real ranks (and off), torch.profiler spans, and the claims chapter 
 the rungs of the ladder and the baselines.
 
 What the ranks run sits next to the test that checks it: the pool's workers import it as
-`tests.test_timeline.<function>`; `profile_a_step` runs under torchrun instead, as
+`tests.test_timeline.<function>`; `profile_a_step` runs as torchrun workers of its own instead, as
 `python -m tests.test_timeline OUT_DIR` (see there why).
 """
 
@@ -37,7 +37,7 @@ from miniddp.observe.timeline import (
 )
 from miniddp.observe.timeline_views import ascii_timeline, chrome_trace, plot
 from miniddp.steps import BucketedDDP, TorchLayoutDDP
-from tests.harness.processes import child_env, run_in_own_session
+from tests.harness.processes import child_env, run_ranks_like_torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -344,7 +344,7 @@ def test_every_design_averages_to_the_same_bits_and_launches_when_it_says(pool2)
 def profile_a_step(out_dir: str) -> None:
     """Profile two recorded MiniDDP steps with torch.profiler; each rank writes what it saw.
 
-    Runs under torchrun, not in the test pool: with torch 2.13 on CPU, gloo collectives issued
+    Runs in processes of its own, not in the test pool: with torch 2.13 on CPU, gloo collectives issued
     after a torch.profiler session that saw gloo work can corrupt the heap (reproduced with plain
     torch), and would crash the pool's next test. So: no collective after the profile.
     """
@@ -376,9 +376,8 @@ def profile_a_step(out_dir: str) -> None:
 
 
 def test_profiler_trace_shows_buckets_beside_gloos_all_reduce(tmp_path):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    command += ["-m", "tests.test_timeline", str(tmp_path)]
-    returncode, output = run_in_own_session(command, child_env(tmp_path), timeout=120)
+    command = [sys.executable, "-m", "tests.test_timeline", str(tmp_path)]
+    returncode, output = run_ranks_like_torchrun(command, 2, child_env(tmp_path), timeout=120)
     assert returncode == 0, output[-3000:]
     for rank in (0, 1):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
