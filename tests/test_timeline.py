@@ -344,9 +344,10 @@ def test_every_design_averages_to_the_same_bits_and_launches_when_it_says(pool2)
 def profile_a_step(out_dir: str) -> None:
     """Profile two recorded MiniDDP steps with torch.profiler; each rank writes what it saw.
 
-    Runs in processes of its own, not in the test pool: with torch 2.13 on CPU, gloo collectives issued
-    after a torch.profiler session that saw gloo work can corrupt the heap (reproduced with plain
-    torch), and would crash the pool's next test. So: no collective after the profile.
+    Runs in processes of its own, not in the test pool: with torch 2.13 on CPU, gloo
+    collectives issued after a torch.profiler session that saw gloo work can corrupt the heap
+    (reproduced with plain torch), and would crash the pool's next test. So: no collective
+    after the profile.
     """
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
