@@ -147,7 +147,7 @@ def main() -> None:
     )
     as_views, torch_as_views = train_steps(viewed, batches), train_steps(torch_viewed, batches)
     bucket = viewed.buckets[0]
-    first = viewed.params[bucket.params[0]]
+    first = bucket.params[0]
     inside = first.grad.data_ptr() == bucket.views[0].data_ptr()
     view_pairs = [
         (a, b) for mine, other in zip(as_views, torch_as_views) for a, b in zip(mine, other)
@@ -156,7 +156,7 @@ def main() -> None:
     say(
         textwrap.dedent(f"""\
         With gradient_as_bucket_view=True, after {STEPS} steps: the .grad of
-        {viewed.param_names[bucket.params[0]]} starts where its slice of bucket 0 starts: {inside}.
+        {viewed.param_names[bucket.param_indices[0]]} starts where its slice of bucket 0 starts: {inside}.
         Backward accumulates into the bucket, the copy in becomes a division in place, and
         there is no copy back out. Gradients bit for bit torch's DDP's with the same option:
         {views_like_torch}.""")
