@@ -212,7 +212,11 @@ def main() -> None:
     removed = sum(line.startswith("-") for line in changes)
     code = diff(7, 8, code_only=True).splitlines()
     summary = [line.removeprefix("# ") for line in code if line.startswith("# ")]
-    compared = [line.removeprefix("+++ ") for line in code if line.startswith("+++ miniddp/")]
+    compared = [
+        "{1} ({0})".format(*line.removeprefix("+++ ").split(": "))
+        for line in code
+        if line.startswith("+++ miniddp/")
+    ]
     imported = [line[1:] for line in code if line.startswith(("+from miniddp", "+import miniddp"))]
     say(
         f"$ python -m miniddp.steps diff 7 8 | diffstat\n {label(7)} -> MiniDDP, definition by "
