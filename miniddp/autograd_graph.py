@@ -62,7 +62,7 @@ class ParameterUsage:
 
 def parameters_not_reached(output: Any, params: Sequence[torch.Tensor]) -> list[int]:
     """Walk the autograd graph back from the outputs; return the indices of `params` it never
-    reaches. Those get no gradient in this backward, so MiniDDP marks them ready up front
+    reaches. Those get no gradient in this backward, so the wrapper marks them ready up front
     (contributing zeros, or what no_sync accumulated)."""
     position = {id(p): i for i, p in enumerate(params)}
     reached: set[int] = set()

@@ -145,7 +145,7 @@ class Bucket:
             self.pending, f"all-reduce of bucket {self.index} ({self.nbytes:,} bytes)"
         )
         result = result[0] if isinstance(result, list) else result
-        if result.data_ptr() != self.flat.data_ptr():
+        if isinstance(result, torch.Tensor) and result.data_ptr() != self.flat.data_ptr():
             self.flat.copy_(result)  # a comm hook may answer in a tensor of its own
         self.pending = None
 

@@ -52,7 +52,7 @@ CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 class GradBucket:
     """What a communication hook receives: torch's `dist.GradBucket` interface over a Bucket.
 
-    The methods mirror torch's, so hooks written for torch's DDP run on MiniDDP unchanged.
+    The methods mirror torch's, so hooks written for torch's DDP run here unchanged.
     """
 
     def __init__(self, bucket: Bucket, is_last: bool) -> None:

@@ -75,15 +75,8 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
     a model that differs across ranks (on every rank), a second backward through one forward."""
 
     claims = frozenset(
-        {
-            "batchnorm",
-            "mixed-dtypes",
-            "torch-layout",
-            "no-sync",
-            "comm-hook",
-            "find-unused-parameters",
-            "gradient-as-bucket-view",
-        }
+        {"batchnorm", "mixed-dtypes", "torch-layout", "no-sync", "find-unused-parameters"}
+        | {"comm-hook", "gradient-as-bucket-view"}
     )
     # False (the benchmark's "deferred" ablation) holds launches until backward ends: no overlap.
     launch_during_backward = True
@@ -128,6 +121,7 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
             "static_graph": static_graph,
         }
         verify_same_model_on_every_rank(named, settings, process_group)
+        # Every replica starts from rank 0's weights and buffers, whatever seed each rank used.
         self._buffers_to_sync = list(module.buffers())
         everything = [*module.parameters(), *self._buffers_to_sync]
         broadcast_from_rank0(everything, "parameters and buffers", process_group, self._wait)
@@ -149,11 +143,10 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         if not self._hooks:
             raise RuntimeError("A newer MiniDDP wraps this module and owns its hooks: use it.")
         self._tell_join_this_rank_trains()  # outside a Join: nothing
-        if torch.is_grad_enabled():
-            if self._phase is Phase.REDUCING:
-                self._abandon_unfinished_backward()
-            if self._layout.rebuild_due:
-                self._rebuild_buckets()
+        if self._phase is Phase.REDUCING and torch.is_grad_enabled():
+            self._abandon_unfinished_backward()
+        if self._layout.rebuild_due and torch.is_grad_enabled():
+            self._rebuild_buckets()
         self._sync_buffers(training=True)
         self._note("forward", "start")
         output = self.module(*inputs, **kwargs)
@@ -164,9 +157,9 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         self._phase = Phase.ARMED if synced else Phase.LOCAL
         if not synced and self._observed and torch.is_grad_enabled():
             self._note_when_backward_starts(output)
+        if synced and self.find_unused_parameters:
+            self._unused_in_forward = parameters_not_reached(output, self.params)
         if synced:
-            if self.find_unused_parameters:
-                self._unused_in_forward = parameters_not_reached(output, self.params)
             # Queue the end-of-backward callback when backward reaches this output: it then belongs
             # to the outermost backward, even if a checkpointed block runs an inner one first.
             when_backward_reaches(output, self._start_reducing)
@@ -185,20 +178,28 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
             self._require_backward_grad_sync = previous
 
     def finish_gradient_synchronization(self) -> None:
-        """The ladder's protocol (CS336's name): nothing left to do, backward's callback waited."""
+        """Nothing to do: the end of backward already waited for every bucket."""
         if self._phase is Phase.REDUCING:
             raise RuntimeError("A backward pass is still reducing gradients; let it finish first.")
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Replace what happens to a full bucket: `hook(state, bucket) -> Future[Tensor]`, as in
-        torch (whose hooks work too). The bucket holds this rank's own gradients, NOT divided by
-        the world size: the hook averages. Register once, before training."""
+        torch. The bucket holds this rank's own gradients, NOT divided by the world size: the
+        hook averages. Register once, before the first backward."""
         if self._comm_hook is not None:
-            raise RuntimeError("register_comm_hook can only be called once per MiniDDP.")
+            raise RuntimeError("register_comm_hook can only be called once per wrapper.")
         if self._phase is not Phase.LOCAL or self.all_reduce_count:
             raise RuntimeError("Register the comm hook before the first backward pass.")
         self._comm_hook = (state, hook)
         self._divide_by = 1
+
+    def _rebuild_buckets(self) -> None:
+        """Once, before the second synced forward (the third with static_graph): rank 0's order,
+        torch's caps."""
+        order = torch.tensor(self._layout.ready_order, device=self.params[0].device)
+        broadcast_from_rank0([order], "the ready order", self.process_group, self._wait)
+        self._layout.rebuild(order.tolist())
+        self._note("rebuild", f"{len(self._layout.buckets)} buckets")
 
     def _start_reducing(self) -> None:
         """The first sign of a synced backward: queue the wait for its end, and mark the
@@ -335,14 +336,6 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         self._next_bucket = 0
         for bucket in self._layout.buckets:
             bucket.reset()
-
-    def _rebuild_buckets(self) -> None:
-        """Once, before the second synced iteration's forward (third with static_graph): rebuild
-        from the observed order. Rank 0's wins, so all ranks launch the same buckets."""
-        order = torch.tensor(self._layout.ready_order, device=self.params[0].device)
-        broadcast_from_rank0([order], "the ready order", self.process_group, self._wait)
-        self._layout.rebuild(order.tolist())
-        self._note("rebuild", f"{len(self._layout.buckets)} buckets")
 
     def join(
         self,

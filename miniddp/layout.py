@@ -21,7 +21,6 @@ which order gradients really arrive, then one rebuild from that order.
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,62 +53,33 @@ def bucket_caps(bucket_cap_mb: float | None) -> tuple[int, int]:
 
 
 def assign_buckets(
-    tensors: Sequence[torch.Tensor], order: Sequence[int], size_limits: Sequence[int]
+    params: Sequence[torch.Tensor], order: Sequence[int], first_cap: float, cap: float
 ) -> list[list[int]]:
-    """Group tensor indices into buckets, walking `order`.
-
-    `size_limits` are the caps of the first, second, ... bucket of each (dtype, device); the last
-    one repeats. Buckets come out in the order they closed, then the partly filled ones in the
-    order their dtypes first appeared (torch takes those from a hash map, in no promised order;
-    which bucket launches first does not change any value).
-    """
-    open_buckets: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-    open_bytes: dict[tuple[torch.dtype, torch.device], int] = {}
-    buckets_closed: dict[tuple[torch.dtype, torch.device], int] = {}
-    closed: list[list[int]] = []
+    """Walk `order`; each (dtype, device) fills its own buckets, its first until it holds
+    `first_cap` bytes, the others `cap`. Buckets come out in the order they were closed, then the
+    partly filled ones (torch takes those from a hash map: their order changes no value)."""
+    closed, filling, filled_bytes, has_closed = [], {}, {}, set()
     for index in order:
-        tensor = tensors[index]
-        key = (tensor.dtype, tensor.device)
-        open_buckets.setdefault(key, []).append(index)
-        open_bytes[key] = open_bytes.get(key, 0) + tensor.numel() * tensor.element_size()
-        limit = size_limits[min(buckets_closed.get(key, 0), len(size_limits) - 1)]
-        if open_bytes[key] >= limit:
-            closed.append(open_buckets.pop(key))
-            open_bytes[key] = 0
-            buckets_closed[key] = buckets_closed.get(key, 0) + 1
-    return closed + [bucket for bucket in open_buckets.values() if bucket]
+        key = (params[index].dtype, params[index].device)
+        filling.setdefault(key, []).append(index)
+        filled_bytes[key] = filled_bytes.get(key, 0) + params[index].nbytes
+        if filled_bytes[key] >= (cap if key in has_closed else first_cap):
+            closed.append(filling.pop(key))
+            filled_bytes[key] = 0
+            has_closed.add(key)
+    return closed + list(filling.values())
 
 
 def initial_layout(
-    params: Sequence[torch.Tensor], first_cap: int, cap: int, find_unused_parameters: bool
+    params: Sequence[torch.Tensor], first_cap: float, cap: float, find_unused_parameters: bool
 ) -> list[list[int]]:
-    """The layout before any backward pass has been seen, in launch order.
-
-    Parameters are assumed to be used in the order they were registered, so their gradients are
-    expected in reverse: bucket 0 holds the *last* parameters. torch's default goes further: it
-    does not trust registration order at all and puts everything in one bucket per dtype for the
-    first iteration (no overlap yet), then rebuilds from the order it observed
-    (`rebuilt_layout`). With `find_unused_parameters` the graph may change every iteration, so the
-    capped layout is built now and never rebuilt.
-    """
-    if find_unused_parameters:
-        limits = [first_cap, cap] if first_cap < cap else [cap]
-    else:
-        limits = [sys.maxsize]
-    buckets = assign_buckets(params, range(len(params)), limits)
-    buckets.sort(key=min)
-    return buckets[::-1]
-
-
-def rebuilt_layout(
-    params: Sequence[torch.Tensor], ready_order: Sequence[int], first_cap: int, cap: int
-) -> list[list[int]]:
-    """The layout rebuilt from the order in which gradients actually became ready.
-
-    The first bucket gets the earliest gradients and the small cap, so communication starts as
-    early as the backward pass allows.
-    """
-    return assign_buckets(params, ready_order, [first_cap, cap])
+    """The buckets before any backward has been seen, in launch order: one per (dtype, device),
+    or with find_unused_parameters torch's caps for good (the graph may change every iteration:
+    no order is worth recording). The bucket whose parameters start latest in registration
+    order launches first: torch still assumes backward runs in reverse."""
+    caps = (first_cap, cap) if find_unused_parameters else (math.inf, math.inf)
+    initial = assign_buckets(params, range(len(params)), *caps)
+    return sorted(initial, key=min, reverse=True)
 
 
 class BucketLayout:
@@ -155,7 +125,7 @@ class BucketLayout:
 
     def rebuild(self, ready_order: list[int]) -> None:
         """Rebuild from an observed order (rank 0's, so every rank gets the same buckets)."""
-        self.build(rebuilt_layout(self.params, ready_order, self.first_cap, self.cap))
+        self.build(assign_buckets(self.params, ready_order, self.first_cap, self.cap))
         self.has_rebuilt = True
         self.ready_order = []
 

@@ -8,6 +8,7 @@ the same awkward little model and the same data."""
 from __future__ import annotations
 
 import contextlib
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -51,13 +52,106 @@ def test_diff_shows_what_one_rung_adds_to_the_previous():
     assert any("class OverlapDDP" in line for line in removed)
 
 
-def test_diff_from_the_top_rung_compares_with_miniddp():
-    result = steps_command("diff", "7", "8")
+# What MiniDDP adds to rung 7, each with the names its code is written in. Every hunk of
+# `diff 7 8` must change a line naming one of them, and every definition only MiniDDP has must
+# be one of them: a hunk that only writes rung 7's idea another way (a renamed attribute, a
+# method moved, a loop spelt differently) fails the test.
+PRODUCTION_EXTRAS = {
+    "same-model checks, and what a wrapper refuses at once": [
+        *("check_wrappable", "verify_same_model_on_every_rank", "_first_difference"),
+        *("broadcast_from_rank0", "settings", "HOW_TO_LAUNCH"),
+    ],
+    "named faults: the one wait seam": ["wait_for", "_wait"],
+    "Join": [
+        *("Join", "Joinable", "JoinHook", "ShadowsTraining", "_tell_join_this_rank_trains"),
+        *("_sync_buffers", "_buffers_to_sync", "_divide_by_initial_world_size"),
+        "last_on_any_rank",
+    ],
+    "static_graph": [
+        *("static_graph", "_static_graph", "StaticGraph", "GRAPH_CHANGED", "warnings"),
+        "_static_graph_first_backward_ends",
+    ],
+    "a process group of its own": ["process_group", "group"],
+    # (and rung 7's refusal of a missing gradient moves before the launches, to abandon them)
+    "reentrant and second backwards, an unfinished backward": [
+        *("SYNCED", "REDUCING", "_marked_ready", "_abandon_unfinished_backward", "no_gradient"),
+        *("when_backward_reaches", "not synced", '"backward", "start"', "TYPE_CHECKING"),
+    ],
+    "a module wrapped again hands its hooks over": [
+        *("_hooks", "hook_every_parameter", "_HOOKS_OF", "weakref"),
+    ],
+    "bucket_state and describe, for checkpoints and printing": [
+        *("describe", "describe_layout", "BucketInfo", "dataclass", "nbytes", "load_state"),
+    ],
+    "the speed tricks of miniddp/buckets.py": [
+        *("_small", "small_gradient_numel", "_copy_small_gradients", "_copy_all", "averaged"),
+    ],
+    "launch_during_backward": ["launch_during_backward"],
+    "comm hooks over this project's own all-reduces": ["all_reduce_hook", "collectives"],
+}
+EXTRAS = {name for names in PRODUCTION_EXTRAS.values() for name in names}
+# Rung 7's definitions, and the file MiniDDP defines each one in.
+MINIDDP_HOMES = {
+    "Bucket": "miniddp/buckets.py",
+    "assign_buckets": "miniddp/layout.py",
+    "initial_layout": "miniddp/layout.py",
+    "BucketLayout": "miniddp/layout.py",
+    "ParameterUsage": "miniddp/autograd_graph.py",
+    "parameters_not_reached": "miniddp/autograd_graph.py",
+    "find_tensors": "miniddp/autograd_graph.py",
+    "CommHook": "miniddp/comm_hooks.py",
+    "GradBucket": "miniddp/comm_hooks.py",
+    "Phase": "miniddp/ddp.py",
+    "MiniDDP": "miniddp/ddp.py",
+}
+
+
+def names_an_extra(lines: list[str]) -> bool:
+    return any(
+        re.search(rf"(?<![A-Za-z0-9_]){re.escape(name)}(?![A-Za-z0-9_])", line)
+        for line in lines
+        for name in EXTRAS
+    )
+
+
+def changes_by_definition(diff: str) -> list[tuple[str, list[str]]]:
+    """(the `+++` label, the lines) of each run of changed lines in a definition-by-definition
+    diff: finer than a hunk, so that an unrelated change cannot hide next to an extra."""
+    changes, previous = [], ""
+    for line in diff.splitlines():
+        if line.startswith("+++ "):
+            changes.append((line[4:], []))
+        elif line[:1] in "+-" and not line.startswith("--- "):
+            if previous[:1] not in "+-" or previous.startswith("+++ "):
+                changes.append((changes[-1][0], []))
+            changes[-1][1].append(line)
+        previous = line
+    return [(label, lines) for label, lines in changes if lines]
+
+
+@pytest.mark.parametrize("code_only", [True, False], ids=["code", "whole"])
+def test_diff_from_the_top_rung_shows_only_what_production_adds(code_only):
+    """Rung 7's code is MiniDDP's core, written the same way: `diff 7 8` compares each of rung
+    7's definitions with MiniDDP's namesake, wherever it lives, and shows only the extras."""
+    result = steps_command("diff", *(["--code"] if code_only else []), "7", "8")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines()[:2] == [
-        "--- miniddp/steps/comm_hooks.py",
-        "+++ miniddp/ddp.py",
-    ]
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("# rung 7, miniddp/steps/comm_hooks.py -> rung 8, MiniDDP")
+    same = lines[1].removeprefix("# the same in both: ").split(", ")
+    assert {"assign_buckets", "initial_layout", "parameters_not_reached", "GradBucket"} <= set(same)
+    only = dict(row[2:].split(": ") for row in lines[2:] if row.startswith("# only in "))
+    assert "only in miniddp/steps/comm_hooks.py" not in only  # nothing of rung 7 goes missing
+    for place, names in only.items():
+        assert set(names.split(", ")) <= EXTRAS, place
+    changes = changes_by_definition(result.stdout)
+    assert len(changes) > 10  # the extras are there
+    for label, changed in changes:
+        if label.endswith("imports from elsewhere"):
+            assert all(line[0] == "+" for line in changed), changed  # rung 7 needs nothing more
+        else:
+            path, name = label.split(": ")
+            assert MINIDDP_HOMES[name] == path, label
+        assert names_an_extra(changed), f"a change in {label} that adds no extra: {changed}"
 
 
 @pytest.mark.parametrize(
@@ -170,8 +264,9 @@ def bucket_layout(model: nn.Module, net: nn.Module) -> list[list[str]] | None:
         return [[name_of[id(p)] for p in bucket.parameters()] for bucket in buckets]
     if isinstance(model, MiniDDP):
         return [list(info.param_names) for info in model.buckets]
-    if hasattr(model, "buckets"):
-        return [[model.param_names[i] for i in bucket.params] for bucket in model.buckets]
+    if hasattr(model, "buckets"):  # indices: `param_indices` from rung 5 on, `params` below
+        indices = [getattr(b, "param_indices", b.params) for b in model.buckets]
+        return [[model.param_names[i] for i in bucket] for bucket in indices]
     return None
 
 

@@ -253,14 +253,15 @@ def _train(spec: TrainSpec, use_torch: bool) -> dict:
 
 def bucket_layout(model: nn.Module, net: nn.Module) -> list[list[str]]:
     """The bucket layout in launch order, as parameter names: torch's, MiniDDP's (BucketInfo),
-    or a rung's (buckets holding indices into its parameters); None for a DDP that claims no
-    torch layout."""
+    or a rung's (buckets holding indices into its parameters: `param_indices` from rung 5 on, as
+    MiniDDP's, `params` below); None for a DDP that claims no torch layout."""
     if not isinstance(model, DistributedDataParallel):
         if "torch-layout" not in getattr(model, "claims", ()):
             return None
         if isinstance(model, MiniDDP):
             return [list(info.param_names) for info in model.buckets]
-        return [[model.param_names[i] for i in bucket.params] for bucket in model.buckets]
+        indices = [getattr(b, "param_indices", b.params) for b in model.buckets]
+        return [[model.param_names[i] for i in bucket] for bucket in indices]
     name_of = {id(p): n for n, p in net.named_parameters()}
     return [
         [name_of[id(p)] for p in bucket.parameters()]

@@ -13,7 +13,8 @@ is the top rung with what production needs around it. This chapter:
 2. prints the code rung 7 adds (`diff --code 6 7`), shows a `.grad` that is its bucket's slice
    (gradient_as_bucket_view), then swaps gloo's all-reduce for the send/recv ring of chapter 01
    with a comm hook and counts each bucket's messages against 2(W-1)/W n;
-3. sums up `diff 7 8`, what MiniDDP adds to rung 7: checks and errors, Join, static_graph;
+3. sums up `diff 7 8`, what MiniDDP adds to rung 7 (compared definition by definition, as
+   MiniDDP lives in several files): checks and errors, Join, static_graph;
 4. checks the claims: rung 6's gradients, None included, are torch's bit for bit; rung 7's are
    with its buckets as `.grad`; over the ring, one process's and (W = 2) torch's bits.
 """
@@ -147,7 +148,7 @@ def main() -> None:
     )
     as_views, torch_as_views = train_steps(viewed, batches), train_steps(torch_viewed, batches)
     bucket = viewed.buckets[0]
-    first = viewed.params[bucket.params[0]]
+    first, first_name = bucket.params[0], viewed.param_names[bucket.param_indices[0]]
     inside = first.grad.data_ptr() == bucket.views[0].data_ptr()
     view_pairs = [
         (a, b) for mine, other in zip(as_views, torch_as_views) for a, b in zip(mine, other)
@@ -156,7 +157,7 @@ def main() -> None:
     say(
         textwrap.dedent(f"""\
         With gradient_as_bucket_view=True, after {STEPS} steps: the .grad of
-        {viewed.param_names[bucket.params[0]]} starts where its slice of bucket 0 starts: {inside}.
+        {first_name} starts where its slice of bucket 0 starts: {inside}.
         Backward accumulates into the bucket, the copy in becomes a division in place, and
         there is no copy back out. Gradients bit for bit torch's DDP's with the same option:
         {views_like_torch}.""")
@@ -205,26 +206,43 @@ def main() -> None:
         say_all_ranks(f"step {sent.step}: {sent.src} -> {sent.dst}, {sent.what}, {sent.nbytes} B")
 
     section("3. What MiniDDP adds to rung 7: what production needs")
-    changes = diff(7, 8).splitlines()[2:]  # without the two file-name lines
+    whole = diff(7, 8).splitlines()
+    changes = [line for line in whole if line[:1] in "+-" and line[:4] not in ("+++ ", "--- ")]
     added = sum(line.startswith("+") for line in changes)
     removed = sum(line.startswith("-") for line in changes)
     code = diff(7, 8, code_only=True).splitlines()
+    summary = [line.removeprefix("# ") for line in code if line.startswith("# ")]
+    compared = [
+        "{1} ({0})".format(*line.removeprefix("+++ ").split(": "))
+        for line in code
+        if line.startswith("+++ miniddp/")
+    ]
     imported = [line[1:] for line in code if line.startswith(("+from miniddp", "+import miniddp"))]
     say(
-        f"$ python -m miniddp.steps diff 7 8 | diffstat\n {label(7)} -> {label(8)}: "
-        f"{added} insertions(+), {removed} deletions(-)\n\nWhat MiniDDP imports that rung 7 "
-        "does not:\n  " + "\n  ".join(imported)
+        f"$ python -m miniddp.steps diff 7 8 | diffstat\n {label(7)} -> MiniDDP, definition by "
+        f"definition: {added} insertions(+), {removed} deletions(-)\n\n"
+        + "\n".join(summary[1:])
+        + "\n\nRung 7's definitions that MiniDDP changes: "
+        + ", ".join(compared)
+        + "\n\nWhat MiniDDP imports from elsewhere that rung 7 does not:\n  "
+        + "\n  ".join(imported)
     )
     say(
         textwrap.dedent("""
-        The algorithm is rung 7's: the same layout, scaling, launch order, rebuild, no_sync,
-        unused parameters, hooks and bucket views, so MiniDDP is bitwise torch's DDP wherever
-        rung 7 is. Around it, what a real job needs: every rank checks at construction that all
-        ranks hold the same model and settings, and says which differs (README: What happens
-        when); a rank that died or stalled is named in the error instead of a bare timeout
+        MiniDDP lives in several files, so the diff pairs each of rung 7's classes and functions
+        with MiniDDP's of the same name, wherever it lives: rung 7's Bucket with
+        miniddp/buckets.py's, BucketLayout with layout.py's, CommHookDDP with MiniDDP. The
+        algorithm is rung 7's, written the same way: the same layout, scaling, launch order,
+        rebuild, no_sync, unused parameters, hooks and bucket views, so MiniDDP is bitwise
+        torch's DDP wherever rung 7 is, and every change the diff shows is something a real job
+        needs: every rank checks at construction that all ranks hold the same model and
+        settings, and says which differs (README: What happens when); one wait seam, so a rank
+        that died or stalled is named in the error instead of a bare timeout
         (miniddp/job/faults.py, chapter 06); uneven inputs under Join (chapter 11); static_graph
-        for reentrant checkpointing; a process group of one's own; and the event recorder the
-        timelines of chapter 04 are drawn from.""")
+        for reentrant checkpointing, and clear errors for a second or reentrant backward; a
+        process group of one's own; the layout printed and saved for checkpoints; and two speed
+        tricks in miniddp/buckets.py that batch the copies of small gradients, with the same
+        bits.""")
     )
 
     section("4. Check the claims")

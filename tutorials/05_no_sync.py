@@ -13,8 +13,9 @@ sum is needed. `no_sync()` skips the first k-1:
             loss.backward()
     optimizer.step()
 
-Rung 5 of the ladder, NoSyncDDP (miniddp/steps/no_sync.py), is rung 4 plus exactly this. The
-chapter prints what it adds (`python -m miniddp.steps diff --code 4 5`), counts the collectives,
+Rung 5 of the ladder, NoSyncDDP (miniddp/steps/no_sync.py), is rung 4 plus exactly this, written
+in MiniDDP's shape so that the rungs above and MiniDDP add to the same code. The chapter prints
+what it adds (`python -m miniddp.steps diff --code 4 5`), counts the collectives,
 checks the result against one process training on the global batch and against torch's DDP bit
 for bit, then shows the pitfall: the forward outside `no_sync()`, only backward inside. Its
 picture, docs/figures/05_no_sync.png, is one such step on a time axis.
@@ -122,13 +123,16 @@ def main() -> None:
     say_rung_diff(4, 5, whole=args.diff)
     say(
         textwrap.dedent("""\
-        One flag, read at the end of every forward: inside no_sync() the forward records that
-        its backward must not synchronize, and every hook of that backward returns at once, so
-        autograd's own accumulation into .grad is all that happens. The first forward outside
-        arms the hooks; its backward copies the whole accumulated .grad into the buckets and
-        all-reduces them, exactly as rung 4 did with one micro-step's gradient. Buffers follow
-        the same flag: they are refreshed from rank 0 only before a forward that follows a
-        synced one. MiniDDP's no_sync() is this rung's.""")
+        One decision, taken at the end of every forward: inside no_sync() the forward leaves
+        the Phase LOCAL, and every hook of its backward returns at once, so autograd's own
+        accumulation into .grad is all that happens. The first forward outside sets it ARMED;
+        its backward's first gradient starts REDUCING, and the backward copies the whole
+        accumulated .grad into the buckets and all-reduces them, exactly as rung 4 did with one
+        micro-step's gradient. Buffers follow the same decision: they are refreshed from rank 0
+        only before a forward that follows a synced one. The rest of the diff is rung 4's
+        algorithm in MiniDDP's objects, step for step: a Bucket that adds, launches, waits and
+        writes back (the copies rung 4 wrote inline), a BucketLayout that is built and rebuilt
+        once. MiniDDP's no_sync() and Phase are this rung's.""")
     )
 
     model = make_model(seed=0)  # float64: differences below are rounding, not noise

@@ -12,10 +12,11 @@
                         checks, named faults, Join, static_graph, a process group
 
 A rung never imports another rung: read any one file alone, and
-`python -m miniddp.steps diff 2 3` shows exactly what one idea adds (`diff 7 8`: what
-production adds). `LADDER` lists the rung classes in order; each says in `claims` which of
-`CLAIMS` it supports, so that the same property tests can run over every rung (and over a
-learner's own class).
+`python -m miniddp.steps diff 2 3` shows exactly what one idea adds. MiniDDP lives in several
+files, so `diff 7 8` compares definition by definition (rung 7's `Bucket` with
+miniddp/buckets.py's, its wrapper with `MiniDDP`, ...): what production adds. `LADDER` lists
+the rung classes in order; each says in `claims` which of `CLAIMS` it supports, so that the
+same property tests can run over every rung (and over a learner's own class).
 """
 
 from miniddp.ddp import MiniDDP

@@ -4,6 +4,10 @@ python -m miniddp.steps list        each rung: number, class, file, its one idea
 python -m miniddp.steps show 3      rung 3's source
 python -m miniddp.steps diff 2 3    what rung 3 adds to rung 2, as a unified diff
 python -m miniddp.steps diff --code 2 3    only the hunks that change code, not just prose
+
+MiniDDP, the top rung, lives in several files (ddp.py and the modules it is built from), so a
+diff that reaches it compares definition by definition: each of the rung's classes and functions
+against MiniDDP's definition of the same name, wherever that lives (`diff 7 8`).
 """
 
 from __future__ import annotations
@@ -13,11 +17,24 @@ import ast
 import difflib
 import inspect
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from miniddp.steps import LADDER
 
 ROOT = Path(__file__).resolve().parents[2]  # the folder holding the miniddp package
+# The files MiniDDP's own code lives in, ddp.py first. (What they import from elsewhere, the
+# event recorder that every rung uses too, the faults and the launch help, is not MiniDDP's.)
+MINIDDP_SOURCES = [
+    "miniddp/ddp.py",
+    "miniddp/buckets.py",
+    "miniddp/layout.py",
+    "miniddp/autograd_graph.py",
+    "miniddp/comm_hooks.py",
+    "miniddp/join.py",
+    "miniddp/static_graph.py",
+    "miniddp/same_model.py",
+]
 
 
 def source_path(number: int) -> Path:
@@ -49,21 +66,180 @@ def listing() -> str:
 def diff(a: int, b: int, code_only: bool = False) -> str:
     """The unified diff from rung `a`'s file to rung `b`'s; with `code_only`, without the
     changes that touch nothing but docstrings, comments and blank lines (the prose a chapter
-    says in its own words): each hunk then holds code changes only, with their context."""
+    says in its own words): each hunk then holds code changes only, with their context. A diff
+    that reaches MiniDDP compares definitions (`definition_diff`)."""
+    if LADDER[b - 1] is LADDER[-1] or LADDER[a - 1] is LADDER[-1]:
+        return definition_diff(a, b, code_only)
     before, after = (source_path(n).read_text() for n in (a, b))
-    old, new = before.splitlines(keepends=True), after.splitlines(keepends=True)
-    if not code_only:
-        return "".join(difflib.unified_diff(old, new, label(a), label(b)))
-    old_prose, new_prose = prose_lines(before), prose_lines(after)
+    return file_diff(before, after, label(a), label(b), code_only)
+
+
+def file_diff(
+    before: str,
+    after: str,
+    old_label: str,
+    new_label: str,
+    code_only: bool = False,
+    old_lines: tuple[int, int] | None = None,
+    new_lines: tuple[int, int] | None = None,
+) -> str:
+    """The unified diff of two sources, or of one line range of each (from 1, inclusive; the
+    hunks then carry the files' own line numbers), optionally without prose-only changes."""
+    old_all, new_all = before.splitlines(keepends=True), after.splitlines(keepends=True)
+    (o1, o2), (n1, n2) = old_lines or (1, len(old_all)), new_lines or (1, len(new_all))
+    old, new = old_all[o1 - 1 : o2], new_all[n1 - 1 : n2]
+    old_prose = {i - o1 + 1 for i in prose_lines(before)} if code_only else set()
+    new_prose = {i - n1 + 1 for i in prose_lines(after)} if code_only else set()
     segments: list[list[tuple]] = [[]]  # runs of opcodes between two prose-only changes
     for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, old, new).get_opcodes():
         prose_only = set(range(i1, i2)) <= old_prose and set(range(j1, j2)) <= new_prose
-        if tag != "equal" and prose_only:
+        if tag != "equal" and code_only and prose_only:
             segments.append([])
         else:
             segments[-1].append((tag, i1, i2, j1, j2))
-    hunks = [unified_hunk(group, old, new) for codes in segments for group in grouped(codes)]
-    return f"--- {label(a)}\n+++ {label(b)}\n" + "".join(hunks) if hunks else ""
+    hunks = [
+        unified_hunk(group, old, new, o1 - 1, n1 - 1)
+        for codes in segments
+        for group in grouped(codes)
+    ]
+    return f"--- {old_label}\n+++ {new_label}\n" + "".join(hunks) if hunks else ""
+
+
+@dataclass(frozen=True)
+class Definition:
+    """One top-level class, function or named constant of a file, with its lines (from 1)."""
+
+    name: str
+    path: str  # as the repository names it
+    first: int
+    last: int
+
+
+def definitions(path: str) -> list[Definition]:
+    """The top-level definitions of a file in their order: classes, functions (from their
+    first decorator) and assigned names; not the docstring or the imports."""
+    found = []
+    for node in ast.parse((ROOT / path).read_text()).body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            found.append(Definition(node.name, path, first, node.end_lineno))
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Name):
+                    found.append(Definition(target.id, path, node.lineno, node.end_lineno))
+    return found
+
+
+def imports(path: str) -> list[str]:
+    """A file's top-level imports, one imported name a line (`from x import y`)."""
+    lines = []
+    for node in ast.parse((ROOT / path).read_text()).body:
+        if isinstance(node, ast.Import):
+            lines += [f"import {ast.unparse(alias)}" for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            lines += [f"from {node.module} import {ast.unparse(alias)}" for alias in node.names]
+    return lines
+
+
+def module_of(path: str) -> str:
+    return path.removesuffix(".py").replace("/", ".")
+
+
+def rung_files(number: int) -> list[str]:
+    """The files a rung's code lives in: its own, or MiniDDP's."""
+    return MINIDDP_SOURCES if LADDER[number - 1] is LADDER[-1] else [label(number)]
+
+
+def side(number: int) -> str:
+    return "MiniDDP's files" if LADDER[number - 1] is LADDER[-1] else label(number)
+
+
+def title(number: int) -> str:
+    if LADDER[number - 1] is not LADDER[-1]:
+        return label(number)
+    return (
+        f"MiniDDP ({MINIDDP_SOURCES[0]} and the {len(MINIDDP_SOURCES) - 1} files it is built from)"
+    )
+
+
+def definition_diff(a: int, b: int, code_only: bool = False) -> str:
+    """Rung `a` against rung `b`, one of them MiniDDP, definition by definition: each of `a`'s
+    definitions against `b`'s of the same name wherever it lives (the wrapper classes against
+    each other), in `a`'s order, each labelled with its file; first the imports from outside
+    MiniDDP's files, and the names of the definitions the same in both or only on one side.
+    What a rung imports from MiniDDP's files (`bucket_caps`) is the same object on both sides,
+    and is left out, as are the module docstrings: each file's own introduction."""
+    files = {n: rung_files(n) for n in (a, b)}
+    shared = shared_names(files[a] + files[b])
+    wrapper = {LADDER[a - 1].__name__: LADDER[b - 1].__name__}
+    theirs = {d.name: d for path in files[b] for d in definitions(path) if d.name not in shared}
+    same, only_ours, changed = [], [], [import_diff(a, b)]
+    for ours in (d for path in files[a] for d in definitions(path) if d.name not in shared):
+        counterpart = theirs.pop(wrapper.get(ours.name, ours.name), None)
+        if counterpart is None:
+            only_ours.append(ours.name)
+            continue
+        hunks = file_diff(
+            (ROOT / ours.path).read_text(),
+            (ROOT / counterpart.path).read_text(),
+            f"{ours.path}: {ours.name}",
+            f"{counterpart.path}: {counterpart.name}",
+            code_only,
+            (ours.first, ours.last),
+            (counterpart.first, counterpart.last),
+        )
+        changed.append(hunks) if hunks else same.append(ours.name)
+    summary = [
+        f"# rung {a}, {title(a)} -> rung {b}, {title(b)}: definition by definition",
+        "# the same in both: " + ", ".join(same or ["nothing"]),
+    ]
+    if only_ours:
+        summary.append(f"# only in {side(a)}: {', '.join(only_ours)}")
+    for path in files[b]:
+        names = [d.name for d in theirs.values() if d.path == path]
+        if names:
+            summary.append(f"# only in {path}: {', '.join(names)}")
+    return "".join(line + "\n" for line in summary) + "".join(changed)
+
+
+def import_diff(a: int, b: int) -> str:
+    """What each side imports from outside MiniDDP's files (and the ladder's own shared.py),
+    one imported name a line: the libraries and the project's infrastructure it uses."""
+    own = {module_of(path) for path in MINIDDP_SOURCES} | {"miniddp.steps"}
+    lines = []
+    for number in (a, b):
+        found = {line for path in rung_files(number) for line in imports(path)}
+        lines.append(sorted(line for line in found if line.split()[1] not in own))
+    removed = [f"-{line}\n" for line in lines[0] if line not in lines[1]]
+    added = [f"+{line}\n" for line in lines[1] if line not in lines[0]]
+    if not (removed or added):
+        return ""
+    head = f"--- {side(a)}: imports from elsewhere\n+++ {side(b)}: imports from elsewhere\n"
+    return head + "".join(removed + added)
+
+
+def shared_names(paths: list[str]) -> set[str]:
+    """The names a rung imports from MiniDDP's files, with what they use there (`bucket_caps`
+    and the constants it reads): the same objects on both sides of a diff."""
+    homes = {module_of(path): path for path in MINIDDP_SOURCES}
+    shared: set[str] = set()
+    for path in (p for p in paths if p not in MINIDDP_SOURCES):
+        for node in ast.parse((ROOT / path).read_text()).body:
+            if not (isinstance(node, ast.ImportFrom) and node.module in homes):
+                continue
+            home = homes[node.module]
+            defined = {d.name: d for d in definitions(home)}
+            wanted = [alias.name for alias in node.names]
+            while wanted:
+                name = wanted.pop()
+                if name in shared or name not in defined:
+                    continue
+                shared.add(name)
+                lines = (ROOT / home).read_text().splitlines(keepends=True)
+                source = "".join(lines[defined[name].first - 1 : defined[name].last])
+                wanted += [n.id for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Name)]
+    return shared
 
 
 def grouped(codes: list[tuple], context: int = 3) -> list[list[tuple]]:
@@ -98,14 +274,19 @@ def prose_lines(source: str) -> set[int]:
     return prose
 
 
-def unified_hunk(group: list[tuple], old: list[str], new: list[str]) -> str:
-    """One hunk of a unified diff, as `difflib.unified_diff` writes it."""
+def unified_hunk(
+    group: list[tuple], old: list[str], new: list[str], old_offset: int = 0, new_offset: int = 0
+) -> str:
+    """One hunk of a unified diff, as `difflib.unified_diff` writes it; the offsets place
+    `old` and `new` in their files, for the line numbers."""
 
     def span(start: int, stop: int) -> str:
         length = stop - start
         return f"{start + (length > 0)},{length}" if length != 1 else str(start + 1)
 
-    out = [f"@@ -{span(group[0][1], group[-1][2])} +{span(group[0][3], group[-1][4])} @@\n"]
+    old_span = span(old_offset + group[0][1], old_offset + group[-1][2])
+    new_span = span(new_offset + group[0][3], new_offset + group[-1][4])
+    out = [f"@@ -{old_span} +{new_span} @@\n"]
     for tag, i1, i2, j1, j2 in group:
         if tag == "equal":
             out += [" " + line for line in old[i1:i2]]

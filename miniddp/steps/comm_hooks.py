@@ -34,9 +34,11 @@ one's own.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from enum import Enum
 from functools import partial
 from typing import Any
 
@@ -45,26 +47,115 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from miniddp.layout import MiB, bucket_caps
+from miniddp.layout import bucket_caps
 from miniddp.observe.events import EventRecorder
 from miniddp.steps import shared
 
 
 class Bucket:
-    """One flat tensor holding the gradients of `params` (indices into the wrapper's params)
-    end to end; `views[i]` is params[i]'s slice of it, shaped like that parameter."""
+    """One flat gradient buffer that runs its own life, once per backward pass:
 
-    def __init__(self, index: int, params: list[int], tensors: list[torch.Tensor]) -> None:
-        self.index, self.params = index, params
-        self.flat = tensors[0].new_zeros(sum(t.numel() for t in tensors))  # same dtype, device
-        pieces = self.flat.split([t.numel() for t in tensors])
-        self.views = [piece.view_as(t) for piece, t in zip(pieces, tensors)]
-        self.ready = 0  # gradients copied in during this backward
-        self.work: dist.Work | torch.futures.Future | None = None  # the all-reduce in flight
+        add(position)   a gradient is ready: copy it in, scaled by 1/W, into its slice
+        is_full         every slice is filled: the bucket can travel
+        launch(reduce)  start its all-reduce without waiting (`pending` holds the handle)
+        wait()          block until the sum has arrived
+        write_back()    copy each averaged slice into the `.grad` it came from
+        reset()         forget this backward, ready for the next
+
+    Each parameter owns a fixed slice of `flat` (`views[i]`, shaped like the parameter), so one
+    all-reduce of `flat` averages every gradient in it at once.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        param_indices: Sequence[int],
+        params: Sequence[torch.Tensor],
+        gradient_as_bucket_view: bool = False,
+    ) -> None:
+        self.index = index
+        self.param_indices = list(param_indices)
+        self.params = [params[i] for i in self.param_indices]
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        total = sum(p.numel() for p in self.params)
+        self.flat = torch.zeros(total, dtype=self.params[0].dtype, device=self.params[0].device)
+        self.views = [
+            piece.view_as(p)
+            for piece, p in zip(self.flat.split([p.numel() for p in self.params]), self.params)
+        ]
+        self.reset()
+
+    def reset(self) -> None:
+        self.filled = 0
+        # (position, the .grad it was copied from, or None): where write_back() puts the average;
+        # empty for gradients that already live in the bucket (gradient_as_bucket_view)
+        self.sources: list[tuple[int, torch.Tensor | None]] = []
+        # the in-flight all-reduce: the Work torch returned, or the future a comm hook did
+        self.pending: dist.Work | torch.futures.Future | None = None
+
+    def add(self, position: int, divide_by: int) -> None:
+        """Copy the gradient of parameter `position` into its slice, divided by `divide_by`
+        (the world size; 1 when a comm hook averages instead).
+
+        torch multiplies by the float 1/W while copying, one pass over the gradient; `g / W`
+        or dividing after the sum would differ in the last bit when W is not a power of two.
+        A parameter with no gradient (unused in this backward) contributes zeros.
+        """
+        param, view = self.params[position], self.views[position]
+        grad = param.grad
+        if grad is None:
+            view.zero_()
+            self.sources.append((position, None))  # gets its slice at write-back
+        elif self.gradient_as_bucket_view and grad.data_ptr() == view.data_ptr():
+            view.div_(divide_by)  # already in the bucket: torch divides it in place
+        elif self.gradient_as_bucket_view:
+            torch.mul(grad, 1.0 / divide_by, out=view)
+            param.grad = view  # from now on backward accumulates straight into the bucket
+        else:
+            torch.mul(grad, 1.0 / divide_by, out=view)
+            self.sources.append((position, grad))
+        self.filled += 1
+
+    @property
+    def is_full(self) -> bool:
+        return self.filled == len(self.params)
+
+    def launch(self, reduce: Callable[[Bucket], dist.Work | torch.futures.Future]) -> None:
+        """Start summing `flat` across ranks; `reduce` returns at once with a handle."""
+        self.pending = reduce(self)
+
+    def wait(self) -> None:
+        """Block until the sum is in `flat`."""
+        result = self.pending.wait()  # a Work answers True, a comm hook's future a Tensor
+        result = result[0] if isinstance(result, list) else result
+        if isinstance(result, torch.Tensor) and result.data_ptr() != self.flat.data_ptr():
+            self.flat.copy_(result)  # a comm hook may answer in a tensor of its own
+        self.pending = None
+
+    def write_back(self, used: Sequence[bool] | None = None) -> None:
+        """Put each average into the `.grad` its gradient was copied from. A parameter that had
+        no gradient gets its slice; one that `used` says no rank used keeps `.grad` as it was
+        (None stays None), as torch's find_unused_parameters does."""
+        for position, grad in self.sources:
+            if used is not None and not used[self.param_indices[position]]:
+                continue
+            view = self.views[position]
+            if grad is not None:
+                grad.copy_(view)
+            else:
+                self.params[position].grad = view if self.gradient_as_bucket_view else view.clone()
+
+    def adopt_gradients(self) -> None:
+        """With gradient_as_bucket_view: move existing `.grad`s into this (new) bucket, so that
+        `.grad` stays a view of the bucket across a rebuild."""
+        for param, view in zip(self.params, self.views):
+            if param.grad is not None:
+                view.copy_(param.grad)
+                param.grad = view
 
 
 def assign_buckets(
-    params: list[torch.Tensor], order: list[int], first_cap: float, cap: float
+    params: Sequence[torch.Tensor], order: Sequence[int], first_cap: float, cap: float
 ) -> list[list[int]]:
     """Walk `order`; each (dtype, device) fills its own buckets, its first until it holds
     `first_cap` bytes, the others `cap`. Buckets come out in the order they were closed, then the
@@ -81,50 +172,145 @@ def assign_buckets(
     return closed + list(filling.values())
 
 
-def parameters_not_reached(output: Any, params: list[torch.Tensor]) -> list[int]:
-    """Walk the autograd graph back from every tensor in `output`; return the indices of
-    `params` it never reaches: they get no gradient in this forward's backward."""
+def initial_layout(
+    params: Sequence[torch.Tensor], first_cap: float, cap: float, find_unused_parameters: bool
+) -> list[list[int]]:
+    """The buckets before any backward has been seen, in launch order: one per (dtype, device),
+    or with find_unused_parameters torch's caps for good (the graph may change every iteration:
+    no order is worth recording). The bucket whose parameters start latest in registration
+    order launches first: torch still assumes backward runs in reverse."""
+    caps = (first_cap, cap) if find_unused_parameters else (math.inf, math.inf)
+    initial = assign_buckets(params, range(len(params)), *caps)
+    return sorted(initial, key=min, reverse=True)
+
+
+class BucketLayout:
+    """The buckets of one DDP model, and their life: built at construction (one per dtype,
+    unless find_unused_parameters), the gradient-ready order recorded in the first synced
+    backward, rebuilt once from rank 0's record before the next forward."""
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        bucket_cap_mb: float | None,
+        find_unused_parameters: bool,
+        gradient_as_bucket_view: bool,
+    ) -> None:
+        self.params = params
+        self.first_cap, self.cap = bucket_caps(bucket_cap_mb)
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        # With unused parameters the graph may change every iteration: no order worth recording.
+        self.has_rebuilt = find_unused_parameters
+        self.ready_order: list[int] = []  # gradient arrival order in the first synced backward
+        self.build(initial_layout(params, self.first_cap, self.cap, find_unused_parameters))
+
+    def build(self, groups: list[list[int]]) -> None:
+        self.buckets = [
+            Bucket(i, indices, self.params, self.gradient_as_bucket_view)
+            for i, indices in enumerate(groups)
+        ]
+        # Where each parameter's gradient goes: (its bucket, its position in it).
+        self.slot = {
+            index: (b, pos) for b in self.buckets for pos, index in enumerate(b.param_indices)
+        }
+        if self.gradient_as_bucket_view:
+            for bucket in self.buckets:
+                bucket.adopt_gradients()
+
+    def record_ready(self, index: int) -> None:
+        if not self.has_rebuilt:
+            self.ready_order.append(index)
+
+    @property
+    def rebuild_due(self) -> bool:
+        return bool(self.ready_order) and not self.has_rebuilt
+
+    def rebuild(self, ready_order: list[int]) -> None:
+        """Rebuild from an observed order (rank 0's, so every rank gets the same buckets)."""
+        self.build(assign_buckets(self.params, ready_order, self.first_cap, self.cap))
+        self.has_rebuilt = True
+        self.ready_order = []
+
+
+class ParameterUsage:
+    """Which parameters got a gradient on this rank since the last synced backward (no_sync
+    steps count too, as in torch) and, after one small all-reduce, on any rank."""
+
+    def __init__(self, count: int) -> None:
+        self._here = torch.zeros(count, dtype=torch.int32)
+
+    def note(self, index: int) -> None:
+        self._here[index] = 1
+
+    def clear(self) -> None:
+        self._here.zero_()
+
+    def on_any_rank(self, device: torch.device) -> list[bool]:
+        usage = self._here.to(device, copy=True)  # NCCL moves only GPU tensors
+        dist.all_reduce(usage)
+        self.clear()
+        return [bool(count) for count in usage.tolist()]
+
+
+def parameters_not_reached(output: Any, params: Sequence[torch.Tensor]) -> list[int]:
+    """Walk the autograd graph back from the outputs; return the indices of `params` it never
+    reaches. Those get no gradient in this backward, so the wrapper marks them ready up front
+    (contributing zeros, or what no_sync accumulated)."""
     position = {id(p): i for i, p in enumerate(params)}
-    reached, seen, stack = set(), set(), []
-    for tensor in tensors_in(output):
+    reached: set[int] = set()
+    seen: set[Any] = set()
+    stack = []
+    for tensor in find_tensors(output):
         if tensor.grad_fn is not None:
             stack.append(tensor.grad_fn)
-        elif id(tensor) in position:  # the output is a parameter itself
+        elif id(tensor) in position:
             reached.add(position[id(tensor)])
     while stack:
-        node = stack.pop()
-        if node in seen:
+        fn = stack.pop()
+        if fn in seen:
             continue
-        seen.add(node)
-        leaf = getattr(node, "variable", None)  # an AccumulateGrad node holds its parameter
-        if leaf is not None and id(leaf) in position:
-            reached.add(position[id(leaf)])
-        stack.extend(parent for parent, _ in node.next_functions if parent is not None)
+        seen.add(fn)
+        variable = getattr(fn, "variable", None)  # AccumulateGrad nodes hold their leaf
+        if variable is not None and id(variable) in position:
+            reached.add(position[id(variable)])
+        stack.extend(next_fn for next_fn, _ in fn.next_functions if next_fn is not None)
     return [i for i in range(len(params)) if i not in reached]
 
 
-def tensors_in(output: Any) -> list[torch.Tensor]:
-    """The tensors of a forward's output: a tensor, or lists, tuples and dicts of them."""
-    if isinstance(output, torch.Tensor):
-        return [output]
-    items = output.values() if isinstance(output, dict) else output
-    if isinstance(output, (list, tuple, dict)):
-        return [tensor for item in items for tensor in tensors_in(item)]
-    return []
+def find_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a (nested) output, found where torch's DDP looks: tensors, and lists,
+    tuples (namedtuples too), dicts and dataclasses of them."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from find_tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from find_tensors(item)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for field in dataclasses.fields(obj):
+            yield from find_tensors(getattr(obj, field.name))
+
+
+CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 
 
 class GradBucket:
-    """What a comm hook receives: torch's `dist.GradBucket` methods over one of this rung's
-    buckets, so that hooks written for torch's DDP run here unchanged."""
+    """What a communication hook receives: torch's `dist.GradBucket` interface over a Bucket.
 
-    def __init__(self, bucket: Bucket, params: list[torch.Tensor], is_last: bool) -> None:
-        self._bucket, self._params, self._is_last = bucket, params, is_last
+    The methods mirror torch's, so hooks written for torch's DDP run here unchanged.
+    """
+
+    def __init__(self, bucket: Bucket, is_last: bool) -> None:
+        self._bucket = bucket
+        self._is_last = is_last
 
     def index(self) -> int:
         return self._bucket.index
 
     def buffer(self) -> torch.Tensor:
-        """The flat tensor of this bucket's gradients, not yet averaged."""
+        """The flat tensor holding every gradient of this bucket (not yet averaged)."""
         return self._bucket.flat
 
     def set_buffer(self, tensor: torch.Tensor) -> None:
@@ -134,10 +320,18 @@ class GradBucket:
         return list(self._bucket.views)
 
     def parameters(self) -> list[torch.Tensor]:
-        return [self._params[i] for i in self._bucket.params]
+        return list(self._bucket.params)
 
     def is_last(self) -> bool:
         return self._is_last
+
+
+class Phase(Enum):
+    """Where the current forward/backward pair stands: what a gradient hook must do."""
+
+    LOCAL = "gradients only accumulate locally (inside no_sync, or no synced forward yet)"
+    ARMED = "a synced forward ran: its backward will reduce"
+    REDUCING = "backward is filling and launching buckets"
 
 
 class CommHookDDP(nn.Module, EventRecorder):
@@ -160,59 +354,47 @@ class CommHookDDP(nn.Module, EventRecorder):
         gradient_as_bucket_view: bool = False,
     ) -> None:
         super().__init__()
-        if bucket_cap_mb is None:  # torch's default: a small first bucket, to start sending soon
-            self.caps = (MiB, 25 * MiB)
-        else:
-            self.caps = bucket_caps(bucket_cap_mb)  # in bytes, the first bucket's and the rest's
         self.module = module
+        self.world_size = dist.get_world_size()
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
-        self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.world_size = dist.get_world_size()
-        self._comm_hook: tuple[Any, Callable] | None = None  # (state, hook), once registered
-        self._divide_by = self.world_size  # 1 once a comm hook does the averaging
         self.param_names, self.params = shared.trainable_parameters(module, "CommHookDDP")
-        self.all_reduce_count = 0
-        self._start_event_log()
-        self._arrived: set[int] = set()  # parameters marked ready in this backward
-        self._next_bucket = 0  # the next bucket to launch
-        self._ready_order: list[int] = []  # the order gradients arrived in, until the rebuild
-        self.has_rebuilt_buckets = find_unused_parameters  # the graph may change: never rebuilt
-        self._require_backward_grad_sync = True  # False inside no_sync()
-        self._sync_this_backward = False  # what the latest forward decided
-        self._refresh_buffers = True  # buffers come from rank 0 after a synced forward
-        self._unused_in_forward: list[int] = []  # what the latest synced forward's graph skips
-        self._used_here = torch.zeros(len(self.params), dtype=torch.int32)  # since the last sync
+        self._layout = BucketLayout(
+            self.params, bucket_cap_mb, find_unused_parameters, gradient_as_bucket_view
+        )
         # Every replica starts from rank 0's weights and buffers, whatever seed each rank used.
         shared.broadcast_from_rank0([*module.parameters(), *module.buffers()])
-        # Iteration 0: one bucket per (dtype, device), or with unused parameters torch's caps
-        # for good; the bucket whose parameters start latest in registration order launches
-        # first (torch still assumes backward runs in reverse).
-        caps = self.caps if find_unused_parameters else (math.inf, math.inf)
-        initial = assign_buckets(self.params, range(len(self.params)), *caps)
-        self._build_buckets(sorted(initial, key=min, reverse=True))
+        self.all_reduce_count = 0
+        self._start_event_log()
+        self._comm_hook: tuple[Any, CommHook] | None = None
+        self._divide_by = self.world_size  # 1 once a comm hook does the averaging
+        self._usage = ParameterUsage(len(self.params))
+        self._require_backward_grad_sync = True  # False inside no_sync()
+        self._require_forward_param_sync = True  # buffers are refreshed after a synced forward
+        self._reset_backward(Phase.LOCAL)
         for index, param in enumerate(self.params):
             param.register_post_accumulate_grad_hook(partial(self._on_gradient_ready, index))
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if self._arrived:
+        if self._phase is Phase.REDUCING:
             raise shared.unfinished_backward()
-        if self._ready_order and torch.is_grad_enabled():
+        if self._layout.rebuild_due and torch.is_grad_enabled():
             self._rebuild_buckets()
         # Each forward updates buffers (BatchNorm's statistics) locally: like torch's DDP, start
         # every forward that follows a synced one from rank 0's.
-        if self.broadcast_buffers and self._refresh_buffers:
+        if self.broadcast_buffers and self._require_forward_param_sync:
             shared.broadcast_from_rank0(self.module.buffers())
         self._note("forward", "start")
         output = self.module(*inputs, **kwargs)
-        # Decided now, and read by every hook of the coming backward: that is why the forward
-        # must run inside no_sync() for accumulation to skip communication.
-        self._sync_this_backward = torch.is_grad_enabled() and self._require_backward_grad_sync
-        self._refresh_buffers = self._sync_this_backward
-        if self._sync_this_backward and self.find_unused_parameters:
-            self._unused_in_forward = parameters_not_reached(output, self.params)
+        # Whether this forward's backward synchronizes is decided now, at forward time: that is
+        # why the forward must run inside `no_sync()` for accumulation to skip communication.
+        synced = torch.is_grad_enabled() and self._require_backward_grad_sync
+        self._require_forward_param_sync = synced
+        self._phase = Phase.ARMED if synced else Phase.LOCAL
         if self._observed and torch.is_grad_enabled():
             self._note_when_backward_starts(output)
+        if synced and self.find_unused_parameters:
+            self._unused_in_forward = parameters_not_reached(output, self.params)
         self._note("forward", "end")
         return output
 
@@ -230,118 +412,108 @@ class CommHookDDP(nn.Module, EventRecorder):
     def finish_gradient_synchronization(self) -> None:
         """Nothing to do: the end of backward already waited for every bucket."""
 
-    def register_comm_hook(self, state: Any, hook: Callable) -> None:
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Replace what happens to a full bucket: `hook(state, bucket) -> Future[Tensor]`, as in
         torch. The bucket holds this rank's own gradients, NOT divided by the world size: the
         hook averages. Register once, before the first backward."""
         if self._comm_hook is not None:
             raise RuntimeError("register_comm_hook can only be called once per wrapper.")
-        if self.all_reduce_count or self._arrived:
+        if self._phase is not Phase.LOCAL or self.all_reduce_count:
             raise RuntimeError("Register the comm hook before the first backward pass.")
         self._comm_hook = (state, hook)
         self._divide_by = 1
 
-    def _build_buckets(self, layout: list[list[int]]) -> None:
-        self.buckets = [Bucket(n, ix, [self.params[i] for i in ix]) for n, ix in enumerate(layout)]
-        # Where each parameter's gradient goes: its bucket and its view in it.
-        self._slot = {i: (b, view) for b in self.buckets for i, view in zip(b.params, b.views)}
-        if self.gradient_as_bucket_view:  # gradients move into the new buckets, as views
-            for index, (_, view) in self._slot.items():
-                param = self.params[index]
-                if param.grad is not None:
-                    view.copy_(param.grad)
-                    param.grad = view
-
     def _rebuild_buckets(self) -> None:
         """Once, before the second synced forward: rank 0's order, torch's caps."""
-        order = torch.tensor(self._ready_order, device=self.params[0].device)
+        order = torch.tensor(self._layout.ready_order, device=self.params[0].device)
         dist.broadcast(order, src=0)
-        self._build_buckets(assign_buckets(self.params, order.tolist(), *self.caps))
-        self._ready_order, self.has_rebuilt_buckets = [], True
-        self._note("rebuild", f"{len(self.buckets)} buckets")
+        self._layout.rebuild(order.tolist())
+        self._note("rebuild", f"{len(self._layout.buckets)} buckets")
+
+    def _start_reducing(self) -> None:
+        """The first sign of a synced backward: queue the wait for its end, and mark the
+        parameters this forward's graph never reaches (their buckets must still fill)."""
+        if self._phase is not Phase.ARMED:
+            return
+        self._phase = Phase.REDUCING
+        Variable._execution_engine.queue_callback(self._finish_backward)
+        for index in self._unused_in_forward:
+            self._mark_ready(index)  # may hold what no_sync accumulated
 
     def _on_gradient_ready(self, index: int, param: torch.Tensor) -> None:
         """Runs inside the autograd engine right after `param.grad` was accumulated."""
         if self.find_unused_parameters:
-            self._used_here[index] = 1  # in no_sync steps too: they accumulate into .grad
-        if not self._sync_this_backward:
-            return  # the forward ran inside no_sync(): .grad accumulates here, nothing travels
-        if not self._arrived:  # the first gradient of this backward
-            Variable._execution_engine.queue_callback(self._finish_backward)
-            for unused in self._unused_in_forward:  # no gradient will come: ready now
-                self._mark_ready(unused)
-        if not self.has_rebuilt_buckets:
-            self._ready_order.append(index)
+            self._usage.note(index)
+        self._start_reducing()  # the first gradient of a synced backward starts it
+        if self._phase is Phase.LOCAL:
+            return
+        self._layout.record_ready(index)
         self._note("hook", self.param_names[index])
         self._mark_ready(index)
 
     def _mark_ready(self, index: int) -> None:
-        """Copy one gradient into its bucket, zeros if it has none; launch what can go."""
-        self._arrived.add(index)
-        bucket, view = self._slot[index]
-        param = self.params[index]
-        if param.grad is None:
-            view.zero_()
-        elif self.gradient_as_bucket_view and param.grad.data_ptr() == view.data_ptr():
-            view.div_(self._divide_by)  # already in the bucket: torch divides it in place
-        else:
-            torch.mul(param.grad, 1.0 / self._divide_by, out=view)  # scale while copying
-            if self.gradient_as_bucket_view:
-                param.grad = view  # from now on backward accumulates straight into the bucket
-        bucket.ready += 1
-        if bucket.ready == len(bucket.params):
+        """Copy one gradient into its bucket; once the bucket is full, launch what can go."""
+        self._marked_ready[index] = True
+        bucket, position = self._layout.slot[index]
+        bucket.add(position, self._divide_by)
+        if bucket.is_full:
             self._note("ready", f"bucket {bucket.index}")
-            self._launch_ready_buckets()
+            self._launch_full_buckets()
 
-    def _launch_ready_buckets(self) -> None:
-        """Launch each full bucket whose predecessors have all been launched, in index order."""
-        while self._next_bucket < len(self.buckets):
-            bucket = self.buckets[self._next_bucket]
-            if bucket.ready < len(bucket.params):
-                return
-            name = f"bucket {bucket.index}"
-            self._note("launch", name)
-            if self._comm_hook is None:
-                bucket.work = dist.all_reduce(bucket.flat, async_op=True)  # SUM; returns at once
-            else:
-                state, hook = self._comm_hook
-                is_last = bucket.index == len(self.buckets) - 1
-                bucket.work = hook(state, GradBucket(bucket, self.params, is_last))  # a Future
-            self._note_when_done(bucket.work, name)
+    def _launch_full_buckets(self) -> None:
+        """Launch buckets strictly in index order, so every rank issues the same collectives in
+        the same sequence even if its gradients arrive in a different order."""
+        buckets = self._layout.buckets
+        while self._next_bucket < len(buckets) and buckets[self._next_bucket].is_full:
+            bucket = buckets[self._next_bucket]
+            self._note("launch", f"bucket {bucket.index}")
+            bucket.launch(self._all_reduce)
             self.all_reduce_count += 1
+            self._note_when_done(bucket.pending, f"bucket {bucket.index}")
             self._next_bucket += 1
 
+    def _all_reduce(self, bucket: Bucket) -> dist.Work | torch.futures.Future:
+        if self._comm_hook is None:
+            return dist.all_reduce(bucket.flat, async_op=True)
+        state, hook = self._comm_hook
+        is_last = bucket.index == len(self._layout.buckets) - 1
+        return hook(state, GradBucket(bucket, is_last))
+
     def _finish_backward(self) -> None:
-        """Queued on the autograd engine: wait for each bucket and copy it back into `.grad`."""
+        """Queued on the autograd engine: runs once, when the whole backward pass is done."""
         self._note("backward", "end")
-        missing = [i for i in range(len(self.params)) if i not in self._arrived]
-        for index in missing:  # reachable, yet no gradient came: zeros, so every bucket launches
+        missing = [i for i, ready in enumerate(self._marked_ready) if not ready]
+        for index in missing:  # reachable from the output, yet no gradient came: unused too
             self._mark_ready(index)
-        used = self._used_on_any_rank() if self.find_unused_parameters else None
-        for bucket in self.buckets:
-            reduced = bucket.work.wait()  # a Work's wait() answers True, a hook's future a Tensor
-            reduced = reduced[0] if isinstance(reduced, list) else reduced
-            if isinstance(reduced, torch.Tensor) and reduced.data_ptr() != bucket.flat.data_ptr():
-                bucket.flat.copy_(reduced)  # a comm hook may answer in a tensor of its own
+        # Parameters no rank used keep .grad (None stays None): find_unused_parameters asks
+        # every backward.
+        used = None
+        if self.find_unused_parameters:
+            used = self._usage.on_any_rank(self.params[0].device)
+        for bucket in self._layout.buckets:
+            # Each bucket goes back to `.grad` as soon as it arrives, while later ones travel.
+            bucket.wait()
             self._note("wait", f"bucket {bucket.index}")
-            for index, view in zip(bucket.params, bucket.views):
-                param = self.params[index]
-                if used is not None and not used[index]:
-                    continue  # no rank used it since the last sync: .grad stays as it was
-                if param.grad is None:
-                    param.grad = view if self.gradient_as_bucket_view else view.clone()
-                elif param.grad.data_ptr() != view.data_ptr():
-                    param.grad.copy_(view)
-            bucket.ready, bucket.work = 0, None
-        self._arrived, self._next_bucket = set(), 0
+            bucket.write_back(used)
+        self._reset_backward(Phase.LOCAL)
         if missing and not self.find_unused_parameters:
-            self._ready_order = []  # incomplete: learn the order again in the next backward
+            self._layout.ready_order.clear()  # incomplete: learn it again in the next backward
             raise shared.no_gradient(self.param_names[i] for i in missing)
         self._note("sync", "end")
 
-    def _used_on_any_rank(self) -> list[bool]:
-        """One all-reduce (SUM) of every rank's marks: which parameters any rank used."""
-        used = self._used_here.to(self.params[0].device, copy=True)  # NCCL: GPU tensors only
-        dist.all_reduce(used)
-        self._used_here.zero_()
-        return [bool(count) for count in used.tolist()]
+    def _reset_backward(self, phase: Phase) -> None:
+        self._phase = phase  # and every bucket empty, no parameter marked ready
+        self._unused_in_forward: list[int] = []
+        self._marked_ready = [False] * len(self.params)
+        self._next_bucket = 0
+        for bucket in self._layout.buckets:
+            bucket.reset()
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        """The current buckets, in launch order."""
+        return self._layout.buckets
+
+    @property
+    def has_rebuilt_buckets(self) -> bool:
+        return self._layout.has_rebuilt
