@@ -216,18 +216,16 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         """Runs inside the autograd engine right after `param.grad` was accumulated."""
         if self.find_unused_parameters:
             self._usage.note(index)
-        if self._phase is not Phase.REDUCING:  # one test on the common path, the rest here
-            if self._phase is Phase.SYNCED:
-                raise RuntimeError(
-                    f"Gradient of '{self.param_names[index]}' arrived after this forward's "
-                    "gradients were already synchronized: backward ran twice on one synced "
-                    "forward, and the second result would stay unsynchronized. Run a new "
-                    "forward for each backward, or put the forward inside no_sync() to "
-                    "accumulate."
-                )
-            self._start_reducing()  # in case backward reached a parameter before the output
-            if self._phase is Phase.LOCAL:
-                return
+        if self._phase is Phase.SYNCED:
+            raise RuntimeError(
+                f"Gradient of '{self.param_names[index]}' arrived after this forward's "
+                "gradients were already synchronized: backward ran twice on one synced "
+                "forward, and the second result would stay unsynchronized. Run a new forward "
+                "for each backward, or put the forward inside no_sync() to accumulate."
+            )
+        self._start_reducing()  # in case backward reached a parameter before the output
+        if self._phase is Phase.LOCAL:
+            return
         if self._static_graph is not None and not self._static_graph.last_hook(index):
             return  # static_graph: ready after as many hooks as the first backward had
         self._layout.record_ready(index)
