@@ -85,6 +85,7 @@ PRODUCTION_EXTRAS = {
     ],
     "the speed tricks of miniddp/buckets.py": [
         *("_small", "small_gradient_numel", "_copy_small_gradients", "_copy_all", "averaged"),
+        *("_small_runs", "_runs_of_small_gradients"),
     ],
     "launch_during_backward": ["launch_during_backward"],
     "comm hooks over this project's own all-reduces": ["all_reduce_hook", "collectives"],
