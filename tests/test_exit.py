@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tests.harness.processes import child_env, run_in_own_session, run_ranks_like_torchrun, tail
+from tests.harness.processes import child_env, run_ranks_like_torchrun, tail
 
 # The atexit handler registered first runs last: it sees what is left once MiniDDP's have run.
 SCRIPT = """
@@ -33,9 +33,8 @@ if sys.argv[1] == "raise":
 def run_script(tmp_path: Path, ending: str) -> tuple[int, str]:
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc_per_node=2", str(script), ending]
-    return run_in_own_session(command, child_env(tmp_path), timeout=120)
+    command = [sys.executable, str(script), ending]
+    return run_ranks_like_torchrun(command, 2, child_env(tmp_path), timeout=120)
 
 
 def test_a_script_without_cleanup_ends_its_group_at_exit(tmp_path: Path) -> None:
@@ -77,9 +76,8 @@ def test_cleanup_waits_for_a_rank_that_is_busy_past_the_timeout(tmp_path: Path) 
     cleanup() waits for it instead (why: miniddp/job/meet.py), and must not call it missing."""
     script = tmp_path / "busy.py"
     script.write_text(BUSY_RANK_0)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc_per_node=2", str(script)]
-    returncode, output = run_in_own_session(command, child_env(tmp_path), timeout=120)
+    command = [sys.executable, str(script)]
+    returncode, output = run_ranks_like_torchrun(command, 2, child_env(tmp_path), timeout=120)
     assert returncode == 0, tail(output)
     assert "rank 0 finished its work" in output and "CollectiveFailed" not in output
     assert "rank 0 left" in output and "rank 1 left" in output, tail(output)
