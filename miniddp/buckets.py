@@ -88,11 +88,11 @@ class Bucket:
         elif self.gradient_as_bucket_view:
             torch.mul(grad, 1.0 / divide_by, out=view)
             param.grad = view  # from now on backward accumulates straight into the bucket
+        elif grad.numel() < self.small_gradient_numel:
+            self._small.append((position, grad))  # copied when the bucket is full
+            self.sources.append((position, grad))
         else:
-            if grad.numel() < self.small_gradient_numel:
-                self._small.append((position, grad))  # copied when the bucket is full
-            else:
-                torch.mul(grad, 1.0 / divide_by, out=view)
+            torch.mul(grad, 1.0 / divide_by, out=view)
             self.sources.append((position, grad))
         self.filled += 1
         if self.is_full:
