@@ -91,8 +91,9 @@ def _rank_0_leaves_last(board: Board) -> None:
             note = board.exit_note(rank)
             if board.store.check([key]) or (note is not None and not note.by_cleanup):
                 del through[rank]
-        time.sleep(pause if through else 0)
-        pause = min(2 * pause, POLL_S)
+        if through:
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_S)
 
 
 def tell_the_others(word_on: str, word: str, group: dist.ProcessGroup | None = None) -> None:
