@@ -38,6 +38,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import textwrap
 import time
 import traceback
@@ -58,6 +59,7 @@ from miniddp.job.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
+from miniddp.job.checkpoint_file import rng_path
 from miniddp.job.env import DistEnv, init_distributed
 
 SEED = 0
@@ -233,8 +235,9 @@ def compare_resumes(
         identical[label] = params_sha256(ddp.module) == uninterrupted
         say(f"  {label:<34} bit-identical: {identical[label]}")
     dist.barrier()  # everyone has read the demo checkpoint
-    if env.is_main:
+    if env.is_main:  # the demo checkpoint, and the folder of the other ranks' RNG states
         path.unlink(missing_ok=True)
+        shutil.rmtree(rng_path(path, 1).parent, ignore_errors=True)
     return uninterrupted, identical
 
 
