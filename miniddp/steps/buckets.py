@@ -22,10 +22,9 @@ torch_layout.py, adds it): reverse registration order is a guess, and where it i
 waits for a gradient that comes late. And with 3 or more ranks gloo's sum depends on where each
 gradient sits in its bucket: only torch's exact layout gives torch's exact bits.
 
-Here the ladder takes MiniDDP's shape, so that each rung above, and MiniDDP itself, adds its
-idea to the same code: a bucket runs its own life (`Bucket`: add, is_full, launch, wait,
-write_back, reset), and the wrapper's steps have MiniDDP's names (`_on_gradient_ready`,
-`_mark_ready`, `_launch_full_buckets`, `_finish_backward`).
+Here the ladder takes MiniDDP's shape, so that each rung above, and MiniDDP, adds its idea to
+this code: a `Bucket` runs its own life (add, is_full, launch, wait, write_back, reset), and the
+wrapper's steps carry MiniDDP's names.
 """
 
 from __future__ import annotations
