@@ -116,7 +116,7 @@ EQUAL_CAPS = """
         "torch's layout but one cap for every bucket, also at bucket_cap_mb=None."
         def __init__(self, module, *, bucket_cap_mb=None):
             super().__init__(module, bucket_cap_mb=bucket_cap_mb)
-            self.caps = (self.caps[1], self.caps[1])
+            self._layout.first_cap = self._layout.cap
 """
 NO_SYNC_THAT_SENDS = """
     import contextlib
@@ -249,7 +249,7 @@ NO_SYNC_SOLVED = """
             self.syncing = self.wants_sync and torch.is_grad_enabled()
             if after_synced and self.broadcast_buffers:
                 return super().forward(*inputs, **kwargs)
-            if self._ready_order and torch.is_grad_enabled():
+            if self._layout.rebuild_due and torch.is_grad_enabled():
                 self._rebuild_buckets()
             return self.module(*inputs, **kwargs)
 

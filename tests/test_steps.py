@@ -265,7 +265,7 @@ def bucket_layout(model: nn.Module, net: nn.Module) -> list[list[str]] | None:
         return [[name_of[id(p)] for p in bucket.parameters()] for bucket in buckets]
     if isinstance(model, MiniDDP):
         return [list(info.param_names) for info in model.buckets]
-    if hasattr(model, "buckets"):  # indices: `param_indices` from rung 5 on, `params` below
+    if hasattr(model, "buckets"):  # indices: `param_indices` from rung 3 on, as in MiniDDP
         indices = [getattr(b, "param_indices", b.params) for b in model.buckets]
         return [[model.param_names[i] for i in bucket] for bucket in indices]
     return None

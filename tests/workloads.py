@@ -253,8 +253,8 @@ def _train(spec: TrainSpec, use_torch: bool) -> dict:
 
 def bucket_layout(model: nn.Module, net: nn.Module) -> list[list[str]]:
     """The bucket layout in launch order, as parameter names: torch's, MiniDDP's (BucketInfo),
-    or a rung's (buckets holding indices into its parameters: `param_indices` from rung 5 on, as
-    MiniDDP's, `params` below); None for a DDP that claims no torch layout."""
+    or a rung's (buckets holding indices into its parameters: `param_indices` from rung 3 on, as
+    MiniDDP's, or `params` in a learner's own); None for a DDP that claims no torch layout."""
     if not isinstance(model, DistributedDataParallel):
         if "torch-layout" not in getattr(model, "claims", ()):
             return None

@@ -73,7 +73,9 @@ def main() -> None:
         ready buckets launch strictly in index order: bucket 2 waits for bucket 1 even if it
         filled first. So every rank issues the same all-reduces in the same order, whatever
         order its own gradients came in. At the end of backward each bucket is waited for and
-        its slices copied back into .grad.""")
+        its slices copied back into .grad. The Bucket owns these steps (add, is_full, launch,
+        wait, write_back, reset), and the wrapper's methods have MiniDDP's names: from here up
+        every rung, and MiniDDP, adds its idea to this same code.""")
     )
 
     section("2. The layout")

@@ -99,7 +99,7 @@ def main() -> None:
     section("2. At construction: one bucket for everything")
     model = TorchLayoutDDP(build_model(), bucket_cap_mb=args.bucket_cap_mb)
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
-    first_cap, cap = model.caps
+    first_cap, cap = model._layout.first_cap, model._layout.cap
     total = sum(p.nbytes for p in model.params)
     say(
         f"Model: 5 Linear layers, {fmt_bytes(total)} of float32 gradients; caps: "

@@ -13,8 +13,8 @@ sum is needed. `no_sync()` skips the first k-1:
             loss.backward()
     optimizer.step()
 
-Rung 5 of the ladder, NoSyncDDP (miniddp/steps/no_sync.py), is rung 4 plus exactly this, written
-in MiniDDP's shape so that the rungs above and MiniDDP add to the same code. The chapter prints
+Rung 5 of the ladder, NoSyncDDP (miniddp/steps/no_sync.py), is rung 4 plus exactly this. The
+chapter prints
 what it adds (`python -m miniddp.steps diff --code 4 5`), counts the collectives,
 checks the result against one process training on the global batch and against torch's DDP bit
 for bit, then shows the pitfall: the forward outside `no_sync()`, only backward inside. Its
@@ -129,10 +129,9 @@ def main() -> None:
         its backward's first gradient starts REDUCING, and the backward copies the whole
         accumulated .grad into the buckets and all-reduces them, exactly as rung 4 did with one
         micro-step's gradient. Buffers follow the same decision: they are refreshed from rank 0
-        only before a forward that follows a synced one. The rest of the diff is rung 4's
-        algorithm in MiniDDP's objects, step for step: a Bucket that adds, launches, waits and
-        writes back (the copies rung 4 wrote inline), a BucketLayout that is built and rebuilt
-        once. MiniDDP's no_sync() and Phase are this rung's.""")
+        only before a forward that follows a synced one. Rung 4's flag "reducing or not"
+        becomes the Phase; its Bucket and BucketLayout are untouched. MiniDDP's no_sync() and
+        Phase are this rung's.""")
     )
 
     model = make_model(seed=0)  # float64: differences below are rounding, not noise

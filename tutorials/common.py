@@ -275,9 +275,8 @@ def say_timeline(
 
 
 def rung_layout(model: nn.Module) -> list[list[str]]:
-    """A bucketed rung's layout: each bucket's parameter names, in launch order. (A bucket's
-    parameter indices are its `param_indices` from rung 5 on, as in MiniDDP; `params` below.)"""
-    indices = [getattr(bucket, "param_indices", bucket.params) for bucket in model.buckets]
+    """A bucketed rung's layout: each bucket's parameter names, in launch order."""
+    indices = [bucket.param_indices for bucket in model.buckets]
     return [[model.param_names[i] for i in bucket] for bucket in indices]
 
 

@@ -27,11 +27,7 @@ the step syncs), and never with `broadcast_buffers=False`.
 
 The forward's decision is a state every hook reads, so it gets names: `Phase` LOCAL (inside
 no_sync, or before any synced forward), ARMED by a synced forward, REDUCING once its backward's
-first gradient arrives. And here the ladder takes MiniDDP's shape, so that each rung above, and
-MiniDDP itself, adds its idea to the same code: a bucket runs its own life (`Bucket`: add,
-is_full, launch, wait, write_back, reset: the copy in and out that rung 4 wrote inline), and the
-layout its own (`BucketLayout`: built once, the ready order recorded, rebuilt once). The same
-steps in the same order: the same bits.
+first gradient arrives (rung 4 needed only a flag: reducing or not).
 
 The rest is rung 4's: torch's bucket layout (one bucket per dtype at first, rebuilt once from
 rank 0's gradient-ready order), each gradient copied into its slice scaled by 1/W, full buckets

@@ -15,10 +15,14 @@ ranks' values are added first depends on each gradient's offset in the flat tens
 gradients in another layout give other last bits. With torch's order, offsets and 1/W scaling
 while copying, this rung is bitwise torch's DDP at any world size.
 
-The rest is rung 3's: a bucket is one flat tensor, each gradient is copied into its slice scaled
-by 1/W, and a full bucket goes out as one async all-reduce, strictly in index order, so every
-rank issues the same collectives. A bucket closes once it holds at least its cap (add the
-tensor, then close), so it can overshoot by one tensor; a tensor is never split.
+The layout now has a life of its own, so it gets an object, as in MiniDDP: `BucketLayout`
+is built at construction (`initial_layout`), records the ready order in the first backward, and
+rebuilds once (`assign_buckets`, now with torch's two caps).
+
+The rest is rung 3's: a bucket (`Bucket`) is one flat tensor, each gradient is copied into its
+slice scaled by 1/W, and a full bucket goes out as one async all-reduce, strictly in index order,
+so every rank issues the same collectives. A bucket closes once it holds at least its cap (add
+the tensor, then close), so it can overshoot by one tensor; a tensor is never split.
 
 What it costs: as rung 3, B * alpha + 2 (W-1)/W * N * beta, plus one broadcast of P integers,
 once. What it lacks (the next rung, no_sync.py, adds it): gradient accumulation without
@@ -28,6 +32,7 @@ communication; each backward all-reduces, even when k micro-steps only need thei
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -36,26 +41,86 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from miniddp.layout import MiB, bucket_caps
+from miniddp.layout import bucket_caps
 from miniddp.observe.events import EventRecorder
 from miniddp.steps import shared
 
 
 class Bucket:
-    """One flat tensor holding the gradients of `params` (indices into the wrapper's params)
-    end to end; `views[i]` is params[i]'s slice of it, shaped like that parameter."""
+    """One flat gradient buffer that runs its own life, once per backward pass:
 
-    def __init__(self, index: int, params: list[int], tensors: list[torch.Tensor]) -> None:
-        self.index, self.params = index, params
-        self.flat = tensors[0].new_zeros(sum(t.numel() for t in tensors))  # same dtype, device
-        pieces = self.flat.split([t.numel() for t in tensors])
-        self.views = [piece.view_as(t) for piece, t in zip(pieces, tensors)]
-        self.ready = 0  # gradients copied in during this backward
-        self.work: dist.Work | None = None  # the all-reduce in flight
+        add(position)   a gradient is ready: copy it in, scaled by 1/W, into its slice
+        is_full         every slice is filled: the bucket can travel
+        launch(reduce)  start its all-reduce without waiting (`pending` holds the handle)
+        wait()          block until the sum has arrived
+        write_back()    copy each averaged slice into the `.grad` it came from
+        reset()         forget this backward, ready for the next
+
+    Each parameter owns a fixed slice of `flat` (`views[i]`, shaped like the parameter), so one
+    all-reduce of `flat` averages every gradient in it at once.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        param_indices: Sequence[int],
+        params: Sequence[torch.Tensor],
+    ) -> None:
+        self.index = index
+        self.param_indices = list(param_indices)
+        self.params = [params[i] for i in self.param_indices]
+        total = sum(p.numel() for p in self.params)
+        self.flat = torch.zeros(total, dtype=self.params[0].dtype, device=self.params[0].device)
+        self.views = [
+            piece.view_as(p)
+            for piece, p in zip(self.flat.split([p.numel() for p in self.params]), self.params)
+        ]
+        self.reset()
+
+    def reset(self) -> None:
+        self.filled = 0
+        # (position, the .grad it was copied from): where write_back() puts the average
+        self.sources: list[tuple[int, torch.Tensor | None]] = []
+        self.pending: dist.Work | None = None  # the in-flight all-reduce
+
+    def add(self, position: int, divide_by: int) -> None:
+        """Copy the gradient of parameter `position` into its slice, divided by `divide_by`
+        (the world size).
+
+        torch multiplies by the float 1/W while copying, one pass over the gradient; `g / W`
+        or dividing after the sum would differ in the last bit when W is not a power of two.
+        A parameter with no gradient contributes zeros (the end of backward then refuses).
+        """
+        param, view = self.params[position], self.views[position]
+        grad = param.grad
+        if grad is None:
+            view.zero_()
+        else:
+            torch.mul(grad, 1.0 / divide_by, out=view)
+            self.sources.append((position, grad))
+        self.filled += 1
+
+    @property
+    def is_full(self) -> bool:
+        return self.filled == len(self.params)
+
+    def launch(self, reduce: Callable[[Bucket], dist.Work]) -> None:
+        """Start summing `flat` across ranks; `reduce` returns at once with a handle."""
+        self.pending = reduce(self)
+
+    def wait(self) -> None:
+        """Block until the sum is in `flat`."""
+        self.pending.wait()
+        self.pending = None
+
+    def write_back(self) -> None:
+        """Put each average into the `.grad` its gradient was copied from."""
+        for position, grad in self.sources:
+            grad.copy_(self.views[position])
 
 
 def assign_buckets(
-    params: list[torch.Tensor], order: list[int], first_cap: float, cap: float
+    params: Sequence[torch.Tensor], order: Sequence[int], first_cap: float, cap: float
 ) -> list[list[int]]:
     """Walk `order`; each (dtype, device) fills its own buckets, its first until it holds
     `first_cap` bytes, the others `cap`. Buckets come out in the order they were closed, then the
@@ -72,6 +137,52 @@ def assign_buckets(
     return closed + list(filling.values())
 
 
+def initial_layout(params: Sequence[torch.Tensor]) -> list[list[int]]:
+    """The buckets before any backward has been seen, in launch order: one per (dtype, device).
+    The bucket whose parameters start latest in registration order launches first: torch still
+    assumes backward runs in reverse."""
+    initial = assign_buckets(params, range(len(params)), math.inf, math.inf)
+    return sorted(initial, key=min, reverse=True)
+
+
+class BucketLayout:
+    """The buckets of one DDP model, and their life: built at construction (one per dtype),
+    the gradient-ready order recorded in the first synced backward, rebuilt once from rank 0's
+    record before the next forward."""
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        bucket_cap_mb: float | None,
+    ) -> None:
+        self.params = params
+        self.first_cap, self.cap = bucket_caps(bucket_cap_mb)
+        self.has_rebuilt = False
+        self.ready_order: list[int] = []  # gradient arrival order in the first synced backward
+        self.build(initial_layout(params))
+
+    def build(self, groups: list[list[int]]) -> None:
+        self.buckets = [Bucket(i, indices, self.params) for i, indices in enumerate(groups)]
+        # Where each parameter's gradient goes: (its bucket, its position in it).
+        self.slot = {
+            index: (b, pos) for b in self.buckets for pos, index in enumerate(b.param_indices)
+        }
+
+    def record_ready(self, index: int) -> None:
+        if not self.has_rebuilt:
+            self.ready_order.append(index)
+
+    @property
+    def rebuild_due(self) -> bool:
+        return bool(self.ready_order) and not self.has_rebuilt
+
+    def rebuild(self, ready_order: list[int]) -> None:
+        """Rebuild from an observed order (rank 0's, so every rank gets the same buckets)."""
+        self.build(assign_buckets(self.params, ready_order, self.first_cap, self.cap))
+        self.has_rebuilt = True
+        self.ready_order = []
+
+
 class TorchLayoutDDP(nn.Module, EventRecorder):
     """Average gradients, by the time `loss.backward()` returns, in torch's DDP's buckets."""
 
@@ -79,32 +190,22 @@ class TorchLayoutDDP(nn.Module, EventRecorder):
 
     def __init__(self, module: nn.Module, *, bucket_cap_mb: float | None = None) -> None:
         super().__init__()
-        if bucket_cap_mb is None:  # torch's default: a small first bucket, to start sending soon
-            self.caps = (MiB, 25 * MiB)
-        else:
-            self.caps = bucket_caps(bucket_cap_mb)  # in bytes, the first bucket's and the rest's
         self.module = module
         self.world_size = dist.get_world_size()
         self.param_names, self.params = shared.trainable_parameters(module, "TorchLayoutDDP")
-        self.all_reduce_count = 0
-        self._start_event_log()
-        self._arrived: set[int] = set()  # parameters whose gradient this backward produced
-        self._next_bucket = 0  # the next bucket to launch
-        self._ready_order: list[int] = []  # the order gradients arrived in, until the rebuild
-        self.has_rebuilt_buckets = False
+        self._layout = BucketLayout(self.params, bucket_cap_mb)
         # Every replica starts from rank 0's weights and buffers, whatever seed each rank used.
         shared.broadcast_from_rank0([*module.parameters(), *module.buffers()])
-        # Iteration 0: one bucket per (dtype, device); the one whose parameters start latest in
-        # registration order launches first (torch still assumes backward runs in reverse).
-        one_each = assign_buckets(self.params, range(len(self.params)), math.inf, math.inf)
-        self._build_buckets(sorted(one_each, key=min, reverse=True))
+        self.all_reduce_count = 0
+        self._start_event_log()
+        self._reset_backward()
         for index, param in enumerate(self.params):
             param.register_post_accumulate_grad_hook(partial(self._on_gradient_ready, index))
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if self._arrived:
+        if self._reducing:
             raise shared.unfinished_backward()
-        if self._ready_order and torch.is_grad_enabled():
+        if self._layout.rebuild_due and torch.is_grad_enabled():
             self._rebuild_buckets()
         # Each forward updates buffers (BatchNorm's statistics) locally: like torch's DDP, start
         # every forward from rank 0's.
@@ -119,64 +220,80 @@ class TorchLayoutDDP(nn.Module, EventRecorder):
     def finish_gradient_synchronization(self) -> None:
         """Nothing to do: the end of backward already waited for every bucket."""
 
-    def _build_buckets(self, layout: list[list[int]]) -> None:
-        self.buckets = [Bucket(n, ix, [self.params[i] for i in ix]) for n, ix in enumerate(layout)]
-        # Where each parameter's gradient goes: its bucket and its view in it.
-        self._slot = {i: (b, view) for b in self.buckets for i, view in zip(b.params, b.views)}
-
     def _rebuild_buckets(self) -> None:
         """Once, before the second synced forward: rank 0's order, torch's caps."""
-        order = torch.tensor(self._ready_order, device=self.params[0].device)
+        order = torch.tensor(self._layout.ready_order, device=self.params[0].device)
         dist.broadcast(order, src=0)
-        self._build_buckets(assign_buckets(self.params, order.tolist(), *self.caps))
-        self._ready_order, self.has_rebuilt_buckets = [], True
-        self._note("rebuild", f"{len(self.buckets)} buckets")
+        self._layout.rebuild(order.tolist())
+        self._note("rebuild", f"{len(self._layout.buckets)} buckets")
+
+    def _start_reducing(self) -> None:
+        """The first gradient of a backward: queue the wait for its end."""
+        if self._reducing:
+            return
+        self._reducing = True
+        Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _on_gradient_ready(self, index: int, param: torch.Tensor) -> None:
         """Runs inside the autograd engine right after `param.grad` was accumulated."""
-        if not self._arrived:  # the first gradient of this backward
-            Variable._execution_engine.queue_callback(self._finish_backward)
-        self._arrived.add(index)
-        if not self.has_rebuilt_buckets:
-            self._ready_order.append(index)
+        self._start_reducing()
+        self._layout.record_ready(index)
         self._note("hook", self.param_names[index])
-        bucket, view = self._slot[index]
-        torch.mul(param.grad, 1.0 / self.world_size, out=view)  # scale while copying: one pass
-        bucket.ready += 1
-        if bucket.ready == len(bucket.params):
-            self._note("ready", f"bucket {bucket.index}")
-            self._launch_ready_buckets()
+        self._mark_ready(index)
 
-    def _launch_ready_buckets(self) -> None:
-        """Launch each full bucket whose predecessors have all been launched, in index order."""
-        while self._next_bucket < len(self.buckets):
-            bucket = self.buckets[self._next_bucket]
-            if bucket.ready < len(bucket.params):
-                return
-            name = f"bucket {bucket.index}"
-            self._note("launch", name)
-            bucket.work = dist.all_reduce(bucket.flat, async_op=True)  # SUM; returns at once
-            self._note_when_done(bucket.work, name)
+    def _mark_ready(self, index: int) -> None:
+        """Copy one gradient into its bucket; once the bucket is full, launch what can go."""
+        self._marked_ready[index] = True
+        bucket, position = self._layout.slot[index]
+        bucket.add(position, self.world_size)
+        if bucket.is_full:
+            self._note("ready", f"bucket {bucket.index}")
+            self._launch_full_buckets()
+
+    def _launch_full_buckets(self) -> None:
+        """Launch buckets strictly in index order, so every rank issues the same collectives in
+        the same sequence even if its gradients arrive in a different order."""
+        buckets = self._layout.buckets
+        while self._next_bucket < len(buckets) and buckets[self._next_bucket].is_full:
+            bucket = buckets[self._next_bucket]
+            self._note("launch", f"bucket {bucket.index}")
+            bucket.launch(self._all_reduce)
             self.all_reduce_count += 1
+            self._note_when_done(bucket.pending, f"bucket {bucket.index}")
             self._next_bucket += 1
 
+    def _all_reduce(self, bucket: Bucket) -> dist.Work:
+        return dist.all_reduce(bucket.flat, async_op=True)
+
     def _finish_backward(self) -> None:
-        """Queued on the autograd engine: wait for each bucket and copy it back into `.grad`."""
+        """Queued on the autograd engine: runs once, when the whole backward pass is done."""
         self._note("backward", "end")
-        missing = [i for i in range(len(self.params)) if i not in self._arrived]
+        missing = [i for i, ready in enumerate(self._marked_ready) if not ready]
         for index in missing:  # zeros, so every rank still launches every bucket; refused below
-            self._slot[index][1].zero_()
-            self._slot[index][0].ready += 1
-        self._launch_ready_buckets()
-        for bucket in self.buckets:
-            bucket.work.wait()
+            self._mark_ready(index)
+        for bucket in self._layout.buckets:
+            # Each bucket goes back to `.grad` as soon as it arrives, while later ones travel.
+            bucket.wait()
             self._note("wait", f"bucket {bucket.index}")
-            for index, view in zip(bucket.params, bucket.views):
-                if index in self._arrived:
-                    self.params[index].grad.copy_(view)
-            bucket.ready, bucket.work = 0, None
-        self._arrived, self._next_bucket = set(), 0
+            bucket.write_back()
+        self._reset_backward()
         if missing:
-            self._ready_order = []  # incomplete: learn the order again in the next backward
+            self._layout.ready_order.clear()  # incomplete: learn it again in the next backward
             raise shared.no_gradient(self.param_names[i] for i in missing)
         self._note("sync", "end")
+
+    def _reset_backward(self) -> None:
+        self._reducing = False  # and every bucket empty, no parameter marked ready
+        self._marked_ready = [False] * len(self.params)
+        self._next_bucket = 0
+        for bucket in self._layout.buckets:
+            bucket.reset()
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        """The current buckets, in launch order."""
+        return self._layout.buckets
+
+    @property
+    def has_rebuilt_buckets(self) -> bool:
+        return self._layout.has_rebuilt

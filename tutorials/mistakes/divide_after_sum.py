@@ -23,31 +23,24 @@ The lesson: "bit for bit" is a property of a recipe, not of the maths. To reprod
 exactly, fix where every scaling happens and the order of every sum, as the ladder does (scale
 while copying, as torch's reducer, then SUM).
 
-This is rung 4 (TorchLayoutDDP), its hook copying without the 1/W and its end of backward
+This is rung 4 (TorchLayoutDDP), its `_mark_ready` copying without the 1/W and its end of backward
 dividing instead.
 """
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
-from torch.autograd import Variable
 
 from miniddp.steps import TorchLayoutDDP
 
 
 class DividesAfterSum(TorchLayoutDDP):
-    def _on_gradient_ready(self, index: int, param: torch.Tensor) -> None:
-        if not self._arrived:
-            Variable._execution_engine.queue_callback(self._finish_backward)
-        self._arrived.add(index)
-        if not self.has_rebuilt_buckets:
-            self._ready_order.append(index)
-        bucket, view = self._slot[index]
-        view.copy_(param.grad)  # the mistake, part 1: no 1/W here ...
-        bucket.ready += 1
-        if bucket.ready == len(bucket.params):
-            self._launch_ready_buckets()
+    def _mark_ready(self, index: int) -> None:
+        self._marked_ready[index] = True
+        bucket, position = self._layout.slot[index]
+        bucket.add(position, divide_by=1)  # the mistake, part 1: no 1/W here ...
+        if bucket.is_full:
+            self._launch_full_buckets()
 
     def _finish_backward(self) -> None:
         super()._finish_backward()

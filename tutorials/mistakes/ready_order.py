@@ -15,7 +15,7 @@ How torch avoids it: buckets launch strictly in index order (a full bucket waits
 earlier ones), and in iteration 0 torch uses one bucket, observes the real order, then rebuilds
 every rank's buckets from rank 0's order. Rungs 3 and 4 do the same.
 
-This is rung 3 (BucketedDDP) with `_launch_ready_buckets` launching any full bucket at once.
+This is rung 3 (BucketedDDP) with `_launch_full_buckets` launching any full bucket at once.
 `RankOrderedBranches` is a model whose ranks disagree on the order.
 """
 
@@ -29,10 +29,10 @@ from miniddp.steps import BucketedDDP
 
 
 class LaunchesInReadyOrder(BucketedDDP):
-    def _launch_ready_buckets(self) -> None:
+    def _launch_full_buckets(self) -> None:
         for bucket in self.buckets:  # the mistake: any full bucket, earlier ones launched or not
-            if bucket.work is None and bucket.ready == len(bucket.params):
-                bucket.work = dist.all_reduce(bucket.flat, async_op=True)
+            if bucket.pending is None and bucket.is_full:
+                bucket.launch(self._all_reduce)
                 self.all_reduce_count += 1
 
 
