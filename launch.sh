@@ -91,22 +91,24 @@ if [[ ! -f "$1" ]]; then
 fi
 
 # Check from / so the current directory, which `python -c` puts on sys.path and torchrun's
-# workers do not, cannot hide a missing install. find_spec finds miniddp without importing torch
-# a second time (~1.5 s).
-TORCH_DEVICE='import torch; print("gpu" if torch.cuda.is_available() else "cpu")'
-FIND_MINIDDP='import importlib.util, sys; sys.exit(not importlib.util.find_spec("miniddp"))'
-if ! DEVICE=$(cd / && python3 -c "$TORCH_DEVICE" 2>/dev/null); then
+# workers do not, cannot hide a missing install. find_spec finds a package without importing it:
+# importing torch here would cost every launch ~2 s before torchrun has even started.
+FIND='import importlib.util, sys; sys.exit(not importlib.util.find_spec(sys.argv[1]))'
+if ! (cd / && python3 -c "$FIND" torch); then
     echo "launch.sh: torch is not installed; run: pip install torch==2.13.0" >&2
     exit 1
 fi
-if ! (cd / && python3 -c "$FIND_MINIDDP"); then
+if ! (cd / && python3 -c "$FIND" miniddp); then
     echo "launch.sh: miniddp is not installed; in $REPO_DIR run: pip install -e ." >&2
     exit 1
 fi
 
 # Two compute threads per rank on 2 cores made a DDP step ~15x slower: the ranks fight over the
 # cores. torchrun sets 1 itself only when NPROC > 1, and with a warning; we say it up front.
-if [[ "$DEVICE" == cpu && -z "${OMP_NUM_THREADS:-}" ]]; then export OMP_NUM_THREADS=1; fi
+# A GPU shows as a device file (/dev/nvidia0, or /dev/kfd for AMD's): without one, ranks are on
+# the CPU.
+if ! compgen -G "/dev/nvidia[0-9]*" >/dev/null && [[ ! -e /dev/kfd ]]; then ON_CPU=1; fi
+if [[ -n "${ON_CPU:-}" && -z "${OMP_NUM_THREADS:-}" ]]; then export OMP_NUM_THREADS=1; fi
 
 # A chapter's simulated link (its --link, else $MINIDDP_LINK) is read here, once: read by every
 # rank, a bad one was explained once per rank, after their start-up. Only chapters that take one
