@@ -363,6 +363,21 @@ def test_async_collectives_complete_in_issue_order(rank_pools, world_size, seed)
             assert torch.equal(a, b), f"rank {rank}: async {kind} differs from the blocking one"
 
 
+def sums_waited_for_by_faults_wait_for() -> dict[str, list[float]]:
+    from miniddp.faults import wait_for
+
+    rank = dist.get_rank()
+    ours, theirs = torch.full((3,), rank + 1.0), torch.full((3,), rank + 1.0)
+    returned = wait_for(collectives.all_reduce(ours, async_op=True), "MiniDDP's all-reduce")
+    wait_for(dist.all_reduce(theirs, async_op=True), "torch's all-reduce")
+    return {"ours": ours.tolist(), "returned": returned[0].tolist(), "theirs": theirs.tolist()}
+
+
+def test_faults_wait_for_takes_a_work_of_these_collectives_as_one_of_torchs(pool2):
+    for result in pool2.run(sums_waited_for_by_faults_wait_for):
+        assert result == {"ours": [3.0] * 3, "returned": [3.0] * 3, "theirs": [3.0] * 3}
+
+
 def test_a_subgroup_uses_global_ranks(rank_pools):
     results = rank_pools(3).run(subgroup_collectives, [0, 2])
     assert results[1] is None

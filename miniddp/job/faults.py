@@ -53,6 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from miniddp.collectives.comm_thread import Work as MiniWork
 from miniddp.job.notes import Board, ExitNote, Note, board_of, collective_timeout, first_line
 
 __all__ = ["CollectiveFailed", "collective_timeout", "future_of", "wait_for"]
@@ -77,7 +78,7 @@ class CollectiveFailed(RuntimeError):
 
 
 def wait_for(
-    pending: dist.Work | torch.futures.Future,
+    pending: dist.Work | MiniWork | torch.futures.Future,
     what: str,
     group: dist.ProcessGroup | None = None,
 ) -> Any:
@@ -103,9 +104,10 @@ def wait_for(
     return result
 
 
-def future_of(pending: dist.Work | torch.futures.Future) -> torch.futures.Future:
-    """The future of an async collective's `Work` (or the future itself)."""
-    return pending.get_future() if isinstance(pending, dist.Work) else pending
+def future_of(pending: dist.Work | MiniWork | torch.futures.Future) -> torch.futures.Future:
+    """The future of an async collective's `Work`, torch's or `miniddp.collectives`' (or the
+    future itself)."""
+    return pending.get_future() if isinstance(pending, (dist.Work, MiniWork)) else pending
 
 
 def _wait_listening_for_faults(
