@@ -118,7 +118,7 @@ def check_torchs_comm_hook(rank_pools, spec: TrainSpec, hook: str) -> None:
 
 
 @pytest.mark.parametrize("hook", ["allreduce", "fp16_compress"])
-@property_settings(max_examples=15)
+@property_settings(max_examples=10)
 @given(spec=train_specs(max_width=8))
 def test_torchs_comm_hooks_give_torchs_results(rank_pools, hook, spec):
     check_torchs_comm_hook(rank_pools, spec, hook)
@@ -135,7 +135,7 @@ def test_torchs_comm_hooks_on_the_comm_hook_rung(rank_pools, hook, spec):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("algorithm", ["ring", "reduce_broadcast"])
-@property_settings(max_examples=12)
+@property_settings(max_examples=8)  # the algorithms' own properties: tests/test_collectives.py
 @given(spec=train_specs(max_width=8))
 def test_our_all_reduces_train_like_gloos(rank_pools, world_size, algorithm, spec):
     """MiniDDP over miniddp.collectives trains to torch DDP's parameters: bit for bit on 2 ranks

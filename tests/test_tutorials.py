@@ -2,8 +2,8 @@
 
 Chapters check their own claims with asserts, so exit code 0 means the chapter's story held.
 Most run as torchrun's workers would, without its agent (tests/harness/processes.py says why);
-the README's chapter runs through `./launch.sh`, and the chapters about torchrun itself
-(restarts, nodes) under torchrun.
+the README's chapter runs through `./launch.sh`, and the chapter about nodes under torchrun
+(chapter 06, restarts, has its own tests: tests/test_failover.py).
 """
 
 from __future__ import annotations
@@ -25,16 +25,17 @@ REPO = Path(__file__).resolve().parents[1]
 # is a number, perhaps a letter (02b_overlap.py: chapter 02 comes in parts), then a name.
 # Chapter 12's default run is a minutes-long training: tests/test_train_gpt.py runs the same
 # code on a tiny GPT, with its checks, instead.
-# Chapter 03, the README's, runs through `./launch.sh` below.
-OWN_TESTS = {"12_train_gpt.py", "03_bucketing.py"}
+# Chapters 02 and 03 (the README's) run through `./launch.sh` below. Chapter 06 runs under
+# torchrun in tests/test_failover.py: uninterrupted, crashed and restarted, and once finished.
+OWN_TESTS = {"02_naive_ddp.py", "03_bucketing.py", "06_failover.py", "12_train_gpt.py"}
 CHAPTERS = [
     chapter
     for chapter in sorted((REPO / "tutorials").glob("[0-9][0-9]*_*.py"))
     if chapter.name not in OWN_TESTS
 ]
 TIMEOUT_SECONDS = 240
-# Chapters that need torchrun's agent: 06 restarts its workers, 07 reads the node's variables.
-UNDER_TORCHRUN = {"06_failover.py", "07_multinode.py"}
+# Chapter 07 reads the node's variables, which only torchrun's agent sets.
+UNDER_TORCHRUN = {"07_multinode.py"}
 # Inherited values would change what launch.sh runs.
 LAUNCH_VARIABLES = ("NPROC", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "MAX_RESTARTS")
 
@@ -100,6 +101,7 @@ def test_collectives_chapter_runs_on_three_and_four_ranks(nproc: int, tmp_path: 
 
 
 def test_launch_sh_runs_chapter_02(tmp_path: Path) -> None:
+    """Chapter 02's run, and launch.sh given a script by a relative path."""
     returncode, output = run(["./launch.sh", "tutorials/02_naive_ddp.py"], tmp_path)
     assert returncode == 0, f"launch.sh exited with {returncode}:\n{tail(output)}"
     assert "torchrun --standalone --nproc_per_node=2 tutorials/02_naive_ddp.py" in output
