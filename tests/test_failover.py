@@ -1,8 +1,10 @@
 """Chapter 06's claim, checked from outside: a job whose rank crashed, restarted by a plain
 `torchrun --max-restarts`, ends with exactly the parameters of a job that never crashed.
 
-Each run is a real torchrun with 2 ranks, in a session of its own (a timeout kills torchrun and
-every worker it started) and with its own TMPDIR (torchrun leaves a torchelastic_* folder there).
+The crashed run is a real torchrun with 2 ranks and restarts, in a session of its own (a timeout
+kills torchrun and every worker it started) and with its own TMPDIR (torchrun leaves a
+torchelastic_* folder there). The runs that never restart start their 2 ranks as torchrun's
+workers, without its agent (tests/harness/processes.py says why).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness.measurements import record_max
-from tests.harness.processes import child_env, run_in_own_session, tail
+from tests.harness.processes import child_env, run_in_own_session, run_ranks_like_torchrun, tail
 
 REPO = Path(__file__).resolve().parents[1]
 CHAPTER = REPO / "tutorials" / "06_failover.py"
@@ -25,14 +27,19 @@ TIMELINE = re.compile(r"\+\s*([\d.]+)\s+(rank0's collective failed|first step do
 
 
 def torchrun(arguments: list[str], workdir: Path, max_restarts: int = 0) -> str:
-    """Run the chapter under torchrun from `workdir`; return its output, failing on error."""
+    """Run the chapter on 2 ranks from `workdir`; return its output, failing on error. Under
+    torchrun when it may restart them; else as torchrun's workers, without its agent."""
     temporary = workdir / "tmp"
     temporary.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc_per_node=2", f"--max-restarts={max_restarts}", str(CHAPTER), *arguments]
-    returncode, output = run_in_own_session(
-        command, child_env(temporary), TIMEOUT_SECONDS, cwd=workdir
-    )
+    env = child_env(temporary)
+    if max_restarts:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        command += ["--nproc_per_node=2", f"--max-restarts={max_restarts}"]
+        command += [str(CHAPTER), *arguments]
+        returncode, output = run_in_own_session(command, env, TIMEOUT_SECONDS, cwd=workdir)
+    else:
+        command = [sys.executable, str(CHAPTER), *arguments]
+        returncode, output = run_ranks_like_torchrun(command, 2, env, TIMEOUT_SECONDS, workdir)
     assert returncode == 0, f"exit code {returncode}:\n{tail(output)}"
     return output
 

@@ -1,6 +1,13 @@
-"""The promises the README makes to a new user: its first commands are the ones CI runs."""
+"""The promises the README makes to a new user: its first commands are the ones CI runs, and
+MiniDDP's whole life is in one file."""
 
+import ast
 from pathlib import Path
+
+from torch import nn
+from torch.distributed.algorithms.join import Joinable
+
+from miniddp.observe.events import EventRecorder
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,3 +34,24 @@ def test_every_chapter_is_in_the_reading_order():
     reading_order = (ROOT / "tutorials" / "README.md").read_text()
     for chapter in sorted((ROOT / "tutorials").glob("[0-9][0-9]*_*.py")):
         assert chapter.name in reading_order, f"{chapter.name} missing from tutorials/README.md"
+
+
+def test_every_method_miniddp_calls_on_itself_is_in_ddp_py_or_the_event_recorders():
+    """A reader of ddp.py opens no other file to know what a forward or a backward does: what
+    MiniDDP calls on `self` is defined in its class, or is nn.Module's, Joinable's or the event
+    recorder's (its one mixin). Helpers it owns are called on themselves (`self.layout.x()`)."""
+    tree = ast.parse((ROOT / "miniddp" / "ddp.py").read_text())
+    (miniddp,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MiniDDP"]
+    own = {node.name for node in miniddp.body if isinstance(node, ast.FunctionDef)}
+    inherited = set(dir(nn.Module)) | set(dir(Joinable)) | set(dir(EventRecorder))
+    called = {
+        node.func.attr
+        for node in ast.walk(miniddp)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "self"
+    }
+    held = {"module"}  # the wrapped model, called as a function: `self.module(*inputs)`
+    assert called - held - own - inherited == set()
+    assert {"_sync_buffers", "_set_static_graph", "_rebuild_buckets"} <= called & own

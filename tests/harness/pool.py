@@ -170,7 +170,6 @@ class RankPool:
         self._replies = context.Queue()
         self._tasks = [context.Queue() for _ in range(world_size)]
         self._last_task_id = 0
-        self._stopping = False
         store_path = os.path.join(self._store_dir, "store")
         self._processes = [
             context.Process(
@@ -210,17 +209,11 @@ class RankPool:
             self._discard_if_out_of_step()
         return outcomes
 
-    def ask_to_stop(self) -> None:
-        """Tell the workers to leave their process group, without waiting for them."""
-        if self.alive and not self._stopping:
-            for tasks in self._tasks:
-                tasks.put(STOP)
-            self._stopping = True
-
     def shutdown(self, timeout: float = 10.0) -> None:
         """Let the workers leave the process group, then make sure they are gone."""
         if self.alive:
-            self.ask_to_stop()
+            for tasks in self._tasks:
+                tasks.put(STOP)
             deadline = time.monotonic() + timeout
             for process in self._processes:
                 process.join(max(0.0, deadline - time.monotonic()))
@@ -302,9 +295,6 @@ class RankPools:
         return pool
 
     def shutdown(self) -> None:
-        """Stop the pools together: each world's ranks leave while the others' do."""
-        for pool in self._pools.values():
-            pool.ask_to_stop()
         for pool in self._pools.values():
             pool.shutdown()
         self._pools.clear()
