@@ -68,9 +68,9 @@ def torchrun(chapter: Path, nproc: int) -> list[str]:
 def test_chapter_runs_on_two_ranks(chapter: Path, tmp_path: Path) -> None:
     args = []
     if chapter.name == "04_overlap.py":  # it draws its own figures (python -m miniddp.figures)
-        # 4 timed iterations of its 13 designs, not 8: over the simulated link a step's time
-        # hardly varies, and the chapter's checks hold on 4 (9 s of the suite's time saved)
-        args = ["--iters", "4", "--plot", str(tmp_path / "figures")]
+        # At its default 8 timed iterations: on 4, a clean-clone CI run once measured an
+        # overlap 0.16 away from the model's (the chapter allows 0.1).
+        args = ["--plot", str(tmp_path / "figures")]
     returncode, output = run_chapter(chapter, 2, tmp_path, *args)
     assert returncode == 0, f"{chapter.name} exited with {returncode}:\n{tail(output)}"
     if chapter.name == "04_overlap.py":
