@@ -25,8 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 # is a number, perhaps a letter (02b_overlap.py: chapter 02 comes in parts), then a name.
 # Chapter 12's default run is a minutes-long training: tests/test_train_gpt.py runs the same
 # code on a tiny GPT, with its checks, instead.
-# Chapters 02 and 03 (the README's) run through `./launch.sh` below. Chapter 06 runs under
-# torchrun in tests/test_failover.py: uninterrupted, crashed and restarted, and once finished.
+# Chapters 02 and 03 (the README's) run through `./launch.sh` below. Chapter 06 has its own
+# tests/test_failover.py: uninterrupted, crashed and restarted by torchrun, and once finished.
 OWN_TESTS = {"02_naive_ddp.py", "03_bucketing.py", "06_failover.py", "12_train_gpt.py"}
 CHAPTERS = [
     chapter
