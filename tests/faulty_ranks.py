@@ -32,6 +32,8 @@ RESULT = "RESULT "
 MID_TRAINING_FAULTS = ("exit", "stall", "slow", "raise")
 # Checkpoint misuse, at FAULT_STEP (MiniDDP layer only): every rank saves together at step 1.
 CHECKPOINT_FAULTS = ("save-alone", "load-alone", "killed-while-saving")
+# ZeRO-1's state consolidated on one rank alone, at FAULT_STEP (MiniDDP layer only).
+CONSOLIDATE_ALONE = "consolidate-alone"
 
 
 @dataclass(frozen=True)
@@ -185,16 +187,20 @@ def _miniddp_step(args: argparse.Namespace, report: Callable[..., None]) -> Call
     import torch
     from torch import nn
 
-    from miniddp import MiniDDP
+    from miniddp import MiniDDP, ZeroRedundancyOptimizer
     from miniddp.job.checkpoint import Progress, load_checkpoint, save_checkpoint
 
     torch.manual_seed(0)
     model = MiniDDP(nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1)))
-    # The checkpoint misuses save and load a real optimizer. The other faults step SGD by hand:
+    # The checkpoint misuses save and load a real optimizer, and ZeRO-1's misuse consolidates
+    # one. The other faults step SGD by hand:
     # a process's first torch.optim optimizer imports torch._dynamo, 1.8 s a rank here, and
     # what they test is the waits.
-    checkpointing = args.fault in CHECKPOINT_FAULTS
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1) if checkpointing else None
+    optimizer: torch.optim.Optimizer | None = None
+    if args.fault in CHECKPOINT_FAULTS:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    elif args.fault == CONSOLIDATE_ALONE:
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
     path = f"{args.store}.checkpoint.pt"
     victim = args.rank == args.victim
 
@@ -208,6 +214,9 @@ def _miniddp_step(args: argparse.Namespace, report: Callable[..., None]) -> Call
             if victim:
                 _die_halfway_through_the_next_save(report)
             save(number)  # every rank; the victim dies inside
+        elif number == FAULT_STEP and args.fault == CONSOLIDATE_ALONE and victim:
+            report("fault")
+            optimizer.consolidate_state_dict(to=0)  # as in `if rank == 0: ...`, before a save
         elif number == FAULT_STEP and args.fault in CHECKPOINT_FAULTS and victim:
             report("fault")
             if args.fault == "save-alone":

@@ -63,3 +63,21 @@ def test_killing_rank_0_while_it_writes_names_it_on_the_survivor(tmp_path: Path)
     record_detection("rank 0 killed while writing a checkpoint", seconds)
     assert seconds < WITHIN_S
     assert read_checkpoint(tmp_path / "store.checkpoint.pt")["progress"]["step"] == 1
+
+
+def test_consolidating_zero_state_on_rank_0_alone_is_named_on_both_ranks(tmp_path: Path) -> None:
+    """`if rank == 0: optimizer.consolidate_state_dict()` before a save, with ZeRO-1: each rank
+    holds a share of the state, so every rank must take part. Rank 0 used to wait in the gather
+    for the whole process-group timeout, then fail with gloo's bare "Timed out waiting", while
+    rank 1 waited in its next step for rank 0."""
+    run = run_ranks(tmp_path, "consolidate-alone", "miniddp", victim=0)
+    consolidating, training = run.raised(0), run.raised(1)
+    assert consolidating["type"] == training["type"] == "CollectiveFailed"
+    assert "consolidate_state_dict() on rank 0 cannot go on" in consolidating["message"]
+    assert "rank 1: waits on collective #" in consolidating["message"]
+    assert "consolidate_state_dict(to=0) on every rank" in consolidating["message"]
+    assert "consolidate_state_dict()" in training["message"]
+    for rank in (0, 1):
+        seconds = run.detection_s(rank, victim=0)
+        record_detection(f"consolidate_state_dict on rank 0 alone: rank {rank}", seconds)
+        assert seconds < WITHIN_S

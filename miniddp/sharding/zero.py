@@ -31,6 +31,7 @@ from torch.optim import Optimizer
 from miniddp import collectives
 from miniddp.job.env import HOW_TO_LAUNCH
 from miniddp.job.faults import wait_for
+from miniddp.job.meet import meet
 from miniddp.same_model import verify_same_model_on_every_rank
 from miniddp.sharding.clipping import Spread, mark_spread
 
@@ -178,7 +179,18 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 torch._foreach_copy_(share, [f.view_as(p) for f, p in zip(flats, share)])
 
     def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather every rank's state on group rank `to` (call on every rank)."""
+        """Gather every rank's state on group rank `to` (call on every rank).
+
+        The ranks meet first (miniddp/job/meet.py). `if rank == 0:
+        optimizer.consolidate_state_dict()` is the natural slip, as each rank holds a share of
+        the state: rank 0 would wait in the gather until the process group's timeout while the
+        others waited in their next step. Now both sides raise `CollectiveFailed` at once,
+        each naming what the other is doing."""
+        advice = (
+            f"Call optimizer.consolidate_state_dict(to={to}) on every rank, not only on the one "
+            "that saves: each rank holds a share of the optimizer state."
+        )
+        meet("consolidate_state_dict()", advice, self.process_group)
         _copy_hyperparameters(self.param_groups, self.optim.param_groups)
         index_of = {id(p): i for i, p in enumerate(self._every_param())}
         local = {index_of[id(p)]: _to_cpu(s) for p, s in self.optim.state.items()}
