@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from miniddp.placement import TensorShard, mark
+
 HOW_TO_LAUNCH = (
     "tensor parallelism needs a process group: start the script with torchrun (e.g. "
     "`torchrun --nproc_per_node=2 train.py`) and call miniddp.init_distributed() first"
@@ -46,8 +48,11 @@ def local_chunk(
 def local_parameter(
     param: torch.nn.Parameter, dim: int, group: dist.ProcessGroup | None, where: str
 ) -> torch.nn.Parameter:
-    """A plain nn.Parameter holding this rank's chunk (no DTensor: the shard is the tensor)."""
-    return torch.nn.Parameter(local_chunk(param, dim, group, where), param.requires_grad)
+    """A plain nn.Parameter holding this rank's chunk (no DTensor: the shard is the tensor),
+    marked as one (miniddp/placement.py): checkpoints, clipping and MiniDDP read the mark."""
+    shard = torch.nn.Parameter(local_chunk(param, dim, group, where), param.requires_grad)
+    mark(shard, tensor=TensorShard(group, dim))
+    return shard
 
 
 def refuse_ids_outside(ids: torch.Tensor, vocab_size: int, what: str) -> None:
