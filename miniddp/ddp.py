@@ -154,17 +154,40 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         # why the forward must run inside `no_sync()` for accumulation to skip communication.
         synced = torch.is_grad_enabled() and self._require_backward_grad_sync
         self._require_forward_param_sync = synced
-        self._phase = Phase.ARMED if synced else Phase.LOCAL
-        if not synced and self._observed and torch.is_grad_enabled():
-            self._note_when_backward_starts(output)
-        if synced and self.find_unused_parameters:
-            self._unused_in_forward = parameters_not_reached(output, self.params)
+        self._phase = Phase.LOCAL
         if synced:
-            # Queue the end-of-backward callback when backward reaches this output: it then belongs
-            # to the outermost backward, even if a checkpointed block runs an inner one first.
-            when_backward_reaches(output, self._start_reducing)
+            self._arm(output)
+        elif self._observed and torch.is_grad_enabled():
+            self._note_when_backward_starts(output)
         self._note("forward", "end")
         return output
+
+    def _arm(self, output: Any) -> None:
+        """The coming backward through `output` will reduce."""
+        self._phase = Phase.ARMED
+        if self.find_unused_parameters:
+            self._unused_in_forward = parameters_not_reached(output, self.params)
+        # Queue the end-of-backward callback when backward reaches this output: it then belongs
+        # to the outermost backward, even if a checkpointed block runs an inner one first.
+        when_backward_reaches(output, self._start_reducing)
+
+    def prepare_for_backward(self, output: Any) -> None:
+        """Arm the reduction for the next backward through `output`, a forward that ran inside
+        `no_sync()`: a pipeline's way to reduce at its last microbatch's backward, whose forward
+        ran long before other microbatches' backwards (miniddp/pipeline/stage.py). Torch's
+        pipelining calls its DDP's `reducer.prepare_for_backward(outputs)` for the same reason.
+        Buffers are not broadcast: no forward was synced."""
+        if self._phase in (Phase.ARMED, Phase.REDUCING):
+            raise RuntimeError(
+                "prepare_for_backward: a synced forward already armed this wrapper's next "
+                "backward (or it is reducing). Run the forwards inside no_sync() first."
+            )
+        self._arm(output)
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """False inside `no_sync()` (torch's attribute, read by pipelines)."""
+        return self._require_backward_grad_sync
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -5,9 +5,10 @@ The bar is BITWISE, for every stage's gradients after every step, every microbat
 the parameters after several SGD steps, because the operations are the same ones in the same
 order: each stage runs its slice's kernels on the same microbatch; the gradient that crosses a
 stage's border is the one autograd computes there in one process; `.grad` accumulates the
-microbatches in the order 0 .. m-1 in both schedules; and the division by m happens once, at
-the end, as in torch (`scale_grads=True`) and in the reference below. Only the reference that
-divides each microbatch's LOSS by m instead differs, by rounding (test_dividing_each_loss...).
+microbatches in the order 0 .. m-1 in both schedules; and each microbatch's LOSS is divided by
+m, as in the reference below (and in torch's schedules given loss / m and scale_grads=False).
+Torch's default, dividing `.grad` by m at the end of the step, differs by rounding when m is
+not a power of two (test_dividing_the_sum...), and sums wrongly across steps (test_accumulat...).
 
 Your own schedule goes through the same checks (tutorials/exercises/gpipe.py):
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -83,9 +85,15 @@ def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (output - target).pow(2).mean()
 
 
-def one_process(spec: PipeSpec, divide_each_loss: bool = False) -> dict:
+def mean_share(output: torch.Tensor, target: torch.Tensor, m: int) -> torch.Tensor:
+    """What torch's schedules are given: each microbatch's share of the mean loss. They then
+    report loss / m where ours report the loss (train_stage multiplies theirs back)."""
+    return mse(output, target) / m
+
+
+def one_process(spec: PipeSpec, divide_at_end: bool = False) -> dict:
     """The reference: one process, the whole model, the same microbatches accumulated in order,
-    then `.grad` divided by m (or, with `divide_each_loss`, each loss divided by m instead)."""
+    each loss divided by m (or, with `divide_at_end`, `.grad` divided by m after them)."""
     model = build_model(spec)
     optimizer = torch.optim.SGD(model.parameters(), lr=spec.lr)
     m = spec.n_microbatches
@@ -95,9 +103,9 @@ def one_process(spec: PipeSpec, divide_each_loss: bool = False) -> dict:
         step_losses = []
         for xm, ym in zip(x.tensor_split(m), y.tensor_split(m)):
             loss = mse(model(xm), ym)
-            (loss / m if divide_each_loss else loss).backward()
+            (loss if divide_at_end else loss / m).backward()
             step_losses.append(loss.detach())
-        if not divide_each_loss:
+        if divide_at_end:
             for param in model.parameters():
                 param.grad.div_(m)
         grads.append([[p.grad.clone() for p in block.parameters()] for block in model])
@@ -117,7 +125,7 @@ def make_schedule(kind: str, stage, m: int):
 
         torch_stage = TorchStage(stage.submodule, stage.stage_index, stage.num_stages, "cpu")
         cls = TorchGPipe if kind == "torch-gpipe" else Torch1F1B
-        return cls(torch_stage, m, loss_fn=mse)
+        return cls(torch_stage, m, loss_fn=partial(mean_share, m=m), scale_grads=False)
     return load_implementation(kind)(stage, m, mse)
 
 
@@ -203,6 +211,8 @@ def test_every_stage_is_bitwise_one_process_and_torchs_pipelining(rank_pools, na
         return  # torch's Schedule1F1B refuses m < p; ours runs it as GPipe (next test)
     theirs = pool.run(train_stage, spec, torch_kind)
     for stage, (result, torch_result) in enumerate(zip(ours, theirs)):
+        shares = [[loss / m for loss in step] for step in result["losses"]]  # what torch reports
+        result = {**result, "losses": shares}
         assert_stage_equal(result, torch_result, stage, spec, f"{name} against {torch_kind}")
 
 
@@ -214,17 +224,50 @@ def test_an_example_input_replaces_the_shape_exchange(rank_pools):
         assert_stage_equal(result, reference, stage, spec, "1F1B given input examples")
 
 
-def test_dividing_each_loss_by_m_instead_differs_only_by_rounding(pool2):
-    """The other usual reference, loss / m per microbatch: (g0 + g1 + g2) / 3 and g0/3 + g1/3 +
-    g2/3 round differently in float32, by a few units in the last place (|g| < 1 here, so 1e-6
-    absolute is about 10 ulp; measured: see the run's summary)."""
+def test_dividing_the_sum_by_m_instead_differs_only_by_rounding(pool2):
+    """Torch's default reference, `.grad` divided by m after the step: g0/3 + g1/3 + g2/3 and
+    (g0 + g1 + g2) / 3 round differently in float32, by a few units in the last place (|g| < 1
+    here, so 1e-6 absolute is about 10 ulp; measured: see the run's summary)."""
     spec = PipeSpec(n_microbatches=3)
-    reference = one_process(spec, divide_each_loss=True)
+    reference = one_process(spec, divide_at_end=True)
     for stage, result in enumerate(pool2.run(train_stage, spec, SCHEDULES[next(iter(SCHEDULES))])):
         for ours, theirs in zip(result["grads"], reference["grads"]):
             for a, b in zip(ours, theirs[stage]):
-                record_max("pipeline: |grad - grad with each loss / m|", (a - b).abs().max())
+                record_max("pipeline: |grad - grad with .grad / m|", (a - b).abs().max())
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def accumulate_two_steps(spec: PipeSpec, kind: str) -> list[torch.Tensor]:
+    """Two schedule steps on two batches, no optimizer step between: this stage's .grad."""
+    rank = dist.get_rank()
+    block = build_model(spec)[rank]
+    schedule = make_schedule(
+        kind, PipelineStage(block, rank, spec.stages, "cpu"), spec.n_microbatches
+    )
+    for step in range(2):
+        x, y = batch(spec, step)
+        if rank == 0:
+            schedule.step(x)
+        elif rank == spec.stages - 1:
+            schedule.step(target=y)
+        else:
+            schedule.step()
+    return [p.grad.clone() for p in block.parameters()]
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_accumulating_over_two_steps_sums_their_gradients_as_one_process_does(pool2, name):
+    """G1 + G2: each step scales only its own microbatches. (Torch's default scale_grads=True
+    divides all of .grad at each step's end, leaving G1/m + G2.)"""
+    spec = PipeSpec(n_microbatches=2)
+    model = build_model(spec)
+    for step in range(2):  # one process, accumulating two batches of m microbatches each
+        x, y = batch(spec, step)
+        for xm, ym in zip(x.tensor_split(2), y.tensor_split(2)):
+            (mse(model(xm), ym) / 2).backward()
+    for stage, grads in enumerate(pool2.run(accumulate_two_steps, spec, SCHEDULES[name])):
+        for index, (ours, theirs) in enumerate(zip(grads, model[stage].parameters())):
+            assert torch.equal(ours, theirs.grad), f"stage {stage}'s gradient {index}"
 
 
 @ours_only

@@ -1,16 +1,18 @@
-"""DP x PP: 4 ranks as 2 pipelines of 2 stages, each stage's slice data-parallel with MiniDDP
-over its copy in the other pipeline (miniddp/pipeline/mesh.py), against one process training
-on the global batch.
+"""DP x PP: 4 ranks as a (pp, dp) = (2, 2) mesh, two pipelines of two stages, each stage's slice
+data-parallel with MiniDDP over its copy in the other pipeline, against one process training on
+the global batch, and against the same pipelines with the all-reduce written by hand.
 
-Not bitwise: one process averages the loss over all 2 x m x b samples at once, while here each
-microbatch's mean is summed into .grad, divided by m, and averaged over the two replicas; the
-same numbers, added in another order. In float64 that moves the last bits only: 1e-12.
+Not bitwise against one process: one process averages the loss over all 2 x m x b samples at
+once, while here each microbatch's loss / m is summed into .grad and averaged over the two
+replicas; the same numbers, added in another order. In float64 that moves the last bits only.
 
-And the trap that makes this worth a test: MiniDDP (like torch's DDP) decides at FORWARD time
-whether a backward all-reduces. Running the last microbatch's forward outside no_sync, as one
-does for plain accumulation, arms the reduction for the NEXT backward, which in a pipeline is
-another microbatch's: MiniDDP then refuses the backward after it. The stage instead runs every
-forward inside no_sync, and replays the last one, synced, right before its backward.
+Against the same pipeline without MiniDDP, whose gradients are all-reduced by hand after the
+step, it is bitwise, with dropout and BatchNorm in the slices: MiniDDP changes nothing but the
+averaging. That is the trap of this composition: MiniDDP (like torch's DDP) decides at FORWARD
+time whether a backward all-reduces, and a pipeline runs the last microbatch's forward long
+before its backward. A stage that replayed the last forward before its backward drew a second
+dropout mask (a gradient of a loss never computed) and counted m + 1 batches in BatchNorm; the
+stage now arms the reduction at that backward instead (miniddp/pipeline/stage.py).
 """
 
 from __future__ import annotations
@@ -21,16 +23,23 @@ import torch.distributed as dist
 from torch import nn
 
 from miniddp import MiniDDP
-from miniddp.pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe, build_mesh
+from miniddp.pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe
 from tests.harness.measurements import record_max
+from tests.mesh_tasks import mesh_once
 
 WIDTHS = (6, 5, 3)
 MICROBATCH, STEPS, LR, REPLICAS = 2, 3, 0.1, 2
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
-def build_model() -> nn.Sequential:
+def build_model(layer: str = "") -> nn.Sequential:
+    """Two blocks, Linear + Tanh, with `layer` ("dropout", "batchnorm") inside each."""
     torch.manual_seed(0)
-    blocks = [nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in zip(WIDTHS, WIDTHS[1:])]
+    extra = {"dropout": lambda w: nn.Dropout(0.5), "batchnorm": nn.BatchNorm1d}
+    blocks = []
+    for a, b in zip(WIDTHS, WIDTHS[1:]):
+        inside = [extra[layer](b)] if layer else []
+        blocks.append(nn.Sequential(nn.Linear(a, b), *inside, nn.Tanh()))
     return nn.Sequential(*blocks).double()
 
 
@@ -45,24 +54,43 @@ def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (output - target).pow(2).mean()
 
 
-def train_dp_pp(schedule_name: str, m: int) -> tuple[list[torch.Tensor], int, int]:
-    """On each of the 4 ranks: its stage, under MiniDDP on its data-parallel group, trained on
-    its replica's half of each global batch. Returns its parameters after STEPS SGD steps, the
-    all-reduces MiniDDP launched, and its bucket count."""
-    mesh = build_mesh(num_stages=2, replicas=REPLICAS)
-    block = build_model()[mesh.stage_index]
-    replicated = MiniDDP(block, process_group=mesh.data_parallel_group)
-    stage = PipelineStage(replicated, mesh.stage_index, 2, "cpu", group=mesh.pipeline_group)
-    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule_name]
-    schedule = cls(stage, m, mse)
+def run_step(schedule, stage: PipelineStage, x: torch.Tensor, y: torch.Tensor) -> None:
+    schedule.step(x) if stage.is_first else schedule.step(target=y)
+
+
+def average_by_hand(block: nn.Module, group: dist.ProcessGroup) -> None:
+    """What MiniDDP does, written out: sum the replicas' gradients, divide by their number."""
+    for param in block.parameters():
+        dist.all_reduce(param.grad, group=group)
+        param.grad.div_(dist.get_world_size(group))
+
+
+def train_dp_pp(schedule_name: str, m: int, layer: str = "", by_hand: bool = False) -> dict:
+    """On each of the 4 ranks: its stage, data-parallel over the mesh's "dp" axis (MiniDDP, or
+    by hand), trained on its replica's half of each global batch. Returns its parameters and
+    buffers after STEPS SGD steps, MiniDDP's all-reduces and its bucket count."""
+    mesh = mesh_once((2, REPLICAS), ("pp", "dp"))
+    stage_index, replica = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    block = build_model(layer)[stage_index]
+    dp_group = mesh["dp"].get_group()
+    wrapped = block if by_hand else MiniDDP(block, process_group=dp_group)
+    stage = PipelineStage(wrapped, stage_index, 2, "cpu", group=mesh["pp"].get_group())
+    schedule = SCHEDULES[schedule_name](stage, m, mse)
     optimizer = torch.optim.SGD(block.parameters(), lr=LR)
+    torch.manual_seed(100 + dist.get_rank())  # every rank its own dropout masks
     for step in range(STEPS):
-        x, y = (t.tensor_split(REPLICAS)[mesh.replica] for t in global_batch(m, step))
-        schedule.step(x) if stage.is_first else schedule.step(target=y)
+        x, y = (t.tensor_split(REPLICAS)[replica] for t in global_batch(m, step))
+        run_step(schedule, stage, x, y)
+        if by_hand:
+            average_by_hand(block, dp_group)
         optimizer.step()
         optimizer.zero_grad()
-    params = [p.detach().clone() for p in block.parameters()]
-    return params, replicated.all_reduce_count, len(replicated.buckets)
+    return {
+        "params": [p.detach().clone() for p in block.parameters()],
+        "buffers": {name: b.clone() for name, b in block.named_buffers()},
+        "all_reduces": 0 if by_hand else wrapped.all_reduce_count,
+        "buckets": 0 if by_hand else len(wrapped.buckets),
+    }
 
 
 @pytest.mark.parametrize("m", [1, 3])
@@ -78,17 +106,79 @@ def test_two_stages_times_two_replicas_equal_one_process_on_the_global_batch(
         mse(model(x), y).backward()
         optimizer.step()
         optimizer.zero_grad()
-    for rank, (params, all_reduces, buckets) in enumerate(results):
-        stage, replica = rank % 2, rank // 2
+    for rank, result in enumerate(results):
+        stage, replica = divmod(rank, REPLICAS)  # the mesh: rank = 2 * pp + dp
         # One synchronizing backward per step, the last microbatch's: m - 1 backwards stay local.
-        assert all_reduces == STEPS * buckets, f"rank {rank}: {all_reduces} all-reduces"
-        for index, (ours, reference) in enumerate(zip(params, model[stage].parameters())):
+        assert result["all_reduces"] == STEPS * result["buckets"], f"rank {rank}"
+        for index, (ours, reference) in enumerate(zip(result["params"], model[stage].parameters())):
             record_max("DP x PP: |param - one process's|", (ours - reference.detach()).abs().max())
             where = f"stage {stage}, replica {replica}, parameter {index}"
             difference = (ours - reference.detach()).abs().max().item()
             assert difference <= 1e-12, f"{where} differs from one process's by {difference:.3g}"
-        copy = results[(rank + 2) % 4][0]  # the same stage in the other replica: the same bits
-        assert all(torch.equal(a, b) for a, b in zip(params, copy)), f"rank {rank}'s copy"
+        copy = results[rank ^ 1]["params"]  # the same stage in the other replica: the same bits
+        assert all(torch.equal(a, b) for a, b in zip(result["params"], copy)), f"rank {rank}"
+
+
+@pytest.mark.parametrize("schedule_name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("layer", ["dropout", "batchnorm"])
+def test_with_dropout_or_batchnorm_it_is_bitwise_the_pipeline_averaged_by_hand(
+    rank_pools, schedule_name, layer
+):
+    """The gradient is that of the loss computed (the same dropout masks), and BatchNorm sees
+    exactly m batches a step, with each replica's own statistics (torch's DDP inside torch's
+    pipelining broadcasts no buffers either: no forward is synced)."""
+    m = 4
+    pool = rank_pools(4)
+    ours = pool.run(train_dp_pp, schedule_name, m, layer)
+    by_hand = pool.run(train_dp_pp, schedule_name, m, layer, True)
+    for rank, (result, reference) in enumerate(zip(ours, by_hand)):
+        for index, (a, b) in enumerate(zip(result["params"], reference["params"])):
+            assert torch.equal(a, b), (
+                f"rank {rank}'s parameter {index} differs by {(a - b).abs().max():.3g}"
+            )
+        for name, buffer in reference["buffers"].items():
+            assert torch.equal(result["buffers"][name], buffer), f"rank {rank}'s buffer {name}"
+        if layer == "batchnorm":
+            assert result["buffers"]["1.num_batches_tracked"].item() == STEPS * m
+
+
+def accumulate_over_two_steps(schedule_name: str) -> dict:
+    """Two pipeline steps before one optimizer step: the first inside MiniDDP's no_sync (no
+    all-reduce), the second reducing everything. Returns .grad and the all-reduces."""
+    m = 2
+    mesh = mesh_once((2, REPLICAS), ("pp", "dp"))
+    stage_index, replica = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    block = build_model()[stage_index]
+    wrapped = MiniDDP(block, process_group=mesh["dp"].get_group())
+    stage = PipelineStage(wrapped, stage_index, 2, "cpu", group=mesh["pp"].get_group())
+    schedule = SCHEDULES[schedule_name](stage, m, mse)
+    for step in range(2):
+        x, y = (t.tensor_split(REPLICAS)[replica] for t in global_batch(m, step))
+        if step == 0:
+            with wrapped.no_sync():
+                run_step(schedule, stage, x, y)
+            local = wrapped.all_reduce_count
+        else:
+            run_step(schedule, stage, x, y)
+    grads = [p.grad.clone() for p in block.parameters()]
+    return {"grads": grads, "after_first": local, "all_reduces": wrapped.all_reduce_count}
+
+
+@pytest.mark.parametrize("schedule_name", ["gpipe", "1f1b"])
+def test_accumulating_two_steps_under_no_sync_sums_them_as_one_process(rank_pools, schedule_name):
+    results = rank_pools(4).run(accumulate_over_two_steps, schedule_name)
+    model = build_model()
+    for step in range(2):  # one process: the mean loss of each global batch, accumulated
+        mse(model(global_batch(2, step)[0]), global_batch(2, step)[1]).backward()
+    for rank, result in enumerate(results):
+        stage = rank // REPLICAS
+        assert result["after_first"] == 0, f"rank {rank} all-reduced inside no_sync"
+        assert result["all_reduces"] > 0
+        for index, (ours, param) in enumerate(zip(result["grads"], model[stage].parameters())):
+            record_max(
+                "DP x PP, two steps: |grad - one process's|", (ours - param.grad).abs().max()
+            )
+            torch.testing.assert_close(ours, param.grad, rtol=0, atol=1e-12, msg=f"{rank} {index}")
 
 
 def forward_outside_no_sync_too_early() -> str:

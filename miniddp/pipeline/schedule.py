@@ -10,13 +10,17 @@ same for both, and lives here:
       run       for each action of `order()`: receive what it needs (an activation for F on
                 every stage but the first, a gradient for B on every stage but the last),
                 compute, and hand its sends to the next action's batch of transfers (p2p.py)
-      finish    wait for the sends, divide the accumulated gradients by m, report the losses
+      finish    wait for the sends, report the losses
 
-Gradients: microbatch i's backward accumulates d loss_i / d theta into `.grad`; after all m,
-`.grad` holds sum_i d loss_i / d theta, and dividing by m gives the gradient of the batch's
-mean loss (each loss_i a mean over its b samples, so mean_i loss_i = mean over all m*b). This
-is torch's default (`scale_grads=True`), and it is why one process that accumulates the same
-microbatches' losses and then divides by m gets the same bits.
+Gradients: the last stage backpropagates loss_i / m, not loss_i, so after all m microbatches
+`.grad` holds sum_i d(loss_i / m)/d theta, the gradient of the batch's mean loss (each loss_i a
+mean over its b samples, so mean_i loss_i = mean over all m*b). Each step scales only its own
+microbatches: two steps before `optimizer.step()` leave G1 + G2, as one process accumulating
+two batches does. Torch's default (`scale_grads=True`) instead divides all of `.grad` by m at the
+end of each step, so there the first step's part is divided twice, G1/m + G2. The bits are the
+same as torch's within one step whenever m is a power of two (scaling by 2^-k commutes with
+rounding); for other m, dividing each loss and dividing the sum round differently, in the last
+place. The losses reported are loss_i itself.
 
 Events (`record_events()`, as MiniDDP's; miniddp/pipeline/timeline.py draws them): step
 start/end, forward and backward "start i"/"end i", send and recv of each transfer, and idle
@@ -93,7 +97,8 @@ class PipelineSchedule(EventRecorder):
     ) -> torch.Tensor | None:
         """One training step of this stage (torch's signature); the last stage returns the
         batch's outputs and fills `losses` with each microbatch's loss. Gradients are left in
-        `.grad`, averaged over the microbatches: call the optimizer after it."""
+        `.grad` (added to what was there), the gradient of the mean loss over the microbatches:
+        call the optimizer after it."""
         if len(args) > 1:
             raise TypeError(f"step takes one input tensor (the first stage's), got {len(args)}")
         x = args[0] if args else None
@@ -111,16 +116,17 @@ class PipelineSchedule(EventRecorder):
         stage.start_step()
         self._note("step", "start")
         sends: list[Transfer] = []
+        last_backward = [a for a in order if a.kind == BACKWARD][-1]  # DP x PP reduces there
         for action in order:
             # This action's receive goes out in one batch with the previous action's sends.
             received = self._receive_for(action, sends)
             if action.kind == FORWARD:
                 sends = self._forward(data, action.microbatch, received)
             else:
-                sends = self._backward(data, action.microbatch, received)
+                last = action == last_backward
+                sends = self._backward(data, action.microbatch, received, last)
         self.mailbox.post(sends)
         self.mailbox.finish_sends()
-        stage.scale_grads(m)
         self._note("step", "end")
         if stage.is_last and losses is not None:
             losses.clear()
@@ -153,13 +159,11 @@ class PipelineSchedule(EventRecorder):
 
     def _forward(self, data: StepData, i: int, received: torch.Tensor | None) -> list[Transfer]:
         stage = self.stage
-        # With data parallelism inside the stage, the last forward is replayed, synced (stage.py).
-        replayed = stage.data_parallel and i == self.n_microbatches - 1
         self._note("forward", f"start {i}")
-        output = stage.forward(i, data.inputs[i] if stage.is_first else received, replayed)
+        output = stage.forward(i, data.inputs[i] if stage.is_first else received)
         if stage.is_last:
             loss = self.loss_fn(output, data.targets[i])
-            stage.keep_loss(i, loss)
+            stage.keep_loss(i, loss / self.n_microbatches)  # this step's share of the mean
             data.losses.append(loss.detach())
             data.outputs.append(output.detach())
         self._note("forward", f"end {i}")
@@ -174,14 +178,12 @@ class PipelineSchedule(EventRecorder):
         sends.append(Transfer(activation, stage.stage_index + 1, f"activation {i}", True))
         return sends
 
-    def _backward(self, data: StepData, i: int, received: torch.Tensor | None) -> list[Transfer]:
+    def _backward(
+        self, data: StepData, i: int, received: torch.Tensor | None, last: bool
+    ) -> list[Transfer]:
         stage = self.stage
-        recompute = None
-        if stage.data_parallel and i == self.n_microbatches - 1:  # the replay (stage.py)
-            target = data.targets[i]
-            recompute = (lambda out: self.loss_fn(out, target)) if stage.is_last else _same
         self._note("backward", f"start {i}")
-        input_grad = stage.backward(i, received, recompute)
+        input_grad = stage.backward(i, received, last)
         self._note("backward", f"end {i}")
         if stage.is_first:
             return []
@@ -214,7 +216,3 @@ class PipelineSchedule(EventRecorder):
             if target.shape[0] % m:
                 return Problem.TARGET_NOT_DIVISIBLE, target.shape[0], m
         return Problem.NONE, 0, 0
-
-
-def _same(output: torch.Tensor) -> torch.Tensor:
-    return output

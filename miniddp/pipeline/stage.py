@@ -20,37 +20,44 @@ The input of every stage but the first is a fresh leaf (`detach().requires_grad_
 then stops at the stage's border, and `input.grad` after backward is what goes upstream.
 
 Data parallelism inside a stage (DP x PP): a submodule wrapped in MiniDDP (or torch's DDP)
-decides at FORWARD time whether the coming backward all-reduces. A pipeline runs the last
-microbatch's forward long before its backward, with other microbatches' backwards in between,
-and the first backward after a synced forward would reduce (MiniDDP then refuses the next one).
-So with a submodule that has `no_sync()`, every forward runs inside it, and the last
-microbatch's forward runs a second time, synced, right before its backward: the one backward
-that all-reduces carries the gradients of all m microbatches. The cost is one microbatch's
-forward per step; torch's pipelining instead reaches into its DDP's reducer
-(`reducer.prepare_for_backward`), which MiniDDP does not expose.
+decides at FORWARD time whether the coming backward all-reduces, and a pipeline runs the last
+microbatch's forward long before its backward, with other microbatches' backwards in between:
+a synced last forward would arm the reduction for the NEXT backward, another microbatch's. So
+every forward runs inside `no_sync()`, and right before the last microbatch's backward the stage
+arms the wrapper by hand: `prepare_for_backward(output)`, the name of the reducer call torch's
+pipelining makes for the same reason (`ddp.reducer.prepare_for_backward`). That one backward
+then all-reduces the gradients of all m microbatches. Nothing runs twice: the gradient is the
+gradient of the loss that was computed, dropout's masks and BatchNorm's m updates included.
+Inside the user's own `no_sync()` (accumulating over several steps) the stage arms nothing.
+As in torch, buffers are not broadcast between the replicas (no forward is synced).
+
+Every parameter of the stage is marked as this stage's (miniddp/placement.py): clipping's norm
+adds the stages' parts, and a checkpoint keeps each stage's state apart.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from miniddp.job.env import HOW_TO_LAUNCH
 from miniddp.pipeline.step_checks import gather_rows
+from miniddp.placement import Stage, mark
 
 
 @dataclass
 class Held:
-    """What forward(i) keeps for backward(i): the stage's input leaf and its output (on the last
-    stage, the loss)."""
+    """What forward(i) keeps for backward(i): the stage's input leaf, its output, and on the
+    last stage the loss backward starts from."""
 
     input: torch.Tensor
     output: torch.Tensor
+    loss: torch.Tensor | None = None
 
 
 class PipelineStage:
@@ -88,18 +95,16 @@ class PipelineStage:
         self.data_parallel = hasattr(submodule, "no_sync")  # MiniDDP or torch's DDP inside
         self.held: dict[int, Held] = {}
         self.peak_held = 0
+        for param in submodule.parameters():
+            mark(param, stage=Stage(group, stage_index, num_stages))
 
-    def forward(self, microbatch: int, x: torch.Tensor, replayed: bool = False) -> torch.Tensor:
+    def forward(self, microbatch: int, x: torch.Tensor) -> torch.Tensor:
         """Run the slice on microbatch `microbatch` and keep what its backward needs; returns
-        the output. `replayed`: backward will run this forward again (DP x PP's last
-        microbatch), so no graph is kept now."""
+        the output. With data parallelism inside, no forward arms the reduction (above)."""
         if not self.is_first:
             x = x.detach().requires_grad_()
-        if self.data_parallel:
-            no_graph = torch.no_grad() if replayed else contextlib.nullcontext()
-            with self.submodule.no_sync(), no_graph:
-                output = self.submodule(x)
-        else:
+        no_sync = self.submodule.no_sync() if self.data_parallel else contextlib.nullcontext()
+        with no_sync:
             output = self.submodule(x)
         self.held[microbatch] = Held(x, output)
         self.peak_held = max(self.peak_held, len(self.held))
@@ -107,27 +112,20 @@ class PipelineStage:
 
     def keep_loss(self, microbatch: int, loss: torch.Tensor) -> None:
         """On the last stage, backward starts from the loss, not from the output."""
-        self.held[microbatch].output = loss
+        self.held[microbatch].loss = loss
 
     def backward(
-        self,
-        microbatch: int,
-        output_grad: torch.Tensor | None,
-        recompute: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        self, microbatch: int, output_grad: torch.Tensor | None, last: bool = False
     ) -> torch.Tensor | None:
         """Backpropagate through what forward(microbatch) kept; the input's gradient, if any.
-
-        `recompute(output) -> tensor` rebuilds what backward starts from (the output, or on
-        the last stage the loss) from a fresh, synced forward: DP x PP's last microbatch.
-        """
+        `last`: the step's last backward, the one that all-reduces under data parallelism."""
         held = self.held.pop(microbatch)
-        start = held.output
-        if recompute is not None:
-            start = recompute(self.submodule(held.input))  # outside no_sync: this one reduces
-        if output_grad is None:
-            torch.autograd.backward(start)  # the loss: d loss / d loss = 1
+        if last and self.data_parallel:
+            _arm_reduction(self.submodule, held.output)
+        if held.loss is not None:
+            torch.autograd.backward(held.loss)  # d loss / d loss = 1
         else:
-            torch.autograd.backward(start, grad_tensors=output_grad)
+            torch.autograd.backward(held.output, grad_tensors=output_grad)
         return None if self.is_first else held.input.grad
 
     def start_step(self) -> None:
@@ -139,13 +137,17 @@ class PipelineStage:
             )
         self.peak_held = 0
 
-    def scale_grads(self, n_microbatches: int) -> None:
-        """Each microbatch's loss is a mean over its samples; their sum over m microbatches is m
-        times the batch's mean, so the accumulated .grad is divided by m once, at the end (as
-        torch's `scale_grads=True` does: one division, not m multiplications)."""
-        for param in self.submodule.parameters():
-            if param.grad is not None:
-                param.grad.div_(n_microbatches)
+
+
+def _arm_reduction(wrapper: nn.Module, output: torch.Tensor) -> None:
+    """Make the coming backward through `output` all-reduce, as a synced forward would have;
+    unless the user is accumulating over steps, inside the wrapper's own `no_sync()`."""
+    if not wrapper.require_backward_grad_sync:
+        return
+    if isinstance(wrapper, DistributedDataParallel):  # torch's, armed as torch's pipelining does
+        wrapper.reducer.prepare_for_backward([output])
+    else:
+        wrapper.prepare_for_backward(output)
 
 
 def _check_stages_agree(
