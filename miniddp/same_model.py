@@ -4,6 +4,12 @@ Before training, every rank must hold the same model with the same settings: DDP
 position by position, so a different shape, order or dtype on one rank would either hang the
 collectives or quietly add up unrelated numbers. So every rank compares its parameters and
 settings with rank 0's (and all raise together on a difference), then takes rank 0's values.
+
+Equal shapes are not enough. A tensor-parallel shard has the same shape on every rank of its
+TP group and different values: a data-parallel wrapper over a group that holds two ranks of
+one TP group would copy rank 0's shard over the other's and average unrelated halves. The mark
+tensor parallelism leaves on its shards (miniddp/placement.py) names their group, and any
+overlap of two ranks or more is refused, on every rank, before anything is copied.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from miniddp.placement import group_ranks, placement_of
 
 
 def check_wrappable(module: nn.Module, trainable: Sequence[tuple[str, torch.Tensor]]) -> None:
@@ -47,10 +55,14 @@ def verify_same_model_on_every_rank(
     """Compare every rank's parameters and settings with rank 0's; on a mismatch EVERY rank
     raises the same error (an error on one rank only would leave the others hanging)."""
     mine = [(name, tuple(p.shape), tuple(p.stride()), str(p.dtype)) for name, p in named_params]
+    overlap = _shards_of_one_tensor_parallel_group(named_params, group)
     everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, (mine, settings), group=group)
-    reference, reference_settings = everyone[0]
-    for rank, (theirs, their_settings) in enumerate(everyone[1:], start=1):
+    dist.all_gather_object(everyone, (mine, settings, overlap), group=group)
+    found = next((problem for _, _, problem in everyone if problem), None)
+    if found:
+        raise ValueError(found)
+    reference, reference_settings, _ = everyone[0]
+    for rank, (theirs, their_settings, _) in enumerate(everyone[1:], start=1):
         problem = _first_difference(reference, theirs, rank)
         for name, value in reference_settings.items():
             if problem is None and their_settings[name] != value:
@@ -60,6 +72,28 @@ def verify_same_model_on_every_rank(
                 f"MiniDDP needs the same model and settings on every rank, but {problem}. "
                 "Build it with the same code and arguments on every rank."
             )
+
+
+def _shards_of_one_tensor_parallel_group(
+    named_params: Sequence[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None
+) -> str | None:
+    """Why averaging over `group` would destroy tensor-parallel shards, or None."""
+    replicas = set(group_ranks(group))
+    for name, param in named_params:
+        shard = placement_of(param).tensor
+        if shard is None:
+            continue
+        both = sorted(replicas & set(group_ranks(shard.group)))
+        if len(both) > 1:
+            return (
+                f"'{name}' is a tensor-parallel shard over ranks {group_ranks(shard.group)}, and "
+                f"the data-parallel group (ranks {sorted(replicas)}) holds {both} of them: "
+                "averaging over it would mix different shards, and broadcasting rank 0's "
+                "would overwrite the others. Pass the mesh's data-parallel group, e.g. "
+                'process_group=mesh["dp"].get_group() (MiniDDP, fully_shard and '
+                "ZeroRedundancyOptimizer take it the same way)."
+            )
+    return None
 
 
 def _first_difference(reference: list[tuple], theirs: list[tuple], rank: int) -> str | None:
