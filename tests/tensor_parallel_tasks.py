@@ -29,6 +29,7 @@ from torch.nn import functional as F
 
 from miniddp import tensor_parallel as tp
 from miniddp.tensor_parallel import embedding, linear
+from tests.mesh_tasks import mesh_once
 
 MODELS = ("mlp", "attention", "block", "gpt")
 LEARNERS_F_AND_G = "MINIDDP_TP_FG"  # a file with a learner's f and g (tutorials/exercises/)
@@ -257,48 +258,41 @@ def dp_tp_against_one_process(spec: TPSpec, dp: int, tp_size: int) -> dict:
     of the global batch; the largest differences from one process on the whole global batch."""
     from miniddp import MiniDDP
 
-    groups = mesh_groups_once(dp, tp_size)
+    mesh = mesh_once((dp, tp_size), ("dp", "tp"))
+    tp_group, dp_rank = mesh["tp"].get_group(), mesh["dp"].get_local_rank()
     alone, split = build(spec), build(spec)
-    tp.parallelize_module(split, groups.tp_group, tp.plan_for(split))
-    ddp = MiniDDP(split, process_group=groups.dp_group)
+    tp.parallelize_module(split, mesh["tp"], tp.plan_for(split))
+    ddp = MiniDDP(split, process_group=mesh["dp"].get_group())
     optimizers = [torch.optim.SGD(m.parameters(), lr=spec.lr, momentum=0.9) for m in (alone, split)]
     worst = {"grads": 0.0, "params": 0.0}
     for step in range(spec.steps):
         x, y = batch(spec, step)  # the global batch; this replica takes its 1/dp of the rows
         share = len(x) // dp
-        rows = slice(groups.dp_rank * share, (groups.dp_rank + 1) * share)
+        rows = slice(dp_rank * share, (dp_rank + 1) * share)
         loss_of(spec, "alone", alone, x, y).backward()
-        loss_of(spec, "ours", ddp, x[rows], y[rows], groups.tp_group).backward()
-        grads = shard_difference(split, alone, groups, lambda p: p.grad)
+        loss_of(spec, "ours", ddp, x[rows], y[rows], tp_group).backward()
+        grads = shard_difference(split, alone, tp_group, lambda p: p.grad)
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
-        params = shard_difference(split, alone, groups, lambda p: p.detach())
+        params = shard_difference(split, alone, tp_group, lambda p: p.detach())
         worst = {"grads": max(worst["grads"], grads), "params": max(worst["params"], params)}
-    return worst | {"dp_rank": groups.dp_rank, "tp_rank": groups.tp_rank}
+    return worst | {"dp_rank": dp_rank, "tp_rank": mesh["tp"].get_local_rank()}
 
 
-def shard_difference(split: nn.Module, alone: nn.Module, groups: tp.MeshGroups, read) -> float:
+def shard_difference(
+    split: nn.Module, alone: nn.Module, tp_group: dist.ProcessGroup, read
+) -> float:
     """The largest |read(shard) - the same chunk of read(whole)| over all parameters."""
-    tp_size = dist.get_world_size(groups.tp_group)
+    tp_size, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
     whole = dict(alone.named_parameters())
     worst = 0.0
     for name, mine in split.named_parameters():
         dim, reference = shard_dim(split, name), read(whole[name])
         if dim is not None:
-            reference = torch.chunk(reference, tp_size, dim)[groups.tp_rank]
+            reference = torch.chunk(reference, tp_size, dim)[tp_rank]
         worst = max(worst, scaled_difference(read(mine), reference))
     return worst
-
-
-_MESH_GROUPS: dict[tuple[int, int], tp.MeshGroups] = {}
-
-
-def mesh_groups_once(dp: int, tp_size: int) -> tp.MeshGroups:
-    """The pool's ranks live through many tasks: build each mesh's groups once."""
-    if (dp, tp_size) not in _MESH_GROUPS:
-        _MESH_GROUPS[(dp, tp_size)] = tp.mesh_groups(dp, tp_size)
-    return _MESH_GROUPS[(dp, tp_size)]
 
 
 def all_reduces_of_one_step(spec: TPSpec) -> dict:

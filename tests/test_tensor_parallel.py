@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from miniddp.tensor_parallel import mesh_ranks, parallelize_module
+from miniddp.tensor_parallel import parallelize_module
 from tests import tensor_parallel_tasks as tasks
 from tests.harness.measurements import record_max
 from tests.harness.properties import property_settings
@@ -142,16 +142,6 @@ def test_without_a_process_group_it_says_how_to_launch():
 
     with pytest.raises(RuntimeError, match="torchrun"):
         parallelize_module(torch.nn.Linear(2, 2), None, {})
-
-
-def test_the_mesh_puts_tp_on_neighbours_and_dp_across():
-    tp_groups, dp_groups = mesh_ranks(dp=2, tp=2)
-    assert tp_groups == [[0, 1], [2, 3]]  # one machine each: the fast link
-    assert dp_groups == [[0, 2], [1, 3]]  # the same shard on each machine: the slow link
-    assert mesh_ranks(dp=2, tp=4) == (
-        [[0, 1, 2, 3], [4, 5, 6, 7]],
-        [[0, 4], [1, 5], [2, 6], [3, 7]],
-    )
 
 
 def test_dp_by_tp_equals_one_process_on_the_global_batch(rank_pools):

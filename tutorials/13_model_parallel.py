@@ -44,13 +44,12 @@ from miniddp import MiniDDP
 from miniddp.bench.paired import time_interleaved
 from miniddp.bench.workloads import Workload
 from miniddp.job.env import init_distributed
+from miniddp.mesh import init_device_mesh
 from miniddp.observe.link import Link, simulated_link, wire_bytes
 from miniddp.sharding import MemoryPerRank, ddp_buckets, measure_memory
 from miniddp.tensor_parallel import (
     TinyGPT,
     TransformerBlock,
-    mesh_groups,
-    mesh_ranks,
     parallelize_module,
     plan_for,
     vocab_parallel_cross_entropy,
@@ -357,21 +356,21 @@ def section_vocabulary(world: int) -> float:
 def dp_by_tp(size: Size, world: int) -> float:
     """Train one step on a (W/2) x 2 mesh: TP in each pair, MiniDDP across the pairs, each pair
     on its rows of the global batch; the largest difference from one process on all of it."""
-    mesh = mesh_groups(dp=world // 2, tp=2)
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank, tp_rank = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
     say_all_ranks(
-        f"mesh row {mesh.dp_rank} (a replica), column {mesh.tp_rank} (a shard): TP with "
-        f"ranks {mesh_ranks(world // 2, 2)[0][mesh.dp_rank]}, DP with "
-        f"{mesh_ranks(world // 2, 2)[1][mesh.tp_rank]}"
+        f"mesh row {dp_rank} (a replica), column {tp_rank} (a shard): TP with ranks "
+        f"{mesh['tp'].mesh.tolist()}, DP with {mesh['dp'].mesh.tolist()}"
     )
     whole, split = build(size), build(size)
     plan: dict = {}
     for index, block in enumerate(split):
         plan |= plan_for(block, str(index))
-    parallelize_module(split, mesh.tp_group, plan)
-    replica = MiniDDP(split, process_group=mesh.dp_group)
+    parallelize_module(split, mesh["tp"], plan)
+    replica = MiniDDP(split, process_group=mesh["dp"].get_group())
     x, y = global_batch(size)
     share = len(x) // (world // 2)
-    rows = slice(mesh.dp_rank * share, (mesh.dp_rank + 1) * share)
+    rows = slice(dp_rank * share, (dp_rank + 1) * share)
     F.mse_loss(whole(x), y).backward()
     F.mse_loss(replica(x[rows]), y[rows]).backward()
     worst, full = 0.0, dict(whole.named_parameters())
@@ -379,17 +378,19 @@ def dp_by_tp(size: Size, world: int) -> float:
         reference = full[name].grad
         if param.shape != reference.shape:  # a shard: the chunk of the TP column it is
             dim = next(d for d in range(param.dim()) if param.shape[d] != reference.shape[d])
-            reference = torch.chunk(reference, 2, dim)[mesh.tp_rank]
+            reference = torch.chunk(reference, 2, dim)[tp_rank]
         worst = max(worst, scaled_difference(param.grad, reference))
     return worst
 
 
 def section_mesh(size: Size, world: int) -> float | None:
     section("6. Both at once: DP x TP on a mesh")
-    tp_rows, dp_columns = mesh_ranks(dp=2, tp=4)
+    grid = torch.arange(8).view(2, 4)  # init_device_mesh's layout: the last axis fastest
+    tp_rows, dp_columns = grid.tolist(), grid.T.tolist()
     say_prose(f"""\
-        Eight GPUs on two machines, miniddp.tensor_parallel.mesh_groups(dp=2, tp=4): ranks are
-        numbered row by row, and torchrun puts consecutive ranks on one machine.
+        Eight GPUs on two machines, init_device_mesh("cuda", (2, 4), mesh_dim_names=("dp",
+        "tp")) (miniddp.mesh, torch's call and layout): ranks are numbered row by row, the
+        last axis fastest, and torchrun puts consecutive ranks on one machine.
 
             machine 0:  {tp_rows[0]}    TP groups {tp_rows}
             machine 1:  {tp_rows[1]}    DP groups {dp_columns}

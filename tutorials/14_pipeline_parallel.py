@@ -33,12 +33,12 @@ from torch import nn
 
 from miniddp import MiniDDP
 from miniddp.job.env import init_distributed
+from miniddp.mesh import init_device_mesh
 from miniddp.pipeline import (
     FixedCost,
     PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
-    build_mesh,
 )
 from miniddp.pipeline.timeline import ascii_chart, bubble_formula, bubble_fraction, gather_blocks
 
@@ -110,7 +110,7 @@ def say_peaks(peak: int, m: int, p: int, rank: int) -> None:
 
 def same_as_one_process(schedule_class, p: int, m: int) -> bool:
     """STEPS SGD steps of the real model, pipelined; then one process on the same microbatches,
-    gradients divided by m at the end. Are this stage's gradients and parameters the same bits?"""
+    each loss divided by m. Are this stage's gradients and parameters the same bits?"""
     rank = dist.get_rank()
     model = build_model(p)
     stage = PipelineStage(model[rank], rank, p, "cpu")
@@ -124,10 +124,8 @@ def same_as_one_process(schedule_class, p: int, m: int) -> bool:
         losses = run_step(schedule, x, y)
         for xm, ym, loss in zip(x.tensor_split(m), y.tensor_split(m), losses or [None] * m):
             one = mse(reference(xm), ym)
-            one.backward()
+            (one / m).backward()
             same &= loss is None or torch.equal(loss, one.detach())
-        for param in reference.parameters():
-            param.grad.div_(m)
         ours, theirs = model[rank].parameters(), reference[rank].parameters()
         same &= all(torch.equal(a.grad, b.grad) for a, b in zip(ours, theirs))
         for optimizer in optimizers:
@@ -154,27 +152,27 @@ def the_no_sync_trap(group: dist.ProcessGroup) -> str:
     return "no error"
 
 
-def dp_times_pp(schedule_class, m: int) -> float:
+def dp_times_pp(schedule_class, mesh, m: int) -> float:
     """2 stages x 2 replicas, MiniDDP on each stage's data-parallel group, STEPS SGD steps;
     the largest difference of this rank's parameters from one process on the global batch."""
-    mesh = build_mesh(num_stages=2, replicas=2)
+    stage_index, replica = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     model = build_model(2).double()
-    replicated = MiniDDP(model[mesh.stage_index], process_group=mesh.data_parallel_group)
-    stage = PipelineStage(replicated, mesh.stage_index, 2, "cpu", group=mesh.pipeline_group)
+    replicated = MiniDDP(model[stage_index], process_group=mesh["dp"].get_group())
+    stage = PipelineStage(replicated, stage_index, 2, "cpu", group=mesh["pp"].get_group())
     schedule = schedule_class(stage, m, mse)
     reference = build_model(2).double()
     optimizers = [torch.optim.SGD(net.parameters(), lr=0.1) for net in (model, reference)]
     widths = (model[0][0].in_features, model[-1][0].out_features)
     for step in range(STEPS):
         x, y = (t.double() for t in batch(2 * m, step, *widths))  # the global batch
-        mine = [t.tensor_split(2)[mesh.replica] for t in (x, y)]
+        mine = [t.tensor_split(2)[replica] for t in (x, y)]
         run_step(schedule, *mine)
         mse(reference(x), y).backward()
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
     assert replicated.all_reduce_count == STEPS * len(replicated.buckets)  # one sync per step
-    pairs = zip(model[mesh.stage_index].parameters(), reference[mesh.stage_index].parameters())
+    pairs = zip(model[stage_index].parameters(), reference[stage_index].parameters())
     return max((a - b).abs().max().item() for a, b in pairs)
 
 
@@ -266,9 +264,11 @@ def main() -> None:
         textwrap.dedent(f"""\
         Pipelining changes where a kernel runs, not what it computes. The gradient arriving
         at a stage's border is the one autograd computes there in one process, .grad adds
-        microbatches 0 .. m-1 in that order in both schedules, and it is divided by m once at
-        the end (torch's scale_grads=True). So after {STEPS} SGD steps, every stage's
-        gradients, losses and parameters are one process's, bit for bit:""")
+        microbatches 0 .. m-1 in that order in both schedules, each microbatch's loss divided
+        by m (so a second step before optimizer.step() adds its gradient, as one process
+        accumulating does; torch's default, scale_grads=True, divides all of .grad at each
+        step's end instead). So after {STEPS} SGD steps, every stage's gradients, losses and
+        parameters are one process's, bit for bit:""")
     )
     for cls in (ScheduleGPipe, Schedule1F1B):
         for m in (1, 3):
@@ -287,26 +287,29 @@ def main() -> None:
     else:
         say(
             textwrap.dedent("""\
-            Ranks 0, 1 are one pipeline and ranks 2, 3 another (miniddp.pipeline.build_mesh);
-            stage 0 lives on ranks 0 and 2, which average its gradients with MiniDDP over
-            their own group, and stage 1 on ranks 1 and 3. Accumulation over microbatches
-            should all-reduce once, after the last microbatch's backward. Chapter 05's habit,
-            the last forward outside no_sync, fails here: MiniDDP decides at FORWARD time, and
-            in a pipeline other backwards run between the last forward and its backward:""")
+            A (pp, dp) = (2, 2) mesh (miniddp.mesh.init_device_mesh, torch's layout): ranks 0, 1
+            hold stage 0 and ranks 2, 3 stage 1; ranks 0 and 2 are one pipeline, 1 and 3 the
+            other. The stage's copies average its gradients with MiniDDP over the mesh's "dp"
+            group, mesh["dp"].get_group(). Accumulation over microbatches should all-reduce
+            once, after the last microbatch's backward. Chapter 05's habit, the last forward
+            outside no_sync, fails here: MiniDDP decides at FORWARD time, and in a pipeline
+            other backwards run between the last forward and its backward:""")
         )
-        mesh = build_mesh(num_stages=2, replicas=2)
-        message = the_no_sync_trap(mesh.data_parallel_group)
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+        message = the_no_sync_trap(mesh["dp"].get_group())
         say(f"  F0 in no_sync, F1 outside, B0, B1 -> RuntimeError: {message}")
         checks["the trap is refused"] = "already synchronized" in message
         say(
             textwrap.dedent("""\
-            So the stage runs every forward inside no_sync, and the last microbatch's forward
-            again, synced, right before its backward (miniddp/pipeline/stage.py): one extra
-            microbatch forward per step, and the one backward that all-reduces carries all m
-            microbatches' gradients. Against one process on the global batch (float64):""")
+            So the stage runs every forward inside no_sync, and arms MiniDDP by hand right
+            before the last microbatch's backward (prepare_for_backward, the name of the call
+            torch's pipelining makes on its DDP's reducer; miniddp/pipeline/stage.py): nothing
+            runs twice, dropout's masks and BatchNorm's statistics are those of the forward
+            that ran, and the one backward that all-reduces carries all m microbatches'
+            gradients. Against one process on the global batch (float64):""")
         )
         for cls in (ScheduleGPipe, Schedule1F1B):
-            difference = dp_times_pp(cls, m=3)
+            difference = dp_times_pp(cls, mesh, m=3)
             everyone = [None] * p
             dist.all_gather_object(everyone, difference)
             per_rank = ", ".join(f"{d:.1e}" for d in everyone)

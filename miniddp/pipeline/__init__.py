@@ -20,12 +20,10 @@ The same calls as torch.distributed.pipelining, on torch.distributed's send and 
     step_checks.py  bad input refused on every stage
     timeline.py     the recorded step as blocks: the picture, the bubble, in ASCII too
     fixed_cost.py   a layer that takes a fixed time, to measure a schedule
-    mesh.py         DP x PP: pipelines side by side, each stage data-parallel with its copies
 """
 
 from miniddp.pipeline.actions import Action
 from miniddp.pipeline.fixed_cost import FixedCost
-from miniddp.pipeline.mesh import Mesh, build_mesh
 from miniddp.pipeline.schedule import PipelineSchedule
 from miniddp.pipeline.schedules import Schedule1F1B, ScheduleGPipe
 from miniddp.pipeline.stage import PipelineStage
@@ -33,10 +31,8 @@ from miniddp.pipeline.stage import PipelineStage
 __all__ = [
     "Action",
     "FixedCost",
-    "Mesh",
     "PipelineSchedule",
     "PipelineStage",
     "Schedule1F1B",
     "ScheduleGPipe",
-    "build_mesh",
 ]

@@ -5,7 +5,7 @@ The vocabulary (Megatron-LM, Shoeybi et al. 2019):
                             of every split weight (W = the group's size)
     colwise / rowwise       a weight split along its output / input dimension (styles.py)
     f, g                    the two autograd functions where the group talks (communications.py)
-    mesh                    TP groups inside DP groups: a 2-D grid of ranks (mesh.py)
+    mesh                    TP groups inside DP groups: a grid of ranks (miniddp/mesh.py)
 
     communications.py   f and g: identity / all-reduce, and the reverse backward
     shards.py           torch's chunk rule; refusing sizes W does not divide, ids no rank owns
@@ -15,10 +15,9 @@ The vocabulary (Megatron-LM, Shoeybi et al. 2019):
     styles.py           ColwiseParallel(), RowwiseParallel(): which module splits how
     parallelize.py      parallelize_module(module, group, plan)
     blocks.py           MLP, CausalSelfAttention, TransformerBlock, TinyGPT, and plan_for
-    mesh.py             mesh_groups(dp, tp): DP x TP
 
     block = TransformerBlock(256, 8)
-    parallelize_module(block, tp_group, plan_for(block))  # {"attention.q": ColwiseParallel(), ...}
+    parallelize_module(block, mesh["tp"], plan_for(block))  # {"attention.q": ColwiseParallel()..}
     # torch's: torch.distributed.tensor.parallel.parallelize_module(block, mesh, the same plan)
 """
 
@@ -36,7 +35,6 @@ from miniddp.tensor_parallel.communications import (
 from miniddp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from miniddp.tensor_parallel.embedding import ColwiseEmbedding, VocabParallelEmbedding
 from miniddp.tensor_parallel.linear import ColwiseLinear, RowwiseLinear
-from miniddp.tensor_parallel.mesh import MeshGroups, mesh_groups, mesh_ranks
 from miniddp.tensor_parallel.parallelize import parallelize_module
 from miniddp.tensor_parallel.styles import ColwiseParallel, ParallelStyle, RowwiseParallel
 
@@ -46,7 +44,6 @@ __all__ = [
     "ColwiseEmbedding",
     "ColwiseLinear",
     "ColwiseParallel",
-    "MeshGroups",
     "ParallelStyle",
     "RowwiseLinear",
     "RowwiseParallel",
@@ -54,8 +51,6 @@ __all__ = [
     "TransformerBlock",
     "VocabParallelEmbedding",
     "copy_to_tensor_parallel",
-    "mesh_groups",
-    "mesh_ranks",
     "parallelize_module",
     "plan_for",
     "reduce_from_tensor_parallel",
