@@ -46,22 +46,24 @@ class GPTConfig:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.heads = config.heads
+        self.head_dim = config.width // config.heads
         self.dropout = config.dropout
-        self.qkv = nn.Linear(config.width, 3 * config.width)  # q, k and v in one matmul
+        # q, k and v in one matmul, its 3C output rows head by head: (head, q/k/v, C / heads).
+        # Tensor parallelism cuts these rows into W contiguous blocks: whole heads, each with
+        # its q, k and v (Megatron's layout), so a rank computes its heads without talking.
+        self.qkv = nn.Linear(config.width, 3 * config.width)
         self.proj = nn.Linear(config.width, config.width)
         self.residual_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, width = x.shape
-        # (B, T, 3C) -> three (B, heads, T, C / heads): each head attends on its own slice
-        q, k, v = (
-            part.view(batch, length, self.heads, width // self.heads).transpose(1, 2)
-            for part in self.qkv(x).split(width, dim=2)
-        )
+        batch, length, _ = x.shape
+        # (B, T, 3C) -> three (B, heads, T, C / heads): each head attends on its own slice.
+        # The head count comes from the size (-1): under TP a rank holds H / W of them.
+        q, k, v = self.qkv(x).view(batch, length, -1, 3, self.head_dim).unbind(3)
+        q, k, v = (part.transpose(1, 2) for part in (q, k, v))
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
-        y = y.transpose(1, 2).reshape(batch, length, width)  # the heads side by side again
+        y = y.transpose(1, 2).reshape(batch, length, -1)  # the heads side by side again
         return self.residual_dropout(self.proj(y))
 
 

@@ -1,0 +1,239 @@
+"""`parallelize(gpt, mesh)`: chapter 12's GPT over a (pp, dp, tp) mesh, in one readable function.
+
+In the spirit of torchtitan's `parallelize_llama`, each parallelism is applied once, in a fixed
+order, to what the previous one left:
+
+    1. tensor parallelism   the plan below, over mesh["tp"]: every rank of a TP group keeps its
+                            slice of each matrix. First, because the plan names the modules as
+                            the whole model names them ("blocks.3.mlp.up"), on every stage alike.
+    2. the pipeline split   this rank keeps its stage's layers, contiguous blocks, over
+                            mesh["pp"]; the first stage embeds, the last one norms and projects.
+    3. data parallelism     MiniDDP (or fully_shard) over mesh["dp"], last: it wraps exactly what
+                            this rank holds, shards included (their mark tells it which group
+                            it must not average over, miniddp/placement.py).
+
+The plan (Megatron's): in each block, qkv colwise (whole heads: the GPT lays its rows out head
+by head) and proj rowwise, the MLP's up colwise and down rowwise; the token embedding rowwise
+(its vocabulary rows) and the head colwise (its vocabulary columns), so the logits stay sharded
+and go to `vocab_parallel_cross_entropy` ungathered. LayerNorms and positions stay replicated.
+
+The tie. The head's weight IS the token embedding's (models/gpt.py). Under TP both are cut by
+vocabulary rows, chunk(E, W, 0), so one shard serves both and the tie survives. Across pipeline
+stages it cannot: the first stage embeds and the last projects. As in Megatron, the last stage
+keeps a copy, and after each step's backward the two copies' gradients are summed over the pair
+{first, last} of each pipeline: both then hold dL/dE of one process (the sum of both uses), take
+the same optimizer step, and stay equal. The copy is marked as stage 0's, so clip_grad_norm_
+counts it once.
+
+Dropout: every rank of a TP group must draw the same masks for the activations it replicates,
+so seed TP ranks alike (the same seed everywhere is simplest). The attention's dropout then
+draws per local head, and TP's bits differ from one process's wherever dropout is on; with
+dropout 0.0 (chapter 15) every composition trains as one process does, within rounding.
+
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    parts = parallelize(GPT(config), mesh, n_microbatches=4)
+    optimizer = torch.optim.AdamW(parts.parameters(), lr=3e-4)
+    for windows in batches:                 # this replica's share: (B, T + 1) token ids
+        loss = parts.train_step(windows)    # forward, backward, gradients complete
+        optimizer.step()
+        optimizer.zero_grad()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+from miniddp.ddp import MiniDDP
+from miniddp.job.faults import wait_for
+from miniddp.mesh import DeviceMesh
+from miniddp.models.gpt import GPT
+from miniddp.pipeline import PipelineStage, Schedule1F1B
+from miniddp.pipeline.schedule import PipelineSchedule
+from miniddp.placement import Stage, carry_over, mark
+from miniddp.sharding import fully_shard
+from miniddp.tensor_parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+    vocab_parallel_cross_entropy,
+)
+
+AXES = ("pp", "dp", "tp")
+
+
+def tensor_parallel_plan(model: GPT) -> dict[str, ParallelStyle]:
+    """Megatron's plan for the GPT, by the names one process gives its modules."""
+    plan: dict[str, ParallelStyle] = {"token": RowwiseParallel(), "head": ColwiseParallel()}
+    for index in range(len(model.blocks)):
+        at = f"blocks.{index}"
+        plan |= {
+            f"{at}.attention.qkv": ColwiseParallel(),
+            f"{at}.attention.proj": RowwiseParallel(),
+            f"{at}.mlp.up": ColwiseParallel(),
+            f"{at}.mlp.down": RowwiseParallel(),
+        }
+    return plan
+
+
+class GPTStage(nn.Module):
+    """Some of the GPT's layers, under the names they have in one process ("blocks.2.mlp.up"):
+    the embeddings on the first stage, the norm and head on the last, blocks in between."""
+
+    def __init__(self, model: GPT, blocks: range, first: bool, last: bool) -> None:
+        super().__init__()
+        self.first, self.last = first, last
+        if first:
+            self.token, self.position, self.dropout = model.token, model.position, model.dropout
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in blocks})
+        if last:
+            self.norm, self.head = model.norm, model.head
+            if not first:  # the tied matrix: the last stage's own copy (see the docstring)
+                self.head.weight = nn.Parameter(model.token.weight.detach().clone())
+                carry_over(model.token.weight, self.head.weight)  # a TP shard stays one
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:  # x: token ids (b, T)
+            positions = torch.arange(x.shape[1], device=x.device)
+            x = self.dropout(self.token(x) + self.position(positions))
+        for block in self.blocks.values():
+            x = block(x)
+        return self.head(self.norm(x)) if self.last else x
+
+
+@dataclass
+class ParallelGPT:
+    """What this rank trains: its part of the GPT (`model`, for the optimizer and state dict),
+    as it runs (`module`: wrapped for DP), and, with a pipeline, its stage and schedule."""
+
+    model: nn.Module
+    module: nn.Module
+    mesh: DeviceMesh
+    schedule: PipelineSchedule | None
+    tied: TiedAcrossStages | None
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.model.parameters()
+
+    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return next_character_loss(logits, targets, self.mesh)
+
+    def train_step(self, windows: torch.Tensor) -> torch.Tensor | None:
+        """Forward and backward of this replica's windows (B, T + 1); gradients complete when it
+        returns. The mean loss, on the ranks that compute it (the last stage's)."""
+        inputs, targets = windows[:, :-1], windows[:, 1:]
+        if self.schedule is None:
+            loss = self.loss_fn(self.module(inputs), targets)
+            loss.backward()
+        else:
+            stage, losses = self.schedule.stage, []
+            if stage.is_first:
+                self.schedule.step(inputs)
+            elif stage.is_last:
+                self.schedule.step(target=targets, losses=losses)
+            else:
+                self.schedule.step()
+            loss = torch.stack(losses).mean() if losses else None
+        if self.tied is not None:
+            self.tied.sum_gradients()
+        return None if loss is None else loss.detach()
+
+
+def next_character_loss(
+    logits: torch.Tensor, targets: torch.Tensor, mesh: DeviceMesh
+) -> torch.Tensor:
+    """The mean next-character cross-entropy, from whole or vocabulary-sharded logits."""
+    if mesh["tp"].size() > 1:
+        return vocab_parallel_cross_entropy(logits, targets, mesh["tp"].get_group())
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class TiedAcrossStages:
+    """The token embedding on the first stage and its copy in the last stage's head: after
+    backward, each gets the sum of both gradients, over the pair of ranks that hold them."""
+
+    def __init__(self, owner: nn.Module, attribute: str, pair: dist.ProcessGroup) -> None:
+        self.owner, self.attribute, self.pair = owner, attribute, pair
+
+    def sum_gradients(self) -> None:
+        grad = getattr(self.owner, self.attribute).grad  # fully_shard: the shard's, looked up now
+        work = dist.all_reduce(grad, group=self.pair, async_op=True)
+        wait_for(
+            work, "all-reduce of the tied embedding's gradient (first + last stage)", self.pair
+        )
+
+
+def parallelize(
+    model: GPT,
+    mesh: DeviceMesh,
+    *,
+    n_microbatches: int = 4,
+    data_parallel: str = "ddp",
+    device: torch.device | str = "cpu",
+) -> ParallelGPT:
+    """Split `model` (built alike on every rank) over `mesh`, whose axes are named from
+    ("pp", "dp", "tp"), any of them of size 1; `data_parallel` is "ddp" (MiniDDP) or "fsdp"."""
+    if sorted(mesh.mesh_dim_names) != sorted(AXES):
+        raise ValueError(
+            f"parallelize needs a mesh with the axes {AXES} (any may have size 1), got "
+            f"{mesh.mesh_dim_names}: init_device_mesh(..., mesh_dim_names=('pp', 'dp', 'tp'))"
+        )
+    if data_parallel not in ("ddp", "fsdp"):
+        raise ValueError(f'data_parallel is "ddp" or "fsdp", got {data_parallel!r}')
+    pp, dp, tp = (mesh[axis].size() for axis in AXES)
+    layers = len(model.blocks)
+    if layers < pp:
+        raise ValueError(f"{layers} blocks cannot fill {pp} pipeline stages: use pp <= {layers}")
+
+    # 1. Tensor parallelism, by the whole model's names; under TP the tie is one shard.
+    if tp > 1:
+        parallelize_module(model, mesh["tp"], tensor_parallel_plan(model))
+        model.head.weight = model.token.weight
+
+    # 2. The pipeline split: contiguous blocks, stage s gets [s L / p, (s + 1) L / p) (with
+    # one stage, all of them: the same module, its names one process's).
+    index = mesh["pp"].get_local_rank()
+    blocks = range(index * layers // pp, (index + 1) * layers // pp)
+    part = GPTStage(model, blocks, first=index == 0, last=index == pp - 1)
+
+    # 3. Data parallelism over "dp", around exactly what this rank holds.
+    module = part
+    if dp > 1 and data_parallel == "ddp":
+        module = MiniDDP(part, process_group=mesh["dp"].get_group())
+    elif dp > 1:
+        for block in part.blocks.values():
+            fully_shard(block, process_group=mesh["dp"].get_group())
+        module = fully_shard(part, process_group=mesh["dp"].get_group())
+
+    schedule, tied = None, None
+    if pp > 1:
+        stage = PipelineStage(module, index, pp, device, group=mesh["pp"].get_group())
+        schedule = Schedule1F1B(stage, n_microbatches, partial(next_character_loss, mesh=mesh))
+        tied = _tie_first_and_last_stage(part, mesh)
+    return ParallelGPT(part, module, mesh, schedule, tied)
+
+
+def _tie_first_and_last_stage(part: nn.Module, mesh: DeviceMesh) -> TiedAcrossStages | None:
+    """One group per pipeline, of its first and last stage's ranks (with two stages, the
+    pipeline's own group); new_group is collective, so every rank creates all of them."""
+    pp_axis = mesh.mesh_dim_names.index("pp")
+    pipelines = mesh.mesh.movedim(pp_axis, -1).reshape(-1, mesh["pp"].size()).tolist()
+    mine = None
+    for ranks in pipelines:
+        pair = None if len(ranks) == 2 else dist.new_group([ranks[0], ranks[-1]])
+        if dist.get_rank() in ranks:
+            mine = pair or mesh["pp"].get_group()
+    if part.first:
+        return TiedAcrossStages(part.token, "weight", mine)
+    if part.last:
+        copy = part.head.weight
+        mark(copy, stage=Stage(mesh["pp"].get_group(), 0, mesh["pp"].size()))  # stage 0's
+        return TiedAcrossStages(part.head, "weight", mine)
+    return None

@@ -1,0 +1,37 @@
+"""`miniddp.parallelize.parallelize`: chapter 12's GPT (dropout off, float64) over a (pp, dp, tp)
+mesh trains as one process on the global batch: every step's loss, and every parameter after 3
+AdamW steps, within rounding, on every rank that holds it. The tied embedding included: one
+shard under TP, two copies summed under PP (the last stage's head), and every copy equal."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import parallelize_tasks as tasks
+from tests.harness.measurements import record_max
+
+MESHES = {  # name: ((pp, dp, tp), data parallelism)
+    "dp x tp x pp": ((2, 2, 2), "ddp"),
+    "fsdp x tp": ((1, 2, 2), "fsdp"),
+    "tp x pp": ((2, 1, 2), "ddp"),
+    "dp x pp": ((2, 2, 1), "ddp"),
+}
+
+
+@pytest.mark.parametrize("name", list(MESHES))
+def test_the_parallel_gpt_trains_as_one_process(rank_pools, name):
+    shape, data_parallel = MESHES[name]
+    world = shape[0] * shape[1] * shape[2]
+    results = rank_pools(world).run(tasks.train_parallel, shape, data_parallel)
+    losses, reference = tasks.one_process(replicas=shape[1])
+    last_stage = [r["losses"] for r in results if r["losses"][0] is not None]
+    assert len(last_stage) == world // shape[0]  # the last stage's ranks report the loss
+    for step, expected in enumerate(losses):
+        mean = sum(ranks[step] for ranks in last_stage) / len(last_stage)  # over the replicas
+        assert mean == pytest.approx(expected, abs=1e-12), f"step {step}"
+    for rank, result in enumerate(results):
+        for tensor_name, tensor in result["params"].items():
+            expected = reference["token.weight" if tensor_name == "head.weight" else tensor_name]
+            difference = (tensor - expected).abs().max().item()
+            record_max(f"parallelize {name}: |param - one process's|", difference)
+            assert difference < 1e-12, f"rank {rank}'s {tensor_name} is off by {difference:.3g}"
