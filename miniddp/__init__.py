@@ -7,6 +7,9 @@ rest of data and model parallelism. The tree says what each part is for:
     the ladder       steps/: the DDP built up one idea a rung, ending with MiniDDP
     beyond DDP       sharding/ (ZeRO-1/2/3), tensor_parallel/, pipeline/; collectives/ (the
                      collectives themselves, from send/recv)
+    composing them   mesh.py (init_device_mesh: one grid, a group per axis), placement.py (the
+                     mark each parallelism leaves on its parameters), parallelize.py (the GPT
+                     over a (pp, dp, tp) mesh)
     the job          job/: the environment, the wait seam and its faults, meeting points,
                      checkpoints
     watching         observe/: events, timelines, the simulated link, the overlap model,
