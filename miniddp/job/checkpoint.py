@@ -1,10 +1,11 @@
-"""Checkpoints that let a data-parallel job resume exactly where it stopped.
+"""Checkpoints that let a job resume exactly where it stopped, whatever its parallelism.
 
 When torchrun restarts a job, every process starts from nothing: whatever should survive must be
 in the checkpoint. Resuming *exactly* (the same bits as a run that never stopped) needs all of
 
     model        the inner module's state dict (not the wrapper's: its keys start with "module.");
-                 under fully_shard, the full state, gathered from every rank's shards
+                 under fully_shard or tensor parallelism, the full state, gathered from
+                 every rank's shards; for a pipeline, every stage's
     optimizer    momentum and Adam's moments; without them the next steps take other sizes
     progress     step, epoch, and how many batches of that epoch were consumed, so the sampler
                  resumes mid-epoch instead of replaying or skipping data
@@ -13,10 +14,10 @@ in the checkpoint. Resuming *exactly* (the same bits as a run that never stopped
                  gradient sits in its bucket, and a fresh wrapper would start again from its
                  first-step layout (chapter 03e)
 
-Model and optimizer are the same on every rank after each step (that is what DDP guarantees),
-so rank 0 writes them, with its own RNG state. RNG states differ per rank: every other rank that
-calls `save_checkpoint` writes its own beside the file (`<path>.rng/rank<r>.pt`), marked with
-the save it belongs to. So both ways of saving work:
+Under data parallelism model and optimizer are the same on every rank after each step (that is
+what DDP guarantees), so rank 0 writes them, with its own RNG state. RNG states differ per rank:
+every other rank that calls `save_checkpoint` writes its own beside the file
+(`<path>.rng/rank<r>.pt`), marked with the save it belongs to. So both ways of saving work:
 
     save_checkpoint(path, ...)                    on every rank: the complete checkpoint
     if rank == 0: save_checkpoint(path, ...)      torch's idiom, then dist.barrier(): model,
@@ -29,14 +30,30 @@ restores entry r of the RNG states, whichever process or host is rank r now (tor
 promise a worker keeps its rank across restarts); a checkpoint saved by rank 0 alone says once,
 on rank 0, what the missing states mean.
 
-A fully sharded model (fully_shard) is spread over the ranks: saving it is a collective, so
-every rank must call `save_checkpoint`, and the file holds the full state, which loads at any
-world size. A ZeroRedundancyOptimizer must be consolidated first (its
-`consolidate_state_dict(to=0)` on every rank), or every rank raises a `CheckpointError` that says
-so. Writing is atomic and reading runs no code (checkpoint_file.py). `load_checkpoint` with a
-MiniDDP wrapper, or a sharded model, needs every rank (the bucket layout must change on every
-rank at once); it checks through the store that every rank came. A load checks the whole
-checkpoint against the model and optimizer before it changes anything.
+Other parallelisms leave each rank a different part of the model under the same names, so rank
+0's state is not everyone's (saved as it is, every rank would resume on rank 0's part, silently:
+the shapes match). The marks of miniddp/placement.py say what each rank holds (full_tensors.py):
+
+    fully_shard         the file holds the full state, gathered from every rank's flat pieces
+    tensor parallel     the full tensors, cat(all_gather(shards), dim), and the optimizer's
+                        states shaped like a shard (Adam's moments) gathered the same way: the
+                        unsplit model's state dict, which loads into one process, or at any TP
+                        size, each rank cutting its chunk(full, W, dim)[r] back out
+    pipeline stage      every stage's model, optimizer and bucket layout in one file, keyed by
+                        stage index ("stages": p); stage s loads entry s
+    DP x TP x PP        all of these at once: each rank gets its own state back, bit for bit
+
+Saving such a model is a collective, so every rank must call `save_checkpoint`: under
+`if rank == 0:` rank 0 names the ranks that did not come and the fix, as soon as it sees them
+elsewhere (waiting on a collective, at another meeting point), instead of writing a partial
+file; a rank sitting in a collective MiniDDP does not watch (a bare `dist.barrier()`) is waited
+for until the process group's timeout, as a barrier would. A ZeroRedundancyOptimizer must be
+consolidated first (its `consolidate_state_dict(to=0)` on every rank), or every rank raises a
+`CheckpointError` that says so. Writing is atomic and reading runs no code (checkpoint_file.py).
+`load_checkpoint` with a MiniDDP wrapper, or a fully sharded model, needs every rank (the bucket
+layout must change on every rank at once); it checks through the store that every rank came. A
+tensor-parallel or pipelined model loads on each rank alone. A load checks the whole checkpoint
+against the model and optimizer before it changes anything.
 
 Every rank reads the file itself, so all ranks must see the same path: one node, or a shared
 filesystem across nodes.
@@ -70,6 +87,17 @@ from miniddp.job.checkpoint_file import (
     write_atomically,
 )
 from miniddp.job.faults import CollectiveFailed, ranks
+from miniddp.job.full_tensors import (
+    Spread,
+    cut_optimizer_shards,
+    cut_shards,
+    gather_optimizer_shards,
+    gather_shards,
+    gather_stages,
+    optimizer_shards,
+    spread_of,
+    unsplit_shapes,
+)
 from miniddp.job.meet import hear_from, meet, tell_the_others
 from miniddp.job.notes import board_of
 from miniddp.sharding.full_state import (
@@ -94,10 +122,12 @@ __all__ = [
     "save_checkpoint",
 ]
 
-SHARDED_SAVES = (
-    "A fully sharded model's state is spread over every rank: call save_checkpoint on every "
-    "rank (it gathers the full state, and rank 0 writes it)."
+SPREAD_SAVES = (
+    "This model's state is spread over the ranks (fully sharded, tensor-parallel shards, or a "
+    "pipeline's stages): call save_checkpoint on every rank, not under `if rank == 0:` (it "
+    "gathers the full state, and rank 0 writes it)."
 )
+STAGE_PARTS = ("model", "optimizer", "buckets")  # what a pipeline's checkpoint keys by stage
 EVERY_RANK_LOADS = (
     "Call load_checkpoint with a MiniDDP wrapper on every rank, as with a fully sharded model: it "
     "sets the bucket layout, or cuts each rank's shards, the same way on every rank. (Or load into "
@@ -130,8 +160,9 @@ def save_checkpoint(
     extra: dict[str, Any] | None = None,
 ) -> None:
     """Save everything needed to resume exactly: on every rank for a complete checkpoint, or on
-    rank 0 alone (torch's idiom) for all but the other ranks' RNG states. A fully sharded model
-    needs every rank.
+    rank 0 alone (torch's idiom) for all but the other ranks' RNG states. A model whose ranks
+    hold different parts of it (fully_shard, tensor parallelism, a pipeline stage) needs every
+    rank: they gather it whole.
 
     Rank 0 returns once the file is complete on disk; another rank, once its RNG state is and
     rank 0 has said that the file is. If rank 0 could not write it, every rank that called
@@ -140,11 +171,13 @@ def save_checkpoint(
     """
     path = Path(path)
     inner = _unwrap(model)
-    sharded = is_fully_sharded(inner)
-    if sharded:
-        _every_rank_comes("save_checkpoint()", SHARDED_SAVES)
-        model_state = full_state_dict(inner)
-        optimizer_state = full_optimizer_state_dict(inner, optimizer)
+    sharded, spread = is_fully_sharded(inner), spread_of(inner)
+    state, stages = None, None
+    if sharded or spread.any:
+        _every_rank_comes("save_checkpoint()", SPREAD_SAVES)
+        state = _unsplit_state(model, inner, optimizer, sharded, spread)
+        if spread.pipeline is not None:
+            stages = gather_stages(state, spread.pipeline)
     world_size, save_id = _world_size(), _save_id(progress)
     if _rank() != 0:
         beside = rng_path(path, _rank())
@@ -161,14 +194,19 @@ def save_checkpoint(
         return
     problem = ""
     try:
-        if not sharded:
-            model_state, optimizer_state = inner.state_dict(), _optimizer_state(optimizer)
+        if state is None:  # replicated: rank 0's state is every rank's
+            state = {
+                "model": inner.state_dict(),
+                "optimizer": _optimizer_state(optimizer),
+                "buckets": _bucket_layout(model),
+            }
+        if stages is not None:  # each part keyed by stage
+            state = {part: dict(enumerate(entry[part] for entry in stages)) for part in state}
         checkpoint = {
             "format": FORMAT,
             "version": VERSION,
-            "model": model_state,
-            "buckets": _bucket_layout(model),
-            "optimizer": optimizer_state,
+            **state,
+            "stages": None if stages is None else len(stages),
             "progress": {
                 "step": progress.step,
                 "epoch": progress.epoch,
@@ -203,14 +241,16 @@ def load_checkpoint(
     defaults to the device of the model's parameters, so each rank's tensors land on its own GPU
     rather than on the one that saved them. Each rank reads the file on its own, so this also
     works in a single process. A checkpoint that does not fit the model or optimizer changes
-    nothing: all is checked first.
+    nothing: all is checked first. Each rank keeps its own part: its chunk of every
+    tensor-parallel shard, its own pipeline stage.
 
     If the world size changed, an exact resume is impossible: the sampler now splits every epoch
     differently and there is no saved RNG state for new ranks. With `allow_world_size_change`,
     model, optimizer and progress are restored and the RNG is left alone (`rng_restored` is
     False): seed each rank from (seed, rank, step) so the new run is at least reproducible, and
     restart the interrupted epoch or skip the samples (not batches) already seen. A fully
-    sharded model's full state loads at any world size.
+    sharded or tensor-parallel model's full state loads at any world size and TP size (into one
+    process too); a pipeline's, into a pipeline of as many stages.
     """
     path = Path(path)
     inner = _unwrap(model)
@@ -225,9 +265,12 @@ def load_checkpoint(
             "data would be split differently and RNG states are missing, so it cannot resume "
             "exactly. Relaunch with the old world size, or pass allow_world_size_change=True."
         )
-    sharded = is_fully_sharded(inner)
-    shapes = full_shapes(inner) if sharded else None
-    mismatch = mismatch_with(checkpoint, inner, optimizer, shapes)
+    sharded, spread = is_fully_sharded(inner), spread_of(inner)
+    part = _this_ranks_part(checkpoint, spread, path)
+    # The shapes this rank holds (fully_shard: before its flat pieces), then the unsplit ones.
+    local = full_shapes(inner) if sharded else {k: v.shape for k, v in inner.state_dict().items()}
+    shapes = unsplit_shapes(local, spread.shards)
+    mismatch = mismatch_with(part, inner, optimizer, shapes)
     if mismatch is not None:
         raise CheckpointError(
             f"{path} does not fit this model or optimizer: {mismatch}. Nothing was loaded."
@@ -235,16 +278,22 @@ def load_checkpoint(
     if isinstance(model, MiniDDP) or sharded:
         _every_rank_comes("load_checkpoint()", EVERY_RANK_LOADS)
     try:
-        if isinstance(model, MiniDDP) and checkpoint["buckets"] is not None:
-            model.load_bucket_state(checkpoint["buckets"])  # checks the names before it changes
+        if isinstance(model, MiniDDP) and part["buckets"] is not None:
+            model.load_bucket_state(part["buckets"])  # checks the names before it changes
+        model_state = cut_shards(part["model"], spread.shards)
+        if optimizer is not None:
+            numbers = optimizer_shards(inner, optimizer, spread.shards)
+            optimizer_state = cut_optimizer_shards(
+                part["optimizer"], numbers, spread.shards, shapes
+            )
         if sharded:
-            load_full_state_dict(inner, checkpoint["model"])
+            load_full_state_dict(inner, model_state)
             if optimizer is not None:
-                load_full_optimizer_state_dict(inner, optimizer, checkpoint["optimizer"])
+                load_full_optimizer_state_dict(inner, optimizer, optimizer_state)
         else:
-            inner.load_state_dict(checkpoint["model"])
+            inner.load_state_dict(model_state)
             if optimizer is not None:
-                optimizer.load_state_dict(checkpoint["optimizer"])
+                optimizer.load_state_dict(optimizer_state)
     except (RuntimeError, ValueError, KeyError) as error:  # what mismatch_with cannot foresee
         raise CheckpointError(f"{path} does not fit this model or optimizer: {error}") from None
     rng = checkpoint["rng"]
@@ -268,6 +317,56 @@ def load_checkpoint(
         extra=checkpoint["extra"],
         ranks_without_rng=without,
     )
+
+
+def _unsplit_state(
+    model: nn.Module,
+    inner: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    sharded: bool,
+    spread: Spread,
+) -> dict[str, Any]:
+    """This rank's model and optimizer state as the unsplit model holds them (a collective):
+    fully_shard's flat pieces gathered first (into this rank's tensors), then the
+    tensor-parallel shards (into the full tensors). A pipeline stage's is its own stage's."""
+    if sharded:
+        model_state = full_state_dict(inner)
+        optimizer_state = full_optimizer_state_dict(inner, optimizer)
+    else:
+        model_state, optimizer_state = inner.state_dict(), _optimizer_state(optimizer)
+    if spread.shards:
+        local = {key: model_state[key].shape for key in spread.shards}
+        numbers = optimizer_shards(inner, optimizer, spread.shards)
+        optimizer_state = gather_optimizer_shards(optimizer_state, numbers, spread.shards, local)
+        model_state = gather_shards(model_state, spread.shards)
+    return {"model": model_state, "optimizer": optimizer_state, "buckets": _bucket_layout(model)}
+
+
+def _this_ranks_part(checkpoint: dict[str, Any], spread: Spread, path: Path) -> dict[str, Any]:
+    """The checkpoint as one model's: for a pipeline stage, the entries of its own stage."""
+    stages, pipeline = checkpoint.get("stages"), spread.pipeline  # files before PP: no "stages"
+    if stages is None and pipeline is None:
+        return checkpoint
+    if pipeline is None:
+        raise CheckpointError(
+            f"{path} holds the {stages} stages of a pipeline, keyed by stage, and this model is "
+            "not a pipeline stage (no PipelineStage marked its parameters): load it on every "
+            f"rank of a {stages}-stage pipeline, into each stage's submodule once its "
+            "PipelineStage is built. Nothing was loaded."
+        )
+    if stages is None:
+        raise CheckpointError(
+            f"{path} holds one whole model, not a pipeline's stages, and this model is stage "
+            f"{pipeline.index} of {pipeline.count}: load it into the whole model before cutting "
+            "it into stages. Nothing was loaded."
+        )
+    if stages != pipeline.count:
+        raise CheckpointError(
+            f"{path} holds a pipeline of {stages} stages and this pipeline has "
+            f"{pipeline.count}: each stage holds other layers. Resume with {stages} stages. "
+            "Nothing was loaded."
+        )
+    return {**checkpoint, **{part: checkpoint[part][pipeline.index] for part in STAGE_PARTS}}
 
 
 def capture_rng_state() -> dict[str, Any]:

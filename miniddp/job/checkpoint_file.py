@@ -123,6 +123,19 @@ def _check_contents(checkpoint: Any, path: Path) -> None:
         )
     if not all(type(value) is int for value in progress.values()):
         raise CheckpointError(f"{path} has a progress entry that is not whole numbers: {progress}")
+    stages = checkpoint.get("stages")  # a pipeline's: model, optimizer, buckets keyed by stage
+    if stages is not None and not (
+        type(stages) is int
+        and stages > 0
+        and all(
+            isinstance(checkpoint[part], dict) and sorted(checkpoint[part]) == list(range(stages))
+            for part in ("model", "optimizer", "buckets")
+        )
+    ):
+        raise CheckpointError(
+            f"{path} is damaged: it says it holds a pipeline of {stages!r} stages, but its "
+            "model, optimizer and bucket layout are not one entry per stage, keyed 0, 1, ..."
+        )
     world_size, rng = checkpoint["world_size"], checkpoint["rng"]
     if type(world_size) is not int or not isinstance(rng, list) or len(rng) != world_size:
         raise CheckpointError(
@@ -138,8 +151,9 @@ def mismatch_with(
     full_shapes: dict[str, torch.Size] | None = None,
 ) -> str | None:
     """Why `checkpoint` cannot be loaded into `module` and `optimizer`, or None if it can:
-    what `load_state_dict` would find out only halfway through loading. A fully sharded
-    module passes the full shapes of its state (its checkpoints hold the full state)."""
+    what `load_state_dict` would find out only halfway through loading. A fully sharded or
+    tensor-parallel module passes the full shapes of its state (its checkpoints hold the full
+    state); a pipeline stage, its own stage's entries of `checkpoint`."""
     saved, current = checkpoint["model"], module.state_dict()
     shapes = full_shapes or {key: tensor.shape for key, tensor in current.items()}
     for key, shape in shapes.items():
