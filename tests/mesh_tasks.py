@@ -42,3 +42,20 @@ def sub_mesh_view(shape: tuple[int, ...], names: tuple[str, ...]) -> tuple[list,
     mesh = mesh_once(shape, names)
     sub = mesh[names[-1], names[0]]  # two axes, in an order of the caller's choosing
     return sub.mesh.tolist(), mesh.get_coordinate()
+
+
+def refused(shape: tuple[int, ...], names: tuple[str, ...] | None) -> str:
+    """What init_device_mesh says to a shape or names it cannot build."""
+    try:
+        init_device_mesh("cpu", shape, mesh_dim_names=names)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def get_group_of_a_3d_mesh() -> str:
+    try:
+        mesh_once((2, 2, 2), ("pp", "dp", "tp")).get_group()
+    except ValueError as error:
+        return str(error)
+    return "no error"

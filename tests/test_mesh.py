@@ -27,3 +27,21 @@ def test_a_sub_mesh_of_two_axes_is_the_slice_through_this_rank(rank_pools):
     assert coordinate == [1, 0, 1]
     # At dp = 0 the (pp, tp) slice is [[0, 1], [4, 5]]; asked for as ("tp", "pp"), transposed.
     assert grid == [[0, 4], [1, 5]]
+
+
+@pytest.mark.parametrize(
+    "shape, names, expected",
+    [
+        ((2, 2), ("dp", "tp"), "--nproc_per_node=4"),
+        ((2, 1), ("dp", "dp"), "must name each of the 2 axes"),
+        ((2,), ("dp", "tp"), "must name each of the 1 axes"),
+    ],
+)
+def test_a_mesh_the_job_cannot_hold_is_refused_on_every_rank(pool2, shape, names, expected):
+    for message in pool2.run(mesh_tasks.refused, shape, names):
+        assert expected in message
+
+
+def test_a_group_of_a_many_axis_mesh_must_name_its_axis(rank_pools):
+    for message in rank_pools(8).run(mesh_tasks.get_group_of_a_3d_mesh):
+        assert "get_group('dp')" in message

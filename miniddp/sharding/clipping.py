@@ -1,63 +1,91 @@
-"""Gradient clipping across shards: the one place where sharding stops being invisible.
+"""Gradient clipping over every parallelism: the one place where sharding stops being invisible.
 
 `torch.nn.utils.clip_grad_norm_(params, max_norm)` computes the norm of the gradients it is
-given and scales them by min(1, max_norm / norm). Under DDP and ZeRO-1 every rank holds every
-averaged gradient, so each rank computes the true norm, and all clip alike. Under ZeRO-2
-(`reduce_scatter_hook`) a rank holds only the gradients it owns, and under `fully_shard` only its
-shard of each: each rank computes the norm of *its part*, clips by a factor of its own, and the
-replicas drift apart while nothing complains.
-
-The true norm is a sum over ranks. For p < inf,
-
-    ||g||_p = ( sum over ranks r of  sum over the gradients r holds alone of  ||g_i||_p^p )^(1/p)
-
-so each rank computes the p-th power of its part's norm, one all-reduce adds them, and the
-p-th root is taken on every rank: the same total, the same factor, everywhere. For p = inf the
-all-reduce takes the maximum instead. Gradients that every rank holds (DDP's, or parameters no
-sharding stage manages) must be counted once, not W times: their part is computed locally, the
-same on every rank, and added after the all-reduce. Under ZeRO-1, where the gradients are
-replicated but each parameter has an owner, each is counted on its owner only (the same sum).
+given and scales them by min(1, max_norm / norm). Under DDP every rank holds every averaged
+gradient, so each computes the true norm. But under ZeRO-2 a rank holds only the gradients it
+owns, under fully_shard a piece of each, under tensor parallelism a shard of some, under a
+pipeline only its stage's: each rank would compute the norm of *its part*, clip by a factor of
+its own, and the replicas would drift apart while nothing complains.
 
     loss.backward()
     miniddp.sharding.clip_grad_norm_(model.parameters(), max_norm=1.0)   # the true norm
     optimizer.step()
 
 Same signature and return value as torch's (its ZeRO and FSDP1 offered a `clip_grad_norm_`
-method for the same reason). A model that no sharding stage touched costs no communication,
-and the result is torch's `clip_grad_norm_` bit for bit.
+method for the same reason). A collective: call it on every rank, with the parameters that rank
+holds. It reads only the mark each parallelism leaves on its parameters (miniddp/placement.py).
+
+The maths. For p < inf the norm is a sum over pieces,
+
+    ||g||_p^p = sum over the distinct pieces x of the model's gradients of ||x||_p^p
+
+and a piece is held by several ranks exactly along the axes where it is *not* split. Call a
+parameter's category C the set of axes along which it is distinct across ranks, read off its
+marks:
+
+    "data"    a DataShard mark (ZeRO, fully_shard): counted only where counted_here(), so a
+              ZeRO-1 gradient, replicated but owned, is counted once, on its owner
+    "tensor"  a TensorShard mark: each TP rank holds another chunk
+    "stage"   a Stage mark: counted only on the rank of the stage group whose rank is the
+              stage's index, so a replica another stage holds (a GPT's tied embedding on the
+              last stage, marked as stage 0's) is counted once, by stage 0
+
+Each rank adds ||x||_p^p per category into a vector v of 7 partial sums (one per non-empty
+subset of the three axes). Along each axis k that some parameter has, in the fixed order data,
+tensor, stage, one all-reduce SUM over k's group adds the ranks' vectors, after every rank whose
+place in that group is not 0 has zeroed the entries of the categories that do not contain k:
+
+    v_C  <-  sum over the ranks r of the group of  v_C(r)   if k in C   (distinct pieces)
+    v_C  <-  v_C(rank 0 of the group)                        otherwise   (replicas: one copy)
+
+Why that is the true sum: on a mesh, v_C at a rank depends only on its coordinates along the
+axes in C (along the others it holds the same pieces). After the all-reduce along k, v_C is
+constant along k, and either summed over k (k in C) or taken at k = 0 (k not in C); the later
+all-reduces, along other axes, keep it constant along k. After the last axis, every rank holds,
+for every C, the sum over the distinct coordinates along C of the pieces at coordinate 0 along
+the rest: each distinct piece once. The parameters no parallelism marked (the empty category)
+are replicated everywhere, so their sum stays local and is added at the end. Then
+
+    total = (sum of the entries) ^ (1/p)
+
+For p = inf the norm is a maximum, and a replica's maximum is its own: the all-reduces take MAX
+and zero nothing.
+
+Every rank ends with the same bits, by the same sums in the same order. An all-reduce hands all
+the ranks of its group one result, so after the one along k the vector is the same bits along k.
+A later all-reduce along another axis keeps that: the two groups through two ranks that differ
+only along k get the same bits at the same places in the group, zero the same entries, and add
+them by the same algorithm over the same size. So after the last axis every rank holds the same
+vector, and each adds the same 8 entries (the local one last) in the same order and takes the
+same root. The unmarked parameters' part is the same on every rank as long as their gradients
+are (DDP's are: its all-reduce hands every rank one result).
+
+The cost: one all-reduce of 7 numbers per axis some parameter is split along, in float64 (the
+ranks need one dtype without asking one another, and under a pipeline they hold different
+parameters; the total is then cast back to the gradients' dtype, as torch returns it). A model
+no parallelism touched costs no communication, and the result is torch's `clip_grad_norm_` bit
+for bit.
+
+Refused before any communication, by each rank from its own marks: two groups of one kind (two
+TP groups of different ranks), and groups of two kinds that share ranks other than this one (the
+sums along the two axes would count some pieces twice): both mean the marks are not the axes of
+one mesh.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from functools import reduce
 
 import torch
 import torch.distributed as dist
-from torch.utils.weak import WeakIdKeyDictionary
 
 from miniddp.job.faults import wait_for
+from miniddp.placement import Placement, group_ranks, placement_of
 
-
-@dataclass(frozen=True)
-class Spread:
-    """How a parameter's gradient is spread over the ranks of `group`: held by `owner` alone
-    (ZeRO), or, with owner None, each rank holding a different piece (a fully_shard shard)."""
-
-    group: dist.ProcessGroup | None
-    owner: int | None = None
-
-    def counted_here(self) -> bool:
-        return self.owner is None or self.owner == dist.get_rank(self.group)
-
-
-_SPREAD: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> its Spread
-
-
-def mark_spread(param: torch.Tensor, spread: Spread) -> None:
-    """Called by the sharding stages for every parameter they manage."""
-    _SPREAD[param] = spread
+KINDS = ("data", "tensor", "stage")  # the axes, in the order their all-reduces run
+CATEGORIES = range(1, 1 << len(KINDS))  # the non-empty subsets of KINDS, as bit masks
 
 
 def clip_grad_norm_(
@@ -68,16 +96,16 @@ def clip_grad_norm_(
     foreach: bool | None = None,
 ) -> torch.Tensor:
     """Clip the gradients of `parameters` by their total norm over every rank, and return that
-    norm (the same tensor on every rank). Under ZeRO-2 or fully_shard a collective: call it on
-    every rank, with the same parameters."""
+    norm (the same on every rank). A collective when some parameter is marked: call it on every
+    rank, with the parameters that rank holds."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     norm_type = float(norm_type)
-    spread = [(p, _SPREAD[p]) for p in params if p in _SPREAD]
-    replicated = [p.grad for p in params if p not in _SPREAD and p.grad is not None]
-    if not spread:
+    marked = [(p, placement_of(p)) for p in params if not placement_of(p).replicated]
+    replicated = [p.grad for p in params if placement_of(p).replicated and p.grad is not None]
+    if not marked:
         total = torch.nn.utils.get_total_norm(replicated, norm_type, error_if_nonfinite, foreach)
     else:
-        total = _total_over_ranks(spread, replicated, norm_type, foreach)
+        total = _total_over_ranks(params, marked, replicated, norm_type, foreach)
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(
                 f"The total norm of order {norm_type} of the gradients is non-finite ({total}), "
@@ -88,40 +116,96 @@ def clip_grad_norm_(
 
 
 def _total_over_ranks(
-    spread: list[tuple[torch.Tensor, Spread]],
+    params: list[torch.Tensor],
+    marked: list[tuple[torch.Tensor, Placement]],
     replicated: list[torch.Tensor],
     norm_type: float,
     foreach: bool | None,
 ) -> torch.Tensor:
-    groups = {id(s.group): s.group for _, s in spread}
-    if len(groups) > 1:
-        raise ValueError(
-            "clip_grad_norm_ got parameters sharded over different process groups; clip each "
-            "group's parameters separately, or shard them over one group"
+    groups = _one_group_per_kind([placement for _, placement in marked])
+    grads = [p.grad for p in params if p.grad is not None]
+    device = (grads or params)[0].device
+    dtypes = [g.dtype for g in grads]  # what torch's norm would be returned in
+    dtype = reduce(torch.promote_types, dtypes) if dtypes else torch.get_default_dtype()
+    infinite = math.isinf(norm_type)
+    by_category: dict[int, list[torch.Tensor]] = {}
+    for param, placement in marked:
+        category = _category_counted_here(placement)
+        if param.grad is not None and category is not None:
+            by_category.setdefault(category, []).append(param.grad)
+    partial = torch.zeros(len(CATEGORIES), dtype=torch.float64, device=device)
+    for category, held in by_category.items():
+        partial[category - 1] = _part(held, norm_type, foreach)
+    for bit, kind in enumerate(KINDS):
+        if kind not in groups or dist.get_world_size(groups[kind]) == 1:
+            continue  # no parameter split along this axis, or an axis of one rank
+        group = groups[kind]  # None: the whole job
+        if not infinite and dist.get_rank(group) != 0:
+            replicas = [c - 1 for c in CATEGORIES if not c & (1 << bit)]
+            partial[replicas] = 0  # the same on every rank of the group: rank 0's copy counts
+        wait_for(
+            dist.all_reduce(
+                partial,
+                op=dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM,
+                group=group,
+                async_op=True,
+            ),
+            f"all-reduce of the gradients' norm of order {norm_type:g} along the {kind} axis "
+            "(clip_grad_norm_)",
+            group,
         )
-    [group] = groups.values()
-    mine = [p.grad for p, s in spread if p.grad is not None and s.counted_here()]
-    like = spread[0][0]  # the same on every rank: the all-reduce needs one dtype everywhere
-    local = _norm(mine, norm_type, foreach, like)
-    kept = _norm(replicated, norm_type, foreach, like)
-    if math.isinf(norm_type):
-        reduce = dist.ReduceOp.MAX
-    else:
-        local, kept = local.pow(norm_type), kept.pow(norm_type)
-        reduce = dist.ReduceOp.SUM
-    wait_for(
-        dist.all_reduce(local, op=reduce, group=group, async_op=True),
-        f"all-reduce of the gradients' norm of order {norm_type:g} (clip_grad_norm_)",
-        group,
-    )
-    if math.isinf(norm_type):
-        return torch.maximum(local, kept)
-    return (local + kept).pow(1.0 / norm_type)
+    local = _part(replicated, norm_type, foreach).to(device).reshape(1)
+    entries = torch.cat([partial, local])  # the same values in the same order on every rank
+    total = entries.max() if infinite else entries.sum().pow(1.0 / norm_type)
+    return total.to(dtype)
 
 
-def _norm(
-    grads: list[torch.Tensor], norm_type: float, foreach: bool | None, like: torch.Tensor
-) -> torch.Tensor:
+def _category_counted_here(placement: Placement) -> int | None:
+    """The bit mask of the axes `placement` is distinct along, or None where another rank
+    counts this copy (a ZeRO gradient's non-owner, a replica of another stage's parameter)."""
+    data, tensor, stage = placement.data, placement.tensor, placement.stage
+    if data is not None and not data.counted_here():
+        return None
+    if stage is not None and dist.get_rank(stage.group) != stage.index:
+        return None
+    return sum(1 << bit for bit, mark in enumerate((data, tensor, stage)) if mark is not None)
+
+
+def _one_group_per_kind(placements: list[Placement]) -> dict[str, dist.ProcessGroup | None]:
+    """The one group each axis runs over; refused if the marks are not the axes of one mesh."""
+    groups: dict[str, tuple[tuple[int, ...], dist.ProcessGroup | None]] = {}
+    for placement in placements:
+        for kind, mark in zip(KINDS, (placement.data, placement.tensor, placement.stage)):
+            if mark is None:
+                continue
+            ranks = tuple(group_ranks(mark.group))
+            seen = groups.setdefault(kind, (ranks, mark.group))[0]
+            if seen != ranks:
+                raise ValueError(
+                    f"clip_grad_norm_ got parameters split over two different {kind} groups, "
+                    f"of ranks {list(seen)} and {list(ranks)}: it adds the norm along each axis "
+                    f"of one mesh once. Use one {kind} group for every parameter (the mesh's), "
+                    "or clip each group's parameters separately."
+                )
+    me = dist.get_rank()
+    kinds = [kind for kind in KINDS if kind in groups]
+    for i, first in enumerate(kinds):
+        for second in kinds[i + 1 :]:
+            shared = sorted((set(groups[first][0]) & set(groups[second][0])) - {me})
+            if shared:
+                raise ValueError(
+                    f"clip_grad_norm_: the {first} group and the {second} group share ranks "
+                    f"{shared} besides this one ({me}), so they are not two axes of one mesh, "
+                    "and a sum along both would count their pieces twice. Build the groups "
+                    "from one mesh: mesh['dp'].get_group(), mesh['tp'].get_group(), "
+                    "mesh['pp'].get_group()."
+                )
+    return {kind: group for kind, (_, group) in groups.items()}
+
+
+def _part(grads: list[torch.Tensor], norm_type: float, foreach: bool | None) -> torch.Tensor:
+    """sum of ||g||_p^p over `grads` (for p = inf, their largest |element|), in float64."""
     if not grads:
-        return torch.zeros((), dtype=like.dtype, device=like.device)
-    return torch.nn.utils.get_total_norm(grads, norm_type, False, foreach).to(like.dtype)
+        return torch.zeros((), dtype=torch.float64)
+    norm = torch.nn.utils.get_total_norm(grads, norm_type, False, foreach).to(torch.float64)
+    return norm if math.isinf(norm_type) else norm.pow(norm_type)

@@ -52,8 +52,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from miniddp import collectives
 from miniddp.job.env import HOW_TO_LAUNCH
 from miniddp.job.faults import wait_for
+from miniddp.placement import DataShard, carry_over, mark
 from miniddp.same_model import verify_same_model_on_every_rank
-from miniddp.sharding.clipping import Spread, mark_spread
 from miniddp.sharding.units import (
     check_every_rank_gathers,
     next_number,
@@ -260,8 +260,9 @@ def fully_shard(
     )
     sharded.originals.update(dict.fromkeys(params.values()))
     register(sharded)
-    for shard in shards:
-        mark_spread(shard, Spread(process_group))  # for clip_grad_norm_: a piece per rank
+    for original, shard in zip(params.values(), shards, strict=True):
+        carry_over(original, shard)  # a shard of a TP shard stays one (FSDP x TP), and a stage's
+        mark(shard, data=DataShard(process_group))  # then: a piece per rank of the group
     sharded.place(shards)
     module._sharded = sharded if shards else None
     module.register_forward_pre_hook(_before_forward)

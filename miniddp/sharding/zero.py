@@ -32,8 +32,8 @@ from miniddp import collectives
 from miniddp.job.env import HOW_TO_LAUNCH
 from miniddp.job.faults import wait_for
 from miniddp.job.meet import meet
+from miniddp.placement import DataShard, mark
 from miniddp.same_model import verify_same_model_on_every_rank
-from miniddp.sharding.clipping import Spread, mark_spread
 
 
 def partition(param_groups: list[dict[str, Any]], world_size: int) -> list[list[dict[str, Any]]]:
@@ -110,7 +110,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         for rank, groups in enumerate(self.partition):
             for param in (p for g in groups for p in g["params"]):
                 self._owner[id(param)] = rank
-                mark_spread(param, Spread(self.process_group, owner=rank))
+                mark(param, data=DataShard(self.process_group, owner=rank))
 
     def owner_of(self, param: torch.Tensor) -> int:
         """The group rank that steps `param` and keeps its state."""
