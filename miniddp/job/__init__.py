@@ -11,4 +11,6 @@ meet.py             meeting points every rank must reach (cleanup, checkpoints),
 checkpoint.py       atomic, complete checkpoints and a bit-identical resume; public as
                     `miniddp.checkpoint`
 checkpoint_file.py  the file format under it: written whole or not at all
+full_tensors.py     a tensor-parallel or pipelined model's state whole for the file, and each
+                    rank's part cut back out on load (read from the parameters' marks)
 """
