@@ -30,6 +30,7 @@ FIGURES = [
     "08_memory.png",
     "13_tensor_parallel.png",
     "14_pipeline.png",
+    "15_three_d.png",
 ]
 # Drawn only with --only 12: chapter 12's 3-minute training run (its claims: test_train_gpt.py).
 ON_REQUEST = ["12_loss.png"]
@@ -111,3 +112,32 @@ def test_other_bad_options_are_refused_without_making_the_folder(
     out = tmp_path / "figures"
     assert refusal(["--out", str(out), *argv], capsys).count(message) == 1
     assert not out.exists()
+
+
+def test_the_three_d_figure_draws_the_mesh_and_a_step(tmp_path: Path) -> None:
+    """Chapter 15's figure from a step made up here (the 8-rank job that records a real one is
+    the slow test's): its groups are the mesh's, and it is a readable PNG."""
+    from miniddp.figures import three_d
+    from miniddp.pipeline.timeline import Block
+
+    groups = three_d.groups_of((2, 2, 2))
+    assert groups == {  # miniddp/mesh.py's docstring draws these
+        "pp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+        "dp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+        "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+    }
+    steps = []
+    for rank in range(8):
+        stage = rank // 4
+        blocks = [Block(stage, "F", 0, 0.01 * stage, 0.01 * stage + 0.01)]
+        blocks.append(Block(stage, "B", 0, 0.03 - 0.01 * stage, 0.05 - 0.01 * stage))
+        wire = [
+            three_d.WireEvent("tp", "all_reduce", 512, 2048, 0.012, 0.013),
+            three_d.WireEvent("pp", "send", 512, 2048, 0.02),
+            three_d.WireEvent("dp", "all_reduce", 14_000, 56_000, 0.045, 0.05),
+        ]
+        coordinate = [stage, rank // 2 % 2, rank % 2]
+        steps.append(three_d.RankStep(rank, coordinate, blocks, [(0.0, 0.01)], wire))
+    path = three_d.mesh_and_step(steps, tmp_path / "15_three_d.png")
+    height, width = matplotlib.image.imread(path).shape[:2]
+    assert height > 200 and width > 400

@@ -27,7 +27,14 @@ REPO = Path(__file__).resolve().parents[1]
 # code on a tiny GPT, with its checks, instead.
 # Chapters 02 and 03 (the README's) run through `./launch.sh` below. Chapter 06 has its own
 # tests/test_failover.py: uninterrupted, crashed and restarted by torchrun, and once finished.
-OWN_TESTS = {"02_naive_ddp.py", "03_bucketing.py", "06_failover.py", "12_train_gpt.py"}
+# Chapter 15 needs 8 ranks: its own tests are at the end of this file.
+OWN_TESTS = {
+    "02_naive_ddp.py",
+    "03_bucketing.py",
+    "06_failover.py",
+    "12_train_gpt.py",
+    "15_three_d_parallel.py",
+}
 CHAPTERS = [
     chapter
     for chapter in sorted((REPO / "tutorials").glob("[0-9][0-9]*_*.py"))
@@ -112,3 +119,36 @@ def test_launch_sh_help_prints_usage(tmp_path: Path) -> None:
     assert returncode == 0
     assert output.startswith("Usage: ./launch.sh")
     assert "NPROC" in output and "MASTER_PORT" in output
+
+
+THREE_D = REPO / "tutorials" / "15_three_d_parallel.py"
+
+
+def test_the_three_d_chapter_runs_quickly_on_eight_ranks(tmp_path: Path) -> None:
+    """Chapter 15 on its 8 ranks, 2 steps and nothing timed: every check but the link's. About
+    30 s here, most of it 8 processes importing torch, and torch._dynamo at AdamW's first step."""
+    returncode, output = run_chapter(THREE_D, 8, tmp_path, "--steps", "2", "--link", "none")
+    assert returncode == 0, f"{THREE_D.name} exited with {returncode}:\n{tail(output)}"
+    assert "Verified on 8 ranks" in output
+    assert "FAILED" not in output
+
+
+@pytest.mark.slow  # 1-2 minutes: 8 steps, then two layouts timed over the simulated link
+def test_the_three_d_chapter_default_run_draws_its_step(tmp_path: Path) -> None:
+    figures = tmp_path / "figures"
+    returncode, output = run_chapter(THREE_D, 8, tmp_path, "--plot", str(figures))
+    assert returncode == 0, f"{THREE_D.name} exited with {returncode}:\n{tail(output)}"
+    assert "Verified on 8 ranks" in output
+    assert "x; measured: " in output or "the model calls it close" in output  # it timed
+    assert (figures / "15_three_d.png").stat().st_size > 10_000
+
+
+def test_the_three_d_chapter_refuses_another_world_size(tmp_path: Path) -> None:
+    """Started as one process (or on any number of ranks but 8), it says how to start it, once,
+    before building anything."""
+    env = child_env(tmp_path, drop=(*LAUNCH_VARIABLES, "WORLD_SIZE", "RANK", "LOCAL_RANK"))
+    command = [sys.executable, str(THREE_D), "--steps", "2"]
+    returncode, output = run_in_own_session(command, env, TIMEOUT_SECONDS)
+    assert returncode == 1, tail(output)
+    assert output.count("torchrun --nproc_per_node=8 tutorials/15_three_d_parallel.py") == 1
+    assert "this job has 1" in output and "Traceback" not in output
