@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from miniddp import MiniDDP
-from miniddp.job.checkpoint import CheckpointError, Progress, load_checkpoint, save_checkpoint
+from miniddp.checkpoint import CheckpointError, Progress, load_checkpoint, save_checkpoint
 
 
 def draws() -> list[float]:

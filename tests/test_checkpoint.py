@@ -19,8 +19,8 @@ import pytest
 import torch
 from torch import nn
 
-import miniddp.job.checkpoint as checkpoint_module
-from miniddp.job.checkpoint import (
+import miniddp.checkpoint.save_load as checkpoint_module
+from miniddp.checkpoint import (
     CheckpointError,
     Progress,
     load_checkpoint,
@@ -117,7 +117,7 @@ KILLED_MID_WRITE = """
 import io, os, sys
 import torch
 from torch import nn
-from miniddp.job.checkpoint import Progress, save_checkpoint
+from miniddp.checkpoint import Progress, save_checkpoint
 
 model = nn.Linear(3, 2)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -152,7 +152,7 @@ def test_a_no_sync_that_still_sends_fails_the_no_sync_claim(rank_pools, tmp_path
 def test_the_rungs_pass_the_idea_checks_of_their_exercises(rank_pools):
     check_buckets(rank_pools, "miniddp.steps.buckets:BucketedDDP")
     check_torch_layout_at_default_caps(rank_pools, "miniddp.steps.torch_layout:TorchLayoutDDP")
-    check_no_sync(rank_pools, "miniddp.ddp:MiniDDP")
+    check_no_sync(rank_pools, "miniddp.data_parallel.ddp:MiniDDP")
 
 
 @pytest.mark.parametrize(

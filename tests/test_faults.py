@@ -23,14 +23,14 @@ from tests.faulty_ranks import PROCESS_GROUP_TIMEOUT_S, record_detection, run_ra
 
 
 def miniddp_waits_are_watched() -> bool:
-    import miniddp.ddp
+    import miniddp.data_parallel.ddp
 
-    return hasattr(miniddp.ddp, "wait_for")
+    return hasattr(miniddp.data_parallel.ddp, "wait_for")
 
 
 NEEDS_WIRING = pytest.mark.skipif(
     not miniddp_waits_are_watched(),
-    reason="miniddp/ddp.py does not yet wait through miniddp.faults.wait_for",
+    reason="miniddp/data_parallel/ddp.py does not yet wait through miniddp.faults.wait_for",
 )
 LAYERS = ["wait_for", pytest.param("miniddp", marks=NEEDS_WIRING)]
 

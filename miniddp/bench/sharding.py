@@ -34,7 +34,7 @@ from miniddp.bench.paired import (
     rotated,
 )
 from miniddp.collectives import traffic
-from miniddp.comm_hooks import all_reduce_hook
+from miniddp.data_parallel.comm_hooks import all_reduce_hook
 from miniddp.job.env import cleanup, init_distributed
 from miniddp.sharding import Formula, ddp_buckets, measure_memory, reduce_scatter_hook
 

@@ -138,7 +138,6 @@ class PipelineStage:
         self.peak_held = 0
 
 
-
 def _arm_reduction(wrapper: nn.Module, output: torch.Tensor) -> None:
     """Make the coming backward through `output` all-reduce, as a synced forward would have;
     unless the user is accumulating over steps, inside the wrapper's own `no_sync()`."""

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from miniddp.layout import bucket_caps
+from miniddp.data_parallel.layout import bucket_caps
 from miniddp.steps.buckets import assign_buckets
 from tests.workloads import (
     ModelSpec,

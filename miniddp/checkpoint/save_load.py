@@ -74,8 +74,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from miniddp.ddp import MiniDDP
-from miniddp.job.checkpoint_file import (
+from miniddp.checkpoint.file import (
     FORMAT,
     RNG_FORMAT,
     VERSION,
@@ -86,8 +85,7 @@ from miniddp.job.checkpoint_file import (
     rng_path,
     write_atomically,
 )
-from miniddp.job.faults import CollectiveFailed, ranks
-from miniddp.job.full_tensors import (
+from miniddp.checkpoint.full_tensors import (
     Spread,
     cut_optimizer_shards,
     cut_shards,
@@ -98,6 +96,8 @@ from miniddp.job.full_tensors import (
     spread_of,
     unsplit_shapes,
 )
+from miniddp.data_parallel.ddp import MiniDDP
+from miniddp.job.faults import CollectiveFailed, ranks
 from miniddp.job.meet import hear_from, meet, tell_the_others
 from miniddp.job.notes import board_of
 from miniddp.sharding.full_state import (
