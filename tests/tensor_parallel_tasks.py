@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from miniddp import tensor_parallel as tp
-from miniddp.tensor_parallel import embedding, linear
+from miniddp.tensor_parallel import layers
 from tests.mesh_tasks import mesh_once
 
 MODELS = ("mlp", "attention", "block", "gpt")
@@ -37,15 +37,14 @@ LEARNERS_F_AND_G = "MINIDDP_TP_FG"  # a file with a learner's f and g (tutorials
 
 # Where the layers look f and g up: the one place a learner's code enters.
 SEAMS = (
-    (linear, "copy_to_tensor_parallel"),
-    (linear, "reduce_from_tensor_parallel"),
-    (embedding, "reduce_from_tensor_parallel"),
+    (layers, "copy_to_tensor_parallel"),
+    (layers, "reduce_from_tensor_parallel"),
 )
 
 
 def install_f_and_g(path: str) -> list:
     """Build colwise and rowwise layers with the f and g of the file at `path` (functions named
-    as in miniddp/tensor_parallel/communications.py); return what they replaced."""
+    as in miniddp/tensor_parallel/layers.py); return what they replaced."""
     spec = importlib.util.spec_from_file_location(Path(path).stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from miniddp.tensor_parallel.styles import ColwiseParallel, ParallelStyle, RowwiseParallel
+from miniddp.tensor_parallel.plan import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 
 class MLP(nn.Module):

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from miniddp.tensor_parallel.shards import group_size_and_rank, refuse_ids_outside
+from miniddp.tensor_parallel.layers import group_size_and_rank, refuse_ids_outside
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
