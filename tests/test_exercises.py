@@ -158,7 +158,7 @@ def test_the_rungs_pass_the_idea_checks_of_their_exercises(rank_pools):
 @pytest.mark.parametrize(
     "source, name, problem",
     [
-        ("class A:\n    pass\n", "B", "defines no B; the classes it defines: A"),
+        ("class A:\n    pass\n", "B", "defines no B; it defines: A"),
         ("def f(:\n", "A", "mine.py:1: SyntaxError"),
         ("import not_a_module_anywhere\n", "A", "raised ModuleNotFoundError"),
         ("A = 3\n", "A", "A is a int, not a class"),
