@@ -44,7 +44,7 @@ from miniddp.data_parallel.autograd_graph import (
     parameters_not_reached,
     when_backward_reaches,
 )
-from miniddp.data_parallel.buckets import Bucket, BucketInfo, describe_layout
+from miniddp.data_parallel.buckets import Bucket, BucketInfo
 from miniddp.data_parallel.comm_hooks import CommHook, GradBucket
 from miniddp.data_parallel.layout import BucketLayout, initial_layout
 from miniddp.data_parallel.static_graph import GRAPH_CHANGED, StaticGraph
@@ -471,9 +471,6 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
     def buckets(self) -> list[BucketInfo]:
         """The current bucket layout, in launch order, described for printing."""
         return self._layout.describe(self.param_names)
-
-    def describe_buckets(self) -> str:
-        return describe_layout(self.buckets)
 
     @property
     def has_rebuilt_buckets(self) -> bool:
