@@ -84,7 +84,14 @@ def group_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """W and this rank's place in the tensor-parallel group, or a clear error without one."""
     if not dist.is_initialized():
         raise RuntimeError(HOW_TO_LAUNCH)
-    return dist.get_world_size(group), dist.get_rank(group)
+    rank = dist.get_rank(group)
+    if rank < 0:  # not a member: torch answers -1, and chunk(x, -1) would say nothing useful
+        raise ValueError(
+            f"rank {dist.get_rank()} is not in this tensor-parallel group (ranks "
+            f"{', '.join(map(str, dist.get_process_group_ranks(group)))}): give each rank its "
+            'own group, e.g. mesh["tp"] or mesh["tp"].get_group()'
+        )
+    return dist.get_world_size(group), rank
 
 
 def local_chunk(
@@ -113,14 +120,13 @@ def local_parameter(
     return shard
 
 
-def refuse_ids_outside(ids: torch.Tensor, vocab_size: int, what: str) -> None:
+def refuse_ids_outside(ids: torch.Tensor, vocab_size: int, what: str, hint: str = "") -> None:
     """An id no rank owns would be looked up by none, and read as zeros, silently: refuse it, as
     one process's nn.Embedding and cross-entropy would."""
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
         raise IndexError(
             f"a {what} outside [0, {vocab_size}): got ids from {int(ids.min())} to "
-            f"{int(ids.max())}. Every id must name a row of the vocabulary (ignore_index is "
-            "not supported: drop those positions before the loss)"
+            f"{int(ids.max())}. Every id must name a row of the vocabulary{hint}"
         )
 
 
