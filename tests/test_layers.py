@@ -26,6 +26,7 @@ FLOORS = {
     "sharding": 2,
     "tensor_parallel": 2,
     "pipeline": 2,
+    "context_parallel": 2,
     "mesh": 2,
     "models": 2,
     "checkpoint": 3,
@@ -34,7 +35,13 @@ FLOORS = {
     "bench": 5,
     "figures": 5,
 }
-PARALLELISMS = {"data_parallel", "sharding", "tensor_parallel", "pipeline"}  # side by side
+PARALLELISMS = {
+    "data_parallel",
+    "sharding",
+    "tensor_parallel",
+    "pipeline",
+    "context_parallel",
+}  # side by side
 
 
 def part_of(module: str) -> str | None:

@@ -8,9 +8,10 @@ The vocabulary (Megatron-LM, Shoeybi et al. 2019):
     mesh                    TP groups inside DP groups: a grid of ranks (miniddp/mesh.py)
 
     layers.py           torch's chunk rule; f and g; ColwiseLinear, RowwiseLinear;
-                        VocabParallelEmbedding (rowwise), ColwiseEmbedding
-    plan.py             ColwiseParallel(), RowwiseParallel(): which module splits how, and
-                        parallelize_module(module, mesh or group, plan)
+                        VocabParallelEmbedding (rowwise), ColwiseEmbedding; sequence
+                        parallelism's f-bar and g-bar, SequenceParallelLayerNorm
+    plan.py             ColwiseParallel(), RowwiseParallel(), SequenceParallel(): which module
+                        splits how, and parallelize_module(module, mesh or group, plan)
     cross_entropy.py    the loss from vocabulary-sharded logits, never gathered
     blocks.py           MLP, CausalSelfAttention, TransformerBlock, TinyGPT, and plan_for
 
@@ -31,14 +32,18 @@ from miniddp.tensor_parallel.layers import (
     ColwiseEmbedding,
     ColwiseLinear,
     RowwiseLinear,
+    SequenceParallelLayerNorm,
     VocabParallelEmbedding,
     copy_to_tensor_parallel,
+    gather_from_sequence_parallel,
     reduce_from_tensor_parallel,
+    reduce_scatter_to_sequence_parallel,
 )
 from miniddp.tensor_parallel.plan import (
     ColwiseParallel,
     ParallelStyle,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 
@@ -51,12 +56,16 @@ __all__ = [
     "ParallelStyle",
     "RowwiseLinear",
     "RowwiseParallel",
+    "SequenceParallel",
+    "SequenceParallelLayerNorm",
     "TinyGPT",
     "TransformerBlock",
     "VocabParallelEmbedding",
     "copy_to_tensor_parallel",
+    "gather_from_sequence_parallel",
     "parallelize_module",
     "plan_for",
     "reduce_from_tensor_parallel",
+    "reduce_scatter_to_sequence_parallel",
     "vocab_parallel_cross_entropy",
 ]

@@ -61,6 +61,33 @@ An embedding split across the tensor-parallel group, by vocabulary or by embeddi
         row, and returns that slice of the width (sharded on the last dim), with no talking.
 
 The ids are integers, with no gradient: they need no f.
+
+Sequence parallelism (Megatron-SP, Korthikanti et al. 2022): what f and g become when the
+activations between blocks are split along the sequence.
+
+Between two blocks (LayerNorm, dropout, the residual add) a Megatron block's activation X is
+replicated: every rank holds all B x S x H of it and computes LayerNorm and dropout on all of
+it, W times over. Those ops act on each position alone, so they can run on S/W positions a
+rank instead, [B, S/W, H], if the talking changes shape:
+
+    f-bar  forward: all-gather along the sequence     (the colwise layer needs every position)
+           backward: reduce-scatter along it          (f's all-reduce, each rank keeping only
+                                                       its positions' sum)
+    g-bar  forward: reduce-scatter along the sequence (g's all-reduce, each rank keeping only
+                                                       torch.chunk(Z, W, 1)[rank])
+           backward: all-gather along it
+
+An all-reduce is a reduce-scatter then an all-gather, so a block sends the same bytes as
+before, and the LayerNorm and dropout activations it keeps for backward shrink W times.
+
+One more sum is needed. A replicated parameter applied on the shard (LayerNorm's weight and
+bias, a rowwise bias added after g-bar) gets, on each rank, the gradient of its S/W positions
+only: the whole gradient is the sum over the group. Megatron all-reduces these gradients after
+backward (its `sequence_parallel` mark on them); here the parameter enters its op through f,
+whose backward is that all-reduce, so when backward returns .grad is whole and the same on
+every rank. The parameter stays a plain replica (miniddp/placement.py: unmarked), which is then
+exactly right: clip_grad_norm_ counts it once, a checkpoint saves it once, and MiniDDP averages
+it over the data-parallel group like any other replica.
 """
 
 from __future__ import annotations
@@ -72,6 +99,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from miniddp.collectives import all_gather_into_tensor, reduce_scatter_tensor
+from miniddp.job.faults import wait_for
 from miniddp.placement import TensorShard, mark
 
 HOW_TO_LAUNCH = (
@@ -169,12 +198,104 @@ def reduce_from_tensor_parallel(x: torch.Tensor, group: dist.ProcessGroup | None
     return _ReduceFromTensorParallel.apply(x, group)
 
 
-class ColwiseLinear(nn.Module):
-    """This rank's output columns of an nn.Linear; its output is sharded on the last dim."""
+def _gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """[B, S/W, ...] from every rank -> [B, S, ...], rank r's positions at chunk r."""
+    world_size, _ = group_size_and_rank(group)
+    local = x.movedim(1, 0).contiguous()  # the sequence first: a rank's part is one block
+    gathered = local.new_empty((world_size * local.shape[0], *local.shape[1:]))
+    work = all_gather_into_tensor(gathered, local, group=group, async_op=True)
+    wait_for(work, f"the sequence-parallel all-gather of {tuple(x.shape)}", group)
+    return gathered.movedim(0, 1)
 
-    def __init__(self, linear: nn.Linear, group: dist.ProcessGroup | None, name: str) -> None:
+
+def _scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """[B, S, ...] partial sums on every rank -> this rank's chunk of the sum, [B, S/W, ...]."""
+    world_size, _ = group_size_and_rank(group)
+    if x.shape[1] % world_size:
+        raise ValueError(
+            f"sequence parallelism splits the sequence over {world_size} ranks, but it has "
+            f"{x.shape[1]} positions: use a length that is a multiple of {world_size}"
+        )
+    whole = x.movedim(1, 0).contiguous()
+    mine = whole.new_empty((whole.shape[0] // world_size, *whole.shape[1:]))
+    work = reduce_scatter_tensor(mine, whole, group=group, async_op=True)
+    wait_for(work, f"the sequence-parallel reduce-scatter of {tuple(x.shape)}", group)
+    return mine.movedim(0, 1)
+
+
+class _GatherFromSequenceParallel(torch.autograd.Function):
+    """f-bar: all-gather along the sequence forward, reduce-scatter of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        return _gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _scatter_sequence(grad, ctx.group), None
+
+
+class _ReduceScatterToSequenceParallel(torch.autograd.Function):
+    """g-bar: reduce-scatter along the sequence forward, all-gather of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        return _scatter_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _gather_sequence(grad, ctx.group), None
+
+
+def gather_from_sequence_parallel(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """f-bar: enter a parallel region from a sequence shard [B, S/W, ...]."""
+    return _GatherFromSequenceParallel.apply(x, group)
+
+
+def reduce_scatter_to_sequence_parallel(
+    x: torch.Tensor, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """g-bar: leave a parallel region into a sequence shard, torch.chunk(sum, W, 1)[rank]."""
+    return _ReduceScatterToSequenceParallel.apply(x, group)
+
+
+class SequenceParallelLayerNorm(nn.Module):
+    """An nn.LayerNorm on this rank's positions [B, S/W, H]: the same weight and bias (whole,
+    replicated), entered through f so that their gradients are summed over the group."""
+
+    def __init__(self, norm: nn.LayerNorm, group: dist.ProcessGroup | None, name: str) -> None:
         super().__init__()
         self.group = group
+        self.normalized_shape, self.eps = norm.normalized_shape, norm.eps
+        self.weight, self.bias = norm.weight, norm.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = (
+            None if p is None else copy_to_tensor_parallel(p, self.group)
+            for p in (self.weight, self.bias)
+        )
+        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.normalized_shape)}, eps={self.eps}, on this rank's positions"
+
+
+class ColwiseLinear(nn.Module):
+    """This rank's output columns of an nn.Linear; its output is sharded on the last dim.
+    With sequence_parallel its input is this rank's positions, gathered first (f-bar)."""
+
+    def __init__(
+        self,
+        linear: nn.Linear,
+        group: dist.ProcessGroup | None,
+        name: str,
+        sequence_parallel: bool = False,
+    ) -> None:
+        super().__init__()
+        self.group = group
+        self.sequence_parallel = sequence_parallel
         self.weight = local_parameter(linear.weight, 0, group, f"{name}.weight")
         self.bias = None
         if linear.bias is not None:
@@ -182,6 +303,8 @@ class ColwiseLinear(nn.Module):
         self.out_features, self.in_features = self.weight.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            return F.linear(gather_from_sequence_parallel(x, self.group), self.weight, self.bias)
         return F.linear(copy_to_tensor_parallel(x, self.group), self.weight, self.bias)
 
     def extra_repr(self) -> str:
@@ -189,16 +312,27 @@ class ColwiseLinear(nn.Module):
 
 
 class RowwiseLinear(nn.Module):
-    """This rank's input rows of an nn.Linear; takes a sharded input, returns the full output."""
+    """This rank's input rows of an nn.Linear; takes a sharded input, returns the full output
+    (with sequence_parallel: this rank's positions of it, and the bias through f)."""
 
-    def __init__(self, linear: nn.Linear, group: dist.ProcessGroup | None, name: str) -> None:
+    def __init__(
+        self,
+        linear: nn.Linear,
+        group: dist.ProcessGroup | None,
+        name: str,
+        sequence_parallel: bool = False,
+    ) -> None:
         super().__init__()
         self.group = group
+        self.sequence_parallel = sequence_parallel
         self.weight = local_parameter(linear.weight, 1, group, f"{name}.weight")
         self.bias = linear.bias  # replicated: every rank keeps it whole
         self.out_features, self.in_features = self.weight.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel(F.linear(x, self.weight), self.group)
+            return y if self.bias is None else y + copy_to_tensor_parallel(self.bias, self.group)
         y = reduce_from_tensor_parallel(F.linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 

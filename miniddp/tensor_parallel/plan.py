@@ -4,14 +4,22 @@
 ColwiseParallel and RowwiseParallel: how to split one module, named as torch names them.
 
 A style is a small object with one method, `apply(module, group, name)`, that returns the module
-split across `group`. They take no options: torch's defaults are the only layouts they produce
-(colwise: replicated input, output sharded on the last dim; rowwise: input sharded on the last
-dim, replicated output), and the outputs are plain local tensors, as with torch's
-`use_local_output=True`.
+split across `group`. They take one option: by default torch's default layouts (colwise:
+replicated input, output sharded on the last dim; rowwise: input sharded on the last dim,
+replicated output), with `sequence_parallel=True` Megatron-SP's (layers.py): the colwise input
+and the rowwise output are this rank's positions, torch.chunk(x, W, 1)[rank], as torch's
+ColwiseParallel(input_layouts=Shard(1)) and RowwiseParallel(output_layouts=Shard(1)) take and
+give them. The outputs are plain local tensors, as with torch's `use_local_output=True`.
 
     module         ColwiseParallel()              RowwiseParallel()
     nn.Linear      ColwiseLinear: rows of A       RowwiseLinear: columns of A, bias after g
     nn.Embedding   ColwiseEmbedding: width        VocabParallelEmbedding: vocabulary rows
+
+    module         SequenceParallel() (torch's name): the module whole, on [B, S/W, H]
+    nn.LayerNorm   SequenceParallelLayerNorm: weight and bias entered through f
+    nn.Dropout     itself: it acts on each element alone. Seed the ranks of a group
+                   differently (Megatron's tensor-parallel RNG tracker), or their shards draw
+                   the same mask
 
 `parallelize_module(module, group, plan)`: split a model by a plan, in place, as torch does.
 
@@ -36,20 +44,34 @@ from miniddp.tensor_parallel.layers import (
     ColwiseEmbedding,
     ColwiseLinear,
     RowwiseLinear,
+    SequenceParallelLayerNorm,
     VocabParallelEmbedding,
     group_size_and_rank,
 )
 
 
 class ParallelStyle:
-    """Split one module: the kinds of module a style knows, and the class that splits each."""
+    """Split one module: the kinds of module a style knows, and the class that splits each
+    (`sequence_parallel` reaches the linear layers only)."""
 
-    splits: dict[type[nn.Module], type[nn.Module]] = {}
+    splits: dict[type[nn.Module], Any] = {}
+
+    def __init__(self, *, sequence_parallel: bool = False) -> None:
+        self.sequence_parallel = sequence_parallel
 
     def apply(self, module: nn.Module, group: dist.ProcessGroup | None, name: str) -> nn.Module:
         for kind, split in self.splits.items():
-            if type(module) is kind:  # a subclass may compute something else with its weight
+            if type(module) is not kind:  # a subclass may compute something else with its weight
+                continue
+            if not self.sequence_parallel:
                 return split(module, group, name)
+            if kind is not nn.Linear:
+                raise ValueError(
+                    f"{self!r} splits nn.Linear only, but {name or 'the module'} is a "
+                    f"{kind.__name__}: give it {type(self).__name__}() without "
+                    "sequence_parallel, and gather or scatter the sequence around it yourself"
+                )
+            return split(module, group, name, sequence_parallel=True)
         known = " and ".join(k.__name__ for k in self.splits)
         raise TypeError(
             f"{type(self).__name__} splits {known} only, but {name or 'the module'} is a "
@@ -57,7 +79,8 @@ class ParallelStyle:
         )
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
+        options = "sequence_parallel=True" if self.sequence_parallel else ""
+        return f"{type(self).__name__}({options})"
 
 
 class ColwiseParallel(ParallelStyle):
@@ -70,6 +93,19 @@ class RowwiseParallel(ParallelStyle):
     """Keep chunk(weight, W, 1)[rank] of an nn.Linear (chunk(weight, W, 0) of an nn.Embedding)."""
 
     splits = {nn.Linear: RowwiseLinear, nn.Embedding: VocabParallelEmbedding}
+
+
+def _whole(module: nn.Module, group: dist.ProcessGroup | None, name: str) -> nn.Module:
+    return module
+
+
+class SequenceParallel(ParallelStyle):
+    """Run an nn.LayerNorm or nn.Dropout whole on this rank's positions [B, S/W, H]."""
+
+    splits = {nn.LayerNorm: SequenceParallelLayerNorm, nn.Dropout: _whole}
+
+    def __init__(self) -> None:
+        super().__init__()
 
 
 def parallelize_module(
@@ -95,7 +131,8 @@ def parallelize_module(
     for name, style in plan.items():
         if not isinstance(style, ParallelStyle):
             raise TypeError(
-                f"plan[{name!r}] is {style!r}: give ColwiseParallel() or RowwiseParallel()"
+                f"plan[{name!r}] is {style!r}: give ColwiseParallel(), RowwiseParallel() or "
+                "SequenceParallel()"
             )
     # Split everything first, then swap: a refused entry leaves the model as it was.
     split = {name: style.apply(names[name], group, name) for name, style in plan.items()}
