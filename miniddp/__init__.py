@@ -1,38 +1,40 @@
 """MiniDDP: PyTorch's DistributedDataParallel, rebuilt from scratch to be read, and from it the
-rest of data and model parallelism. The tree says what each part is for:
+rest of data and model parallelism.
 
-    the DDP          ddp.py (MiniDDP, its whole life), buckets.py, layout.py, comm_hooks.py,
-                     join.py (Join's hook), static_graph.py, same_model.py (every replica the
-                     same model), autograd_graph.py (hooks, reachability), sampler.py
-    the ladder       steps/: the DDP built up one idea a rung, ending with MiniDDP
-    beyond DDP       sharding/ (ZeRO-1/2/3), tensor_parallel/, pipeline/; collectives/ (the
-                     collectives themselves, from send/recv)
-    composing them   mesh.py (init_device_mesh: one grid, a group per axis), placement.py (the
-                     mark each parallelism leaves on its parameters), parallelize.py (the GPT
-                     over a (pp, dp, tp) mesh)
-    the job          job/: the environment, the wait seam and its faults, meeting points,
-                     checkpoints
-    watching         observe/: events, timelines, the simulated link, the overlap model,
-                     the baselines
-    measuring        bench/, figures/ (they import the library like a user; it never imports them)
-    a real model     models/: the GPT chapter 12 trains
+The house has floors, and every import runs down (tests/test_layers.py keeps it so, and names
+an import that runs up):
 
-`miniddp.faults` and `miniddp.checkpoint`, the names users and the issues know, are
-`miniddp.job.faults` and `miniddp.job.checkpoint` themselves (the same module objects).
+    floor 5  bench/ (and the baselines it measures), figures/: they use the library like a user
+    floor 4  steps/: the ladder, DDP built up one idea a rung, ending with MiniDDP
+    floor 3  checkpoint/ (every parallelism's state, to disk and back), parallelize.py (the
+             GPT over a (pp, dp, tp) mesh: TP, the pipeline split, then DP or FSDP)
+    floor 2  the parallelisms, side by side, none importing another: data_parallel/ (MiniDDP,
+             its buckets, layout, comm hooks, static graph, sampler), sharding/ (ZeRO-1/2/3,
+             clipping), tensor_parallel/, pipeline/, context_parallel/ (the sequence split,
+             ring attention); beside them mesh.py (init_device_mesh, one
+             grid and a group per axis) and models/ (the GPT chapter 12 trains)
+    floor 1  the ground: collectives/ (from send/recv), job/ (the environment, the wait seam
+             and its faults, meeting points), observe/ (events, timelines, the simulated link,
+             the overlap model), placement.py (the mark each parallelism leaves on its
+             parameters, read by what spans them), same_model.py (every replica the same
+             model: what MiniDDP, ZeRO and fully_shard all check)
+
+`miniddp.faults` is job/faults.py under the name users know, as one module object (one
+CollectiveFailed class, whichever name an `except` uses).
 """
 
 import sys
 
-from miniddp.buckets import BucketInfo
-from miniddp.ddp import MiniDDP
-from miniddp.job import checkpoint, faults
+import miniddp.checkpoint as checkpoint
+from miniddp.data_parallel.buckets import BucketInfo
+from miniddp.data_parallel.ddp import MiniDDP
+from miniddp.data_parallel.sampler import DistributedSampler
+from miniddp.job import faults
 from miniddp.job.env import DistEnv, cleanup, init_distributed
 from miniddp.observe.events import Event
-from miniddp.sampler import DistributedSampler
 from miniddp.sharding import ZeroRedundancyOptimizer, full_state_dict, fully_shard
 
 sys.modules[f"{__name__}.faults"] = faults
-sys.modules[f"{__name__}.checkpoint"] = checkpoint
 
 __all__ = [
     "BucketInfo",

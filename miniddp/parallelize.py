@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from miniddp.ddp import MiniDDP
+from miniddp.data_parallel.ddp import MiniDDP
 from miniddp.job.faults import wait_for
 from miniddp.mesh import DeviceMesh
 from miniddp.models.gpt import GPT

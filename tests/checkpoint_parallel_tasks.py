@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from miniddp import MiniDDP, cleanup
-from miniddp.job.checkpoint import CheckpointError, Progress, load_checkpoint, save_checkpoint
+from miniddp.checkpoint import CheckpointError, Progress, load_checkpoint, save_checkpoint
 from miniddp.job.faults import CollectiveFailed
 from miniddp.pipeline import PipelineStage, ScheduleGPipe
 from miniddp.tensor_parallel import ColwiseParallel, RowwiseParallel, parallelize_module

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from miniddp import MiniDDP
-from miniddp.job.checkpoint import CheckpointError, Progress, load_checkpoint, save_checkpoint
+from miniddp.checkpoint import CheckpointError, Progress, load_checkpoint, save_checkpoint
 
 
 def draws() -> list[float]:
@@ -133,3 +133,63 @@ def save_with_unconsolidated_zero(path: str) -> None:
     ddp(torch.randn(3, 4)).sum().backward()
     optimizer.step()
     save_checkpoint(path, ddp, optimizer, Progress(1, 0, 1))
+
+
+def rank0_idiom_after_an_every_rank_save(path: str) -> dict:
+    """An every-rank save at step 1 (rank 1 writes its RNG file beside it), then torch's idiom
+    at step 2 (`if rank == 0: save_checkpoint(...)`), then a load on every rank. Rank 1's RNG
+    file is step 1's: it belongs to another save and must not be restored. Returns what the
+    load reports, and whether this rank's RNG stream went on as if nothing were loaded."""
+    torch.manual_seed(100 + dist.get_rank())
+    random.seed(100 + dist.get_rank())
+    ddp, optimizer = dropout_training(seed=0)
+    train_steps(ddp, optimizer, 1)
+    save_checkpoint(path, ddp, optimizer, Progress(step=1, epoch=0, batches_done=1))
+    train_steps(ddp, optimizer, 1)
+    if dist.get_rank() == 0:
+        save_checkpoint(path, ddp, optimizer, Progress(step=2, epoch=0, batches_done=2))
+    dist.barrier()
+    before = (torch.get_rng_state(), random.getstate())
+    loaded = load_checkpoint(path, ddp, optimizer)
+    after_load = draws()
+    torch.set_rng_state(before[0])
+    random.setstate(before[1])
+    return {
+        "step": loaded.progress.step,
+        "rng_restored": loaded.rng_restored,
+        "ranks_without_rng": loaded.ranks_without_rng,
+        "kept_its_own_stream": after_load == draws(),
+    }
+
+
+def every_rank_saves_rank_1_slowly(path: str) -> dict:
+    """Every rank saves, rank 1 writing its RNG file a second late; then every rank loads at
+    once. Rank 0, done first, must not take rank 1's file for missing."""
+    import time
+    import warnings
+
+    import miniddp.checkpoint.save_load as save_load
+
+    torch.manual_seed(100 + dist.get_rank())
+    ddp, optimizer = dropout_training(seed=0)
+    train_steps(ddp, optimizer, 1)
+    write = save_load.write_atomically
+    if dist.get_rank() == 1:
+
+        def slowly(obj, where):
+            time.sleep(1.0)
+            write(obj, where)
+
+        save_load.write_atomically = slowly
+    try:
+        save_checkpoint(path, ddp, optimizer, Progress(step=1, epoch=0, batches_done=1))
+    finally:
+        save_load.write_atomically = write
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = load_checkpoint(path, ddp, optimizer)
+    return {
+        "rng_restored": loaded.rng_restored,
+        "ranks_without_rng": loaded.ranks_without_rng,
+        "warnings": [str(w.message) for w in caught],
+    }

@@ -35,7 +35,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--ddp-claims",
         default="",
         metavar="CLAIM,...",
-        help="stronger claims to check too, from miniddp.steps.CLAIMS: e.g. buckets (one "
+        help="stronger claims to check too, from miniddp.steps.CLAIMS: e.g. overlap (an "
+        "all-reduce in flight while backward goes on), buckets (one "
         "all-reduce per bucket), torch-layout (torch's buckets, bitwise torch's DDP at any W), "
         "no-sync, batchnorm, mixed-dtypes",
     )

@@ -112,7 +112,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from miniddp.job.checkpoint import CheckpointError
+    from miniddp.checkpoint import CheckpointError
     from miniddp.job.env import cleanup
     from miniddp.job.faults import CollectiveFailed
 
@@ -188,7 +188,7 @@ def _miniddp_step(args: argparse.Namespace, report: Callable[..., None]) -> Call
     from torch import nn
 
     from miniddp import MiniDDP, ZeroRedundancyOptimizer
-    from miniddp.job.checkpoint import Progress, load_checkpoint, save_checkpoint
+    from miniddp.checkpoint import Progress, load_checkpoint, save_checkpoint
 
     torch.manual_seed(0)
     model = MiniDDP(nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1)))
@@ -237,14 +237,14 @@ def _miniddp_step(args: argparse.Namespace, report: Callable[..., None]) -> Call
 
 def _die_halfway_through_the_next_save(report: Callable[..., None]) -> None:
     """Make the next checkpoint write stop halfway with SIGKILL: no exit note, no goodbye."""
-    import miniddp.job.checkpoint
+    import miniddp.checkpoint.save_load
 
     def die_halfway(obj, path) -> None:
         path.with_name(f".{path.name}.{os.getpid()}.tmp").write_bytes(b"PK\x03\x04 half a file")
         report("fault")
         os.kill(os.getpid(), signal.SIGKILL)
 
-    miniddp.checkpoint.write_atomically = die_halfway
+    miniddp.checkpoint.save_load.write_atomically = die_halfway
 
 
 if __name__ == "__main__":

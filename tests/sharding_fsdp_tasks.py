@@ -175,7 +175,7 @@ def resumes_through_save_checkpoint(spec: FsdpSpec, path: str) -> dict:
     """The issue's repro, through miniddp.checkpoint: `steps` steps, save_checkpoint on every
     rank, a fresh sharded model (other weights) resumed by load_checkpoint, `steps` more; and
     2·steps straight. Also the full parameters just before the save and just after the load."""
-    from miniddp.job.checkpoint import Progress, load_checkpoint, save_checkpoint
+    from miniddp.checkpoint import Progress, load_checkpoint, save_checkpoint
 
     straight = train("ours", replace(spec, steps=2 * spec.steps))["params"][-1]
     first = train("ours", spec)
@@ -192,7 +192,7 @@ def resumes_through_save_checkpoint(spec: FsdpSpec, path: str) -> dict:
 def resume_at_this_world_size(spec: FsdpSpec, path: str) -> dict:
     """Load a checkpoint saved at another world size into a model sharded for this one, and
     train on: the full parameters after the load and after `steps` more."""
-    from miniddp.job.checkpoint import load_checkpoint
+    from miniddp.checkpoint import load_checkpoint
 
     model = shard("ours", build_model(replace(spec, seed=spec.seed + 1)), spec)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01)

@@ -191,7 +191,7 @@ def zero_with_mixed_dtypes() -> None:
 def zero1_resumes_through_save_checkpoint(spec: ShardSpec, path: str) -> dict:
     """Chapter 06's guarantee with ZeRO-1: consolidate on rank 0, save_checkpoint, and a fresh
     model and optimizer resumed by load_checkpoint continue like a run that never stopped."""
-    from miniddp.job.checkpoint import Progress, load_checkpoint, save_checkpoint
+    from miniddp.checkpoint import Progress, load_checkpoint, save_checkpoint
 
     straight = train(replace(spec, steps=2 * spec.steps), "ours")["params"][-1]
     first = train(spec, "ours")

@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from miniddp import tensor_parallel as tp
-from miniddp.tensor_parallel import embedding, linear
+from miniddp.tensor_parallel import layers
 from tests.mesh_tasks import mesh_once
 
 MODELS = ("mlp", "attention", "block", "gpt")
@@ -37,15 +37,14 @@ LEARNERS_F_AND_G = "MINIDDP_TP_FG"  # a file with a learner's f and g (tutorials
 
 # Where the layers look f and g up: the one place a learner's code enters.
 SEAMS = (
-    (linear, "copy_to_tensor_parallel"),
-    (linear, "reduce_from_tensor_parallel"),
-    (embedding, "reduce_from_tensor_parallel"),
+    (layers, "copy_to_tensor_parallel"),
+    (layers, "reduce_from_tensor_parallel"),
 )
 
 
 def install_f_and_g(path: str) -> list:
     """Build colwise and rowwise layers with the f and g of the file at `path` (functions named
-    as in miniddp/tensor_parallel/communications.py); return what they replaced."""
+    as in miniddp/tensor_parallel/layers.py); return what they replaced."""
     spec = importlib.util.spec_from_file_location(Path(path).stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -356,6 +355,36 @@ def cross_entropy_against_one_process(seed: int, tokens: int, vocab: int) -> dic
     }
 
 
+def cross_entropy_with_ignored_targets(reduction: str) -> dict:
+    """Some targets are ignore_index (-100, padding): the loss and this rank's slice of the
+    logits' gradient, against one process's F.cross_entropy with the same ignore_index."""
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(2, 5, 12, generator=g, dtype=torch.float64).requires_grad_()
+    target = torch.randint(12, (2, 5), generator=g)
+    target[0, 1] = target[1, 3] = target[1, 4] = -100
+    mine = chunk_of(logits.detach(), -1).clone().requires_grad_()
+    ours = tp.vocab_parallel_cross_entropy(mine, target, reduction=reduction)
+    reference = F.cross_entropy(logits.transpose(1, 2), target, reduction=reduction)
+    weights = torch.randn(ours.shape, generator=g, dtype=torch.float64)  # "none": any gradient
+    (ours * weights).sum().backward()
+    (reference * weights).sum().backward()
+    return {
+        "loss": (ours - reference).abs().max().item(),
+        "grad": (mine.grad - chunk_of(logits.grad, -1)).abs().max().item(),
+        "ignored rows": mine.grad[target == -100].abs().max().item(),
+    }
+
+
+def split_over_a_group_without_this_rank() -> str:
+    """Rank 1 splits a Linear over a group of rank 0 alone."""
+    group = dist.new_group([0])  # every rank creates it; rank 1 is not in it
+    try:
+        tp.parallelize_module(nn.Linear(4, 4), group, tp.ColwiseParallel())
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
 def refusals() -> dict[str, str]:
     """What each misuse raises, as 'TypeName: message'."""
 
@@ -379,7 +408,7 @@ def refusals() -> dict[str, str]:
         + f" / {type(odd[0]).__name__}",
         "token id": outcome(lambda: gpt(torch.tensor([[0, 8]]))),
         "target": outcome(
-            lambda: tp.vocab_parallel_cross_entropy(torch.zeros(2, 4), torch.tensor([3, -100]))
+            lambda: tp.vocab_parallel_cross_entropy(torch.zeros(2, 4), torch.tensor([3, 9]))
         ),
         "odd size": outcome(lambda: tp.parallelize_module(odd, None, {"1": tp.ColwiseParallel()})),
         "unknown name": outcome(

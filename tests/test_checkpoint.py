@@ -19,8 +19,8 @@ import pytest
 import torch
 from torch import nn
 
-import miniddp.job.checkpoint as checkpoint_module
-from miniddp.job.checkpoint import (
+import miniddp.checkpoint.save_load as checkpoint_module
+from miniddp.checkpoint import (
     CheckpointError,
     Progress,
     load_checkpoint,
@@ -117,7 +117,7 @@ KILLED_MID_WRITE = """
 import io, os, sys
 import torch
 from torch import nn
-from miniddp.job.checkpoint import Progress, save_checkpoint
+from miniddp.checkpoint import Progress, save_checkpoint
 
 model = nn.Linear(3, 2)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -220,3 +220,29 @@ def test_saving_an_unconsolidated_zero_optimizer_says_so_on_every_rank(
     for outcome in outcomes:
         assert isinstance(outcome, RankFailure) and outcome.type_name == "CheckpointError"
         assert "consolidate_state_dict(to=0) on every rank" in outcome.message
+
+
+def test_the_rank0_idiom_after_an_every_rank_save_restores_no_stale_rng_file(
+    pool2: RankPool, tmp_path: Path
+) -> None:
+    """Rank 1's RNG file on disk is step 1's; the checkpoint is step 2's, saved by rank 0 alone.
+    Restoring that file would rewind rank 1's dropout masks to step 1, silently: the file is
+    marked with the save it belongs to, and rank 1 keeps its own state."""
+    path = str(tmp_path / "checkpoint.pt")
+    results = pool2.run(checkpoint_tasks.rank0_idiom_after_an_every_rank_save, path)
+    assert [r["step"] for r in results] == [2, 2]
+    assert results[0]["rng_restored"]  # its own, saved just now
+    assert results[1]["rng_restored"] is False
+    assert results[1]["ranks_without_rng"] == (1,)
+    assert results[1]["kept_its_own_stream"]
+
+
+def test_a_slow_rng_write_on_rank_1_is_not_taken_for_a_rank_0_save(
+    pool2: RankPool, tmp_path: Path
+) -> None:
+    """Every rank saved: the checkpoint is complete, however late rank 1's RNG file lands."""
+    results = pool2.run(checkpoint_tasks.every_rank_saves_rank_1_slowly, str(tmp_path / "c.pt"))
+    for rank, result in enumerate(results):
+        assert result["rng_restored"], f"rank {rank}"
+        assert result["ranks_without_rng"] == (), f"rank {rank}"
+        assert result["warnings"] == [], f"rank {rank}: {result['warnings']}"

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from miniddp.job.checkpoint import (
+from miniddp.checkpoint import (
     FORMAT,
     CheckpointError,
     Progress,
@@ -237,7 +237,7 @@ def test_one_ranks_shards_are_named_as_shards_cut_for_their_world_size(tmp_path:
     """A fully sharded model's `state_dict()` saved from one rank (what save_checkpoint wrote
     before it saved the full state): its 1-D entries of ceil(n/W) elements read like another
     model's. The error says they are shards, for which W, and how to save the full state."""
-    from miniddp.job.checkpoint_file import write_atomically
+    from miniddp.checkpoint.file import write_atomically
 
     path = tmp_path / "shards.pt"
     model, optimizer = new_training()

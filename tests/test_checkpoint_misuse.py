@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from miniddp.job.checkpoint import read_checkpoint
+from miniddp.checkpoint import read_checkpoint
 from tests.faulty_ranks import FAULT_STEP, PROCESS_GROUP_TIMEOUT_S, record_detection, run_ranks
 
 # Far more than the ~0.1-1.1 s measured, and still less than a timeout-based path would take

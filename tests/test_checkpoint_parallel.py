@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from miniddp.job.checkpoint import CheckpointError, load_checkpoint, read_checkpoint
+from miniddp.checkpoint import CheckpointError, load_checkpoint, read_checkpoint
 from tests import checkpoint_parallel_tasks as tasks
 from tests.harness.pool import RankPool
 

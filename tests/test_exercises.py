@@ -21,12 +21,13 @@ from pathlib import Path
 
 import pytest
 
-from miniddp.steps import BucketedDDP, NaiveDDP, OverlapDDP, TorchLayoutDDP
+from miniddp.steps import LADDER, BucketedDDP, NaiveDDP, OverlapDDP, TorchLayoutDDP
 from tests.collective_tasks import Case
 from tests.harness.equivalence import FIXED_SPEC, check_claims
 from tests.harness.idea_checks import (
     check_buckets,
     check_no_sync,
+    check_overlap,
     check_torch_layout_at_default_caps,
 )
 from tests.harness.pool import RankError, RankFailure
@@ -129,6 +130,83 @@ NO_SYNC_THAT_SENDS = """
 """
 
 
+BLOCKING_HOOKS = {
+    "dist.all_reduce(grad)": "dist.all_reduce(param.grad)",
+    "async_op=True then .wait()": "dist.all_reduce(param.grad, async_op=True).wait()",
+}
+BLOCKING_OVERLAP = """
+    import torch.distributed as dist
+    from torch.autograd import Variable
+    from miniddp.steps.overlap import OverlapDDP
+
+    class Done:
+        def wait(self):
+            pass
+
+    class Mine(OverlapDDP):
+        "Right numbers, no overlap: each hook waits for its own all-reduce before returning."
+        def _on_gradient_ready(self, index, param):
+            if not self._in_flight:
+                Variable._execution_engine.queue_callback(self._finish_backward)
+            param.grad.mul_(1.0 / self.world_size)
+            BLOCKING
+            self._in_flight.append((index, Done()))
+"""
+DEFERRED_BUCKETS = """
+    from miniddp.steps.buckets import BucketedDDP as Rung3
+
+    class BucketedDDP(Rung3):
+        "Rung 3's buckets, every one launched only when backward has ended."
+        def _launch_full_buckets(self):
+            pass
+
+        def _finish_backward(self):
+            Rung3._launch_full_buckets(self)
+            super()._finish_backward()
+"""
+NO_SYNC_AT_BACKWARD = """
+    from miniddp.steps.no_sync import NoSyncDDP
+
+    class Mine(NoSyncDDP):
+        "no_sync() read by the hooks, at backward time, instead of by the forward."
+        def forward(self, *inputs, **kwargs):
+            flag, self._require_backward_grad_sync = self._require_backward_grad_sync, True
+            try:
+                return super().forward(*inputs, **kwargs)
+            finally:
+                self._require_backward_grad_sync = flag
+
+        def _on_gradient_ready(self, index, param):
+            if self._require_backward_grad_sync:
+                super()._on_gradient_ready(index, param)
+"""
+
+
+@pytest.mark.parametrize("spelling", list(BLOCKING_HOOKS))
+def test_a_hook_that_waits_for_its_all_reduce_fails_the_overlap_claim(
+    rank_pools, tmp_path, spelling
+):
+    """Both blocking spellings give the right gradients and no overlap at all."""
+    path = write_class(tmp_path, BLOCKING_OVERLAP.replace("BLOCKING", BLOCKING_HOOKS[spelling]))
+    check_claims(rank_pools, f"{path}:Mine", 2, FIXED_SPEC)  # its numbers are right
+    with pytest.raises(AssertionError, match=r"idea of overlap \(exercise 2, chapter 02b\)"):
+        check_overlap(rank_pools, f"{path}:Mine")
+
+
+def test_buckets_launched_only_at_the_end_of_backward_fail_the_buckets_claim(rank_pools, tmp_path):
+    path = write_class(tmp_path, DEFERRED_BUCKETS)
+    with pytest.raises(AssertionError, match="left only after every gradient was ready"):
+        check_buckets(rank_pools, f"{path}:BucketedDDP")
+
+
+def test_a_no_sync_read_at_backward_time_fails_the_no_sync_claim(rank_pools, tmp_path):
+    """It passes the old counts (forward and backward both inside no_sync) but not chapter
+    05's pitfall, split either way, against torch's DDP."""
+    path = write_class(tmp_path, NO_SYNC_AT_BACKWARD)
+    with pytest.raises(AssertionError, match=r"decided at forward \(chapter 05\)"):
+        check_no_sync(rank_pools, f"{path}:Mine")
+
+
 def test_rung_2_renamed_fails_the_buckets_claim_which_names_the_idea(rank_pools, tmp_path):
     path = write_class(tmp_path, RUNG_2_RENAMED)
     check_claims(rank_pools, f"{path}:BucketedDDP", 2, FIXED_SPEC)  # its numbers are right
@@ -150,15 +228,17 @@ def test_a_no_sync_that_still_sends_fails_the_no_sync_claim(rank_pools, tmp_path
 
 
 def test_the_rungs_pass_the_idea_checks_of_their_exercises(rank_pools):
+    for rung in LADDER[1:]:  # rung 2 (overlap) and every rung above it, MiniDDP included
+        check_overlap(rank_pools, f"{rung.__module__}:{rung.__name__}")
     check_buckets(rank_pools, "miniddp.steps.buckets:BucketedDDP")
     check_torch_layout_at_default_caps(rank_pools, "miniddp.steps.torch_layout:TorchLayoutDDP")
-    check_no_sync(rank_pools, "miniddp.ddp:MiniDDP")
+    check_no_sync(rank_pools, "miniddp.data_parallel.ddp:MiniDDP")
 
 
 @pytest.mark.parametrize(
     "source, name, problem",
     [
-        ("class A:\n    pass\n", "B", "defines no B; the classes it defines: A"),
+        ("class A:\n    pass\n", "B", "defines no B; it defines: A"),
         ("def f(:\n", "A", "mine.py:1: SyntaxError"),
         ("import not_a_module_anywhere\n", "A", "raised ModuleNotFoundError"),
         ("A = 3\n", "A", "A is a int, not a class"),

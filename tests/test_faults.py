@@ -23,14 +23,14 @@ from tests.faulty_ranks import PROCESS_GROUP_TIMEOUT_S, record_detection, run_ra
 
 
 def miniddp_waits_are_watched() -> bool:
-    import miniddp.ddp
+    import miniddp.data_parallel.ddp
 
-    return hasattr(miniddp.ddp, "wait_for")
+    return hasattr(miniddp.data_parallel.ddp, "wait_for")
 
 
 NEEDS_WIRING = pytest.mark.skipif(
     not miniddp_waits_are_watched(),
-    reason="miniddp/ddp.py does not yet wait through miniddp.faults.wait_for",
+    reason="miniddp/data_parallel/ddp.py does not yet wait through miniddp.faults.wait_for",
 )
 LAYERS = ["wait_for", pytest.param("miniddp", marks=NEEDS_WIRING)]
 
@@ -135,6 +135,11 @@ def test_a_rank_that_stops_early_and_calls_cleanup_is_named_on_both_sides(
     )
     assert cleaning_up["collective"] == "cleanup()" and cleaning_up["missing"] == [0]
     assert re.search(r"rank 0: waited on collective #\d+, all-reduce", cleaning_up["message"])
+    # The training rank's first sign names the rank that stopped (1), not itself (0), whole.
+    (sign,) = [line.strip() for line in training["message"].splitlines() if "First sign" in line]
+    assert re.fullmatch(
+        r"First sign: rank 1 called cleanup\(\) without joining it( \(.*\))?\.", sign
+    ), sign
     for rank, error in enumerate((training, cleaning_up)):
         assert "ran different numbers of steps" in error["message"], error["message"]
         seconds = run.detection_s(rank, victim=1)

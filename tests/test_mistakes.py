@@ -36,7 +36,7 @@ from tests.workloads import ModelSpec, TrainSpec, grads_of, load_implementation,
 from tutorials.mistakes.missing_set_epoch import indices_per_epoch
 
 ZOO = "tutorials.mistakes"
-MINIDDP = "miniddp.ddp:MiniDDP"
+MINIDDP = "miniddp.data_parallel.ddp:MiniDDP"
 SMALL = TrainSpec(model=ModelSpec(seed=3, widths=(6,)), steps=2)
 
 

@@ -40,7 +40,7 @@ def test_every_method_miniddp_calls_on_itself_is_in_ddp_py_or_the_event_recorder
     """A reader of ddp.py opens no other file to know what a forward or a backward does: what
     MiniDDP calls on `self` is defined in its class, or is nn.Module's, Joinable's or the event
     recorder's (its one mixin). Helpers it owns are called on themselves (`self.layout.x()`)."""
-    tree = ast.parse((ROOT / "miniddp" / "ddp.py").read_text())
+    tree = ast.parse((ROOT / "miniddp" / "data_parallel" / "ddp.py").read_text())
     (miniddp,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MiniDDP"]
     own = {node.name for node in miniddp.body if isinstance(node, ast.FunctionDef)}
     inherited = set(dir(nn.Module)) | set(dir(Joinable)) | set(dir(EventRecorder))

@@ -8,7 +8,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch.utils.data.distributed import DistributedSampler as TorchDistributedSampler
 
-from miniddp.sampler import DistributedSampler
+from miniddp.data_parallel.sampler import DistributedSampler
 
 # Padding and dropping are most intricate when the dataset is no bigger than the world
 # (N = 0, or N < R so padding wraps around), so small sizes get drawn as often as large ones.

@@ -161,7 +161,7 @@ def test_a_sharded_checkpoint_holds_the_full_state_and_resumes_at_another_world_
     rank_pools, tmp_path
 ):
     """Saved by 2 ranks; it loads into the plain unsharded model, and into 3 ranks' shards."""
-    from miniddp.job.checkpoint import load_checkpoint
+    from miniddp.checkpoint import load_checkpoint
 
     path = str(tmp_path / "sharded.pt")
     spec = FsdpSpec(steps=1)

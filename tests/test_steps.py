@@ -49,7 +49,7 @@ def test_list_names_every_rung_in_order_with_its_file():
     assert len(rows) == len(LADDER) == 8
     for number, (row, cls) in enumerate(zip(rows, LADDER), start=1):
         assert row.split()[:2] == [str(number), cls.__name__]
-    assert "miniddp/steps/naive.py" in rows[0] and "miniddp/ddp.py" in rows[7]
+    assert "miniddp/steps/naive.py" in rows[0] and "miniddp/data_parallel/ddp.py" in rows[7]
 
 
 def test_diff_shows_what_one_rung_adds_to_the_previous():
@@ -71,6 +71,10 @@ PRODUCTION_EXTRAS = {
     "same-model checks, and what a wrapper refuses at once": [
         *("check_wrappable", "verify_same_model_on_every_rank", "_first_difference"),
         *("broadcast_from_rank0", "settings", "HOW_TO_LAUNCH"),
+        *("_shards_of_one_tensor_parallel_group", "placement_of", "group_ranks"),
+    ],
+    "a pipeline's stage arms the backward of a forward run in no_sync": [
+        *("prepare_for_backward", "require_backward_grad_sync"),
     ],
     "named faults: the one wait seam": ["wait_for", "_wait"],
     "Join": [
@@ -94,7 +98,7 @@ PRODUCTION_EXTRAS = {
     "bucket_state and describe, for checkpoints and printing": [
         *("describe", "describe_layout", "BucketInfo", "dataclass", "nbytes", "load_state"),
     ],
-    "the speed tricks of miniddp/buckets.py": [
+    "the speed tricks of miniddp/data_parallel/buckets.py": [
         *("_small", "small_gradient_numel", "_copy_small_gradients", "_copy_all", "averaged"),
         *("_small_runs", "_runs_of_small_gradients"),
     ],
@@ -104,17 +108,17 @@ PRODUCTION_EXTRAS = {
 EXTRAS = {name for names in PRODUCTION_EXTRAS.values() for name in names}
 # Rung 7's definitions, and the file MiniDDP defines each one in.
 MINIDDP_HOMES = {
-    "Bucket": "miniddp/buckets.py",
-    "assign_buckets": "miniddp/layout.py",
-    "initial_layout": "miniddp/layout.py",
-    "BucketLayout": "miniddp/layout.py",
-    "ParameterUsage": "miniddp/autograd_graph.py",
-    "parameters_not_reached": "miniddp/autograd_graph.py",
-    "find_tensors": "miniddp/autograd_graph.py",
-    "CommHook": "miniddp/comm_hooks.py",
-    "GradBucket": "miniddp/comm_hooks.py",
-    "Phase": "miniddp/ddp.py",
-    "MiniDDP": "miniddp/ddp.py",
+    "Bucket": "miniddp/data_parallel/buckets.py",
+    "assign_buckets": "miniddp/data_parallel/layout.py",
+    "initial_layout": "miniddp/data_parallel/layout.py",
+    "BucketLayout": "miniddp/data_parallel/layout.py",
+    "ParameterUsage": "miniddp/data_parallel/autograd_graph.py",
+    "parameters_not_reached": "miniddp/data_parallel/autograd_graph.py",
+    "find_tensors": "miniddp/data_parallel/autograd_graph.py",
+    "CommHook": "miniddp/data_parallel/comm_hooks.py",
+    "GradBucket": "miniddp/data_parallel/comm_hooks.py",
+    "Phase": "miniddp/data_parallel/ddp.py",
+    "MiniDDP": "miniddp/data_parallel/ddp.py",
 }
 
 

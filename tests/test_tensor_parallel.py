@@ -137,6 +137,20 @@ def test_misuse_is_refused_with_the_problem_and_the_fix(pool2):
         assert messages["target"].startswith("IndexError") and "ignore_index" in messages["target"]
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_ignored_targets_are_left_out_of_the_loss_as_one_process_leaves_them(pool2, reduction):
+    """ignore_index (-100, F.cross_entropy's default: a padded batch) gives its token no loss and
+    no gradient, and "mean" averages over the tokens kept, as one process does."""
+    for result in pool2.run(tasks.cross_entropy_with_ignored_targets, reduction):
+        assert result["loss"] < 1e-12 and result["grad"] < 1e-12, result
+        assert result["ignored rows"] == 0.0
+
+
+def test_a_group_without_this_rank_is_named(pool2):
+    message = pool2.run(tasks.split_over_a_group_without_this_rank)[1]
+    assert message.startswith("rank 1 is not in this tensor-parallel group (ranks 0)"), message
+
+
 def test_without_a_process_group_it_says_how_to_launch():
     import torch
 

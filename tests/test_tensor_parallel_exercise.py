@@ -18,7 +18,7 @@ from tests.tensor_parallel_tasks import TPSpec
 
 REPO = Path(__file__).resolve().parents[1]
 STUB = str(REPO / "tutorials" / "exercises" / "tensor_parallel.py")
-ANSWER = str(REPO / "miniddp" / "tensor_parallel" / "communications.py")
+ANSWER = str(REPO / "miniddp" / "tensor_parallel" / "layers.py")
 
 
 def test_the_stub_fails_naming_the_exercise(pool2):

@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from miniddp import MiniDDP
-from miniddp.observe.baselines import BASELINES, DeferredMiniDDP
+from miniddp.bench.baselines import BASELINES, DeferredMiniDDP
 from miniddp.observe.events import Event
 from miniddp.observe.timeline import (
     COMM,

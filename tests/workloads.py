@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from miniddp import MiniDDP
-from miniddp.buckets import Bucket
+from miniddp.data_parallel.buckets import Bucket
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class TrainSpec:
     lr: float = 0.05
     comm_hook: str | None = None  # a key of comm_hooks()
     # Which DDP is tested, as "module:Class" or "path/to/file.py:Class" (a learner's own).
-    implementation: str = "miniddp.ddp:MiniDDP"
+    implementation: str = "miniddp.data_parallel.ddp:MiniDDP"
     # Accumulate inside no_sync(); False synchronizes every micro-step (for a DDP without
     # no_sync, and torch's DDP then does the same).
     accumulate_with_no_sync: bool = True
@@ -67,7 +67,7 @@ def comm_hooks() -> dict:
     """Hooks with torch's signature: torch's own, and MiniDDP's send/recv all-reduces."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    from miniddp.comm_hooks import all_reduce_hook
+    from miniddp.data_parallel.comm_hooks import all_reduce_hook
 
     return {
         "allreduce": default_hooks.allreduce_hook,

@@ -38,8 +38,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
+from miniddp.data_parallel.sampler import DistributedSampler
 from miniddp.job.env import init_distributed
-from miniddp.sampler import DistributedSampler
 from miniddp.steps import NaiveDDP
 from miniddp.steps.__main__ import label
 

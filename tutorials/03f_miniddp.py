@@ -5,8 +5,8 @@ in their buckets, and what production adds; MiniDDP's buckets over chapter 01's 
 
 Rung 5 (chapter 05) averages gradients exactly as torch's DistributedDataParallel does, no_sync
 included, as long as every parameter gets a gradient and every bucket goes out as gloo's
-all-reduce. The last two rungs lift those limits, one idea each, and MiniDDP (miniddp/ddp.py)
-is the top rung with what production needs around it. This chapter:
+all-reduce. The last two rungs lift those limits, one idea each, and MiniDDP
+(miniddp/data_parallel/ddp.py) is the top rung with what production needs around it. This chapter:
 
 1. prints the code rung 6 adds (`python -m miniddp.steps diff --code 5 6`) and runs it on a
    model with a branch one rank skips and a layer no rank uses, against torch's DDP;
@@ -45,7 +45,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from miniddp.collectives import Message, record_messages
-from miniddp.comm_hooks import all_reduce_hook
+from miniddp.data_parallel.comm_hooks import all_reduce_hook
 from miniddp.job.env import init_distributed
 from miniddp.steps import CommHookDDP, UnusedParametersDDP
 from miniddp.steps.__main__ import diff, label
@@ -168,7 +168,7 @@ def main() -> None:
         textwrap.dedent("""
         A comm hook decides what happens to a full bucket: it gets the bucket, not yet divided
         by W, and returns a future of the averaged tensor. all_reduce_hook("ring") runs the
-        send/recv ring that chapter 01 built and watched (miniddp/comm_hooks.py).""")
+        send/recv ring that chapter 01 built and watched (miniddp/data_parallel/comm_hooks.py).""")
     )
     ddp = CommHookDDP(ladder_model(), bucket_cap_mb=args.bucket_cap_mb)
     messages: dict[int, list[Message]] = {}  # each bucket's messages in its latest all-reduce
@@ -230,19 +230,18 @@ def main() -> None:
     say(
         textwrap.dedent("""
         MiniDDP lives in several files, so the diff pairs each of rung 7's classes and functions
-        with MiniDDP's of the same name, wherever it lives: rung 7's Bucket with
-        miniddp/buckets.py's, BucketLayout with layout.py's, CommHookDDP with MiniDDP. The
-        algorithm is rung 7's, written the same way: the same layout, scaling, launch order,
-        rebuild, no_sync, unused parameters, hooks and bucket views, so MiniDDP is bitwise
-        torch's DDP wherever rung 7 is, and every change the diff shows is something a real job
-        needs: every rank checks at construction that all ranks hold the same model and
-        settings, and says which differs (README: What happens when); one wait seam, so a rank
-        that died or stalled is named in the error instead of a bare timeout
-        (miniddp/job/faults.py, chapter 06); uneven inputs under Join (chapter 11); static_graph
-        for reentrant checkpointing, and clear errors for a second or reentrant backward; a
-        process group of one's own; the layout printed and saved for checkpoints; and two speed
-        tricks in miniddp/buckets.py that batch the copies of small gradients, with the same
-        bits.""")
+        with MiniDDP's of the same name, wherever it lives: rung 7's Bucket with buckets.py's,
+        BucketLayout with layout.py's (both in miniddp/data_parallel/), CommHookDDP with MiniDDP.
+        The algorithm is rung 7's, written the same way: the same layout, scaling, launch order,
+        rebuild, no_sync, unused parameters, hooks and bucket views, so MiniDDP is bitwise torch's
+        DDP wherever rung 7 is, and every change the diff shows is something a real job needs: every
+        rank checks at construction that all ranks hold the same model and settings, and says which
+        differs (README: What happens when); one wait seam, so a rank that died or stalled is named
+        in the error instead of a bare timeout (miniddp/job/faults.py, chapter 06); uneven inputs
+        under Join (chapter 11); static_graph for reentrant checkpointing, and clear errors for a
+        second or reentrant backward; a process group of one's own; the layout printed and saved for
+        checkpoints; and two speed tricks in miniddp/data_parallel/buckets.py that batch the copies
+        of small gradients, with the same bits.""")
     )
 
     section("4. Check the claims")

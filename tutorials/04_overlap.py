@@ -43,11 +43,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from miniddp import MiniDDP
+from miniddp.bench.baselines import DeferredMiniDDP, NoCommunication
 from miniddp.bench.paired import paired_ratio, time_interleaved
 from miniddp.bench.workloads import Workload
 from miniddp.figures import draw
 from miniddp.job.env import init_distributed
-from miniddp.observe.baselines import DeferredMiniDDP, NoCommunication
 from miniddp.observe.link import all_reduce_hook, simulated_link
 from miniddp.observe.overlap_model import predict_step, uniform_buckets
 from miniddp.observe.timeline import StepTimeline, gather, recording, split_steps, summarize

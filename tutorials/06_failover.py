@@ -52,14 +52,14 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from miniddp import DistributedSampler, MiniDDP
-from miniddp.job.checkpoint import (
+from miniddp.checkpoint import (
     Progress,
     load_checkpoint,
     read_checkpoint,
     restore_rng_state,
     save_checkpoint,
 )
-from miniddp.job.checkpoint_file import rng_path
+from miniddp.checkpoint.file import rng_path
 from miniddp.job.env import DistEnv, init_distributed
 
 SEED = 0

@@ -49,11 +49,11 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from miniddp import MiniDDP
+from miniddp.data_parallel.sampler import DistributedSampler
 from miniddp.job.env import DistEnv, cleanup, init_distributed
 from miniddp.observe.link import simulated_link
 from miniddp.observe.timeline import recording, split_steps, summarize
 from miniddp.observe.timeline_views import ascii_timeline
-from miniddp.sampler import DistributedSampler
 
 TRAIN_STEPS = 4
 LEARNING_RATE = 0.1

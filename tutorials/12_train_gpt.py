@@ -71,7 +71,7 @@ from side_by_side import (
 from torch import nn
 
 from miniddp import DistributedSampler, ZeroRedundancyOptimizer
-from miniddp.job.checkpoint import Progress, load_checkpoint, read_checkpoint, save_checkpoint
+from miniddp.checkpoint import Progress, load_checkpoint, read_checkpoint, save_checkpoint
 from miniddp.job.env import DistEnv, init_distributed
 from miniddp.models.gpt import next_character_loss
 

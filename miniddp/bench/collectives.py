@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from miniddp import collectives
-from miniddp.bench.options import whole_number, writable_file
+from miniddp.bench.options import add_iters_and_json
 from miniddp.collectives import KiB, MiB
 from miniddp.job.env import cleanup, init_distributed
 
@@ -170,15 +170,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=DEFAULT_SIZES,
         help=f"comma-separated sizes (default {DEFAULT_SIZES})",
     )
-    parser.add_argument(
-        "--iters",
-        type=whole_number(at_least=1),
-        default=100,
-        help="rounds per size (default 100); sizes above 4 MiB get fewer, at least 8",
-    )
-    parser.add_argument(
-        "--json", metavar="PATH", type=writable_file, help="also write the results here"
-    )
+    add_iters_and_json(parser, 100, "rounds per size (sizes above 4 MiB get fewer, at least 8)")
     return parser.parse_args(argv)
 
 

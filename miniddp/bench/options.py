@@ -6,6 +6,8 @@ after the relaunch, the same mistake costs every rank its start-up and ends in a
     parser.add_argument("--iters", type=whole_number(at_least=1), default=30)
     parser.add_argument("--json", type=writable_file)      # its folder must exist
     parser.add_argument("--trace-dir", type=writable_folder)  # or one that can be made
+
+Every benchmark takes the same two, `--iters N` and `--json PATH`: add_iters_and_json.
 """
 
 from __future__ import annotations
@@ -76,3 +78,18 @@ def writable_file(text: str) -> str:
             f"write to, e.g. /tmp/report.json"
         )
     return text
+
+
+def add_iters_and_json(
+    parser: argparse.ArgumentParser, iters: int, what: str = "timed steps", least: int = 1
+) -> None:
+    """`--iters` (how many `what`, at least `least`) and `--json PATH`, as every bench has."""
+    parser.add_argument(
+        "--iters",
+        type=whole_number(at_least=least),
+        default=iters,
+        help=f"{what} (default {iters})",
+    )
+    parser.add_argument(
+        "--json", metavar="PATH", type=writable_file, help="also write the results here"
+    )

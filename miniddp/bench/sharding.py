@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from miniddp import MiniDDP, ZeroRedundancyOptimizer, fully_shard
-from miniddp.bench.options import whole_number, writable_file
+from miniddp.bench.options import add_iters_and_json, whole_number
 from miniddp.bench.paired import (
     SAME_SPEED_AS_TORCH,
     paired_ratio,
@@ -34,7 +34,7 @@ from miniddp.bench.paired import (
     rotated,
 )
 from miniddp.collectives import traffic
-from miniddp.comm_hooks import all_reduce_hook
+from miniddp.data_parallel.comm_hooks import all_reduce_hook
 from miniddp.job.env import cleanup, init_distributed
 from miniddp.sharding import Formula, ddp_buckets, measure_memory, reduce_scatter_hook
 
@@ -198,15 +198,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--width", type=positive, default=256, help="Linear width (default 256)")
     parser.add_argument("--depth", type=positive, default=4, help="Linear layers (default 4)")
     parser.add_argument("--batch", type=positive, default=32, help="samples per rank (default 32)")
-    parser.add_argument(
-        "--iters",
-        type=whole_number(at_least=0),
-        default=20,
-        help="timed steps (default 20; 0 skips)",
-    )
-    parser.add_argument(
-        "--json", metavar="PATH", type=writable_file, help="also write the results here"
-    )
+    add_iters_and_json(parser, 20, "timed steps (0 skips)", least=0)
     return parser.parse_args(argv)
 
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from miniddp.bench.options import whole_number, writable_file
+from miniddp.bench.options import add_iters_and_json, whole_number
 from miniddp.bench.paired import paired_ratio, paired_ratio_interval, rotated
 from miniddp.job.env import cleanup, init_distributed
 from miniddp.tensor_parallel import ColwiseParallel, TransformerBlock, parallelize_module, plan_for
@@ -103,14 +103,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--batch", type=whole_number(at_least=1), default=8)
     parser.add_argument("--length", type=whole_number(at_least=1), default=64)
     parser.add_argument(
-        "--iters", type=whole_number(at_least=1), default=30, help="timed steps (default 30)"
-    )
-    parser.add_argument(
         "--separate-qkv", dest="fused_qkv", action="store_false", help="q, k, v apart"
     )
-    parser.add_argument(
-        "--json", metavar="PATH", type=writable_file, help="also write the results here"
-    )
+    add_iters_and_json(parser, 30)
     return parser.parse_args(argv)
 
 

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from miniddp.ddp import MiniDDP
-from miniddp.observe.baselines import BASELINES, DeferredMiniDDP
+from miniddp.bench.baselines import BASELINES, DeferredMiniDDP
+from miniddp.data_parallel.ddp import MiniDDP
 from miniddp.observe.link import active_link, all_reduce_hook
 
 

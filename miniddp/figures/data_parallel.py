@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from miniddp.sampler import DistributedSampler
+from miniddp.data_parallel.sampler import DistributedSampler
 
 WORLD_SIZE = 3
 SAMPLES = 12

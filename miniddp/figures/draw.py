@@ -14,8 +14,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt
 
-from miniddp.buckets import BucketInfo
 from miniddp.collectives import Message
+from miniddp.data_parallel.buckets import BucketInfo
 from miniddp.observe import timeline_views
 from miniddp.observe.timeline import StepTimeline
 

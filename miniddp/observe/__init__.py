@@ -5,5 +5,4 @@ timeline.py        events into steps and their summary: overlap, tail, launches
 timeline_views.py  a step drawn three ways: ASCII, matplotlib, Chrome's trace viewer
 link.py            a simulated slow network link (latency and bandwidth) under the collectives
 overlap_model.py   the alpha-beta model of a bucketed step, to set a measurement against
-baselines.py       the designs MiniDDP is measured against (no communication, naive, ...)
 """

@@ -1,7 +1,7 @@
 """What a DDP wrapper notes as a step happens, for the timeline (miniddp/observe/timeline.py)
 to draw.
 
-MiniDDP and the baselines it is compared with (miniddp/observe/baselines.py) note the same
+MiniDDP and the baselines it is compared with (miniddp/bench/baselines.py) note the same
 events, so every design is drawn and measured the same way.
 """
 
@@ -12,7 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from miniddp.autograd_graph import find_tensors
+import torch
+from torch.utils._pytree import tree_leaves
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,8 @@ class EventRecorder:
 
     def _note_when_backward_starts(self, output: Any) -> None:
         """Note "backward start" when the first gradient reaches the forward's output."""
-        for tensor in find_tensors(output):
-            if tensor.requires_grad:
+        for tensor in tree_leaves(output):  # tensors in (nested) tuples, lists and dicts
+            if torch.is_tensor(tensor) and tensor.requires_grad:
                 tensor.register_hook(lambda _: self._note("backward", "start"))
                 return
 

@@ -1,6 +1,6 @@
 """Timelines: what happened in each step, drawn, and how much communication hid behind compute.
 
-MiniDDP (and the baselines in `miniddp/observe/baselines.py`) note events while
+MiniDDP (and the baselines in `miniddp/bench/baselines.py`) note events while
 `record_events()` is on: forward start/end, backward start, a hook per parameter,
 ready/launch/reduced/wait per bucket, backward end and sync end. This module turns those
 instants into spans on two lanes per rank:

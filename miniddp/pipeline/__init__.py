@@ -15,18 +15,17 @@ The same calls as torch.distributed.pipelining, on torch.distributed's send and 
     actions.py      F i and B i, and what makes a list of them one stage's order
     stage.py        a slice of the model and what it keeps between forward and backward
     p2p.py          activations forward, gradients backward, and the shape sent once
-    schedule.py     one step, as an order of forwards and backwards; checks; 1/m scaling
-    schedules.py    the orders: GPipe and 1F1B, their bubble and their memory
+    schedule.py     one step, as an order of forwards and backwards; checks; 1/m scaling;
+                    the orders, GPipe and 1F1B, their bubble and their memory
     step_checks.py  bad input refused on every stage
-    timeline.py     the recorded step as blocks: the picture, the bubble, in ASCII too
-    fixed_cost.py   a layer that takes a fixed time, to measure a schedule
+    timeline.py     the recorded step as blocks: the picture, the bubble, in ASCII too; and
+                    FixedCost, a layer that takes a fixed time, to measure a schedule
 """
 
 from miniddp.pipeline.actions import Action
-from miniddp.pipeline.fixed_cost import FixedCost
-from miniddp.pipeline.schedule import PipelineSchedule
-from miniddp.pipeline.schedules import Schedule1F1B, ScheduleGPipe
+from miniddp.pipeline.schedule import PipelineSchedule, Schedule1F1B, ScheduleGPipe
 from miniddp.pipeline.stage import PipelineStage
+from miniddp.pipeline.timeline import FixedCost
 
 __all__ = [
     "Action",

@@ -5,7 +5,7 @@ Vocabulary (the GPipe paper's and torch.distributed.pipelining's): the model is 
 *microbatches*; the *activation* of microbatch i at stage s is what stage s receives from stage
 s-1 (its input) and hands to stage s+1 (its output).
 
-A stage does two things for a schedule (schedules.py), in whatever order the schedule says:
+A stage does two things for a schedule (schedule.py), in whatever order the schedule says:
 
     forward(i, x)     run the slice on microbatch i's input; keep input and output for backward
     backward(i, g)    backpropagate g (the gradient of the loss with respect to the output,
@@ -136,7 +136,6 @@ class PipelineStage:
                 "that raised: build a new PipelineStage and schedule to start again"
             )
         self.peak_held = 0
-
 
 
 def _arm_reduction(wrapper: nn.Module, output: torch.Tensor) -> None:

@@ -49,7 +49,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from miniddp import collectives
+import miniddp.collectives as collectives
 from miniddp.job.env import HOW_TO_LAUNCH
 from miniddp.job.faults import wait_for
 from miniddp.placement import DataShard, carry_over, mark

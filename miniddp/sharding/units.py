@@ -10,21 +10,32 @@ a child after its ancestor, a parameter tied across units, a submodule called ou
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from miniddp import collectives
+import miniddp.collectives as collectives
 from miniddp.job.faults import CollectiveFailed, ranks, wait_for
 
-if TYPE_CHECKING:
-    from miniddp.sharding.fully_shard import ShardedParameters
+
+class Unit(Protocol):
+    """What these checks read of a unit (fully_shard's ShardedParameters): its number and name,
+    its group, its shards. A protocol, so that this module needs nothing from fully_shard.py."""
+
+    number: int
+    name: str
+    group: dist.ProcessGroup | None
+    shards: list[nn.Parameter]
+
+    @property
+    def world_size(self) -> int: ...
+
 
 UNIT_NUMBER_BYTES = 8  # what each rank sends each other rank before a gather (an int64)
-UNIT_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # shard -> its ShardedParameters
+UNIT_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # shard -> its unit
 _BY_NUMBER: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (ranks, n) -> unit
 _count: dict[tuple[int, ...], int] = {}  # fully_shard calls so far, per group (by its ranks)
 
@@ -39,7 +50,7 @@ def next_number(group: dist.ProcessGroup | None) -> int:
     return _count[key]
 
 
-def register(unit: ShardedParameters) -> None:
+def register(unit: Unit) -> None:
     _BY_NUMBER[members(unit.group), unit.number] = unit
     for shard in unit.shards:
         UNIT_OF[shard] = unit
@@ -50,7 +61,7 @@ def is_fully_sharded(module: nn.Module) -> bool:
     return any(param in UNIT_OF for param in module.parameters())
 
 
-def check_every_rank_gathers(unit: ShardedParameters) -> None:
+def check_every_rank_gathers(unit: Unit) -> None:
     """A unit skipped on one rank (a branch in the forward) would pair this unit's
     all-gather with another unit's there: gloo aborts the process when the sizes differ
     ("Received data size doesn't match expected size"), and mixes parameters silently when
@@ -115,7 +126,7 @@ def refuse_what_would_shard_wrongly(
                 )
 
 
-def refuse_outside_its_unit(unit: ShardedParameters, module: nn.Module, args: Any) -> None:
+def refuse_outside_its_unit(unit: Unit, module: nn.Module, args: Any) -> None:
     if not unit.gathered:
         raise RuntimeError(
             f"{type(module).__name__} was called on its own, but its parameters belong to "

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
-from miniddp import collectives
+import miniddp.collectives as collectives
 from miniddp.job.env import HOW_TO_LAUNCH
 from miniddp.job.faults import wait_for
 from miniddp.job.meet import meet

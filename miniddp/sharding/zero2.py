@@ -28,17 +28,18 @@ the ring adds in another order than gloo's all-reduce, and the last bits may dif
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from miniddp import collectives
-from miniddp.comm_hooks import GradBucket
+import miniddp.collectives as collectives
 from miniddp.sharding.zero import ZeroRedundancyOptimizer
 
 
-def reduce_scatter_hook(
-    optimizer: ZeroRedundancyOptimizer, bucket: GradBucket
-) -> torch.futures.Future:
-    """Average the bucket's gradients onto their owners: a reduce-scatter of one piece per rank."""
+def reduce_scatter_hook(optimizer: ZeroRedundancyOptimizer, bucket: Any) -> torch.futures.Future:
+    """Average the bucket's gradients onto their owners: a reduce-scatter of one piece per rank.
+    `bucket` is any DDP comm hook's (MiniDDP's GradBucket or torch's dist.GradBucket): this
+    reads its buffer() and parameters() only."""
     if not isinstance(optimizer, ZeroRedundancyOptimizer):
         raise TypeError(
             "reduce_scatter_hook's state must be the miniddp.ZeroRedundancyOptimizer that owns "

@@ -8,18 +8,19 @@
     6  unused.py        find_unused_parameters: a parameter without a gradient still lets its
                         bucket travel
     7  comm_hooks.py    register_comm_hook (torch's protocol) and gradient_as_bucket_view
-    8  ../ddp.py        MiniDDP: the same algorithm, plus what production needs: same-model
+    8  ../data_parallel/ddp.py
+                        MiniDDP: the same algorithm, plus what production needs: same-model
                         checks, named faults, Join, static_graph, a process group
 
-A rung never imports another rung: read any one file alone, and
-`python -m miniddp.steps diff 2 3` shows exactly what one idea adds. MiniDDP lives in several
-files, so `diff 7 8` compares definition by definition (rung 7's `Bucket` with
-miniddp/buckets.py's, its wrapper with `MiniDDP`, ...): what production adds. `LADDER` lists
-the rung classes in order; each says in `claims` which of `CLAIMS` it supports, so that the
-same property tests can run over every rung (and over a learner's own class).
+A rung never imports another rung: read any one file alone, and `python -m miniddp.steps diff 2 3`
+shows exactly what one idea adds. MiniDDP lives in several files, so `diff 7 8` compares definition
+by definition (rung 7's `Bucket` with miniddp/data_parallel/buckets.py's, its wrapper with
+`MiniDDP`, ...): what production adds. `LADDER` lists the rung classes in order; each says in
+`claims` which of `CLAIMS` it supports, so that the same property tests can run over every rung (and
+over a learner's own class).
 """
 
-from miniddp.ddp import MiniDDP
+from miniddp.data_parallel.ddp import MiniDDP
 from miniddp.steps.buckets import BucketedDDP
 from miniddp.steps.comm_hooks import CommHookDDP
 from miniddp.steps.naive import NaiveDDP

@@ -26,13 +26,12 @@ ROOT = Path(__file__).resolve().parents[2]  # the folder holding the miniddp pac
 # The files MiniDDP's own code lives in, ddp.py first. (What they import from elsewhere, the
 # event recorder that every rung uses too, the faults and the launch help, is not MiniDDP's.)
 MINIDDP_SOURCES = [
-    "miniddp/ddp.py",
-    "miniddp/buckets.py",
-    "miniddp/layout.py",
-    "miniddp/autograd_graph.py",
-    "miniddp/comm_hooks.py",
-    "miniddp/join.py",
-    "miniddp/static_graph.py",
+    "miniddp/data_parallel/ddp.py",
+    "miniddp/data_parallel/buckets.py",
+    "miniddp/data_parallel/layout.py",
+    "miniddp/data_parallel/autograd_graph.py",
+    "miniddp/data_parallel/comm_hooks.py",
+    "miniddp/data_parallel/static_graph.py",
     "miniddp/same_model.py",
 ]
 

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from miniddp.layout import bucket_caps
+from miniddp.data_parallel.layout import bucket_caps
 from miniddp.observe.events import EventRecorder
 from miniddp.steps import shared
 

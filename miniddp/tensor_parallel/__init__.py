@@ -3,17 +3,16 @@
 The vocabulary (Megatron-LM, Shoeybi et al. 2019):
     tensor-parallel group   the W ranks that share one copy of the model, each holding a slice
                             of every split weight (W = the group's size)
-    colwise / rowwise       a weight split along its output / input dimension (styles.py)
-    f, g                    the two autograd functions where the group talks (communications.py)
+    colwise / rowwise       a weight split along its output / input dimension (plan.py)
+    f, g                    the two autograd functions where the group talks (layers.py)
     mesh                    TP groups inside DP groups: a grid of ranks (miniddp/mesh.py)
 
-    communications.py   f and g: identity / all-reduce, and the reverse backward
-    shards.py           torch's chunk rule; refusing sizes W does not divide, ids no rank owns
-    linear.py           ColwiseLinear, RowwiseLinear
-    embedding.py        VocabParallelEmbedding (rowwise), ColwiseEmbedding
+    layers.py           torch's chunk rule; f and g; ColwiseLinear, RowwiseLinear;
+                        VocabParallelEmbedding (rowwise), ColwiseEmbedding; sequence
+                        parallelism's f-bar and g-bar, SequenceParallelLayerNorm
+    plan.py             ColwiseParallel(), RowwiseParallel(), SequenceParallel(): which module
+                        splits how, and parallelize_module(module, mesh or group, plan)
     cross_entropy.py    the loss from vocabulary-sharded logits, never gathered
-    styles.py           ColwiseParallel(), RowwiseParallel(): which module splits how
-    parallelize.py      parallelize_module(module, group, plan)
     blocks.py           MLP, CausalSelfAttention, TransformerBlock, TinyGPT, and plan_for
 
     block = TransformerBlock(256, 8)
@@ -28,15 +27,25 @@ from miniddp.tensor_parallel.blocks import (
     TransformerBlock,
     plan_for,
 )
-from miniddp.tensor_parallel.communications import (
-    copy_to_tensor_parallel,
-    reduce_from_tensor_parallel,
-)
 from miniddp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from miniddp.tensor_parallel.embedding import ColwiseEmbedding, VocabParallelEmbedding
-from miniddp.tensor_parallel.linear import ColwiseLinear, RowwiseLinear
-from miniddp.tensor_parallel.parallelize import parallelize_module
-from miniddp.tensor_parallel.styles import ColwiseParallel, ParallelStyle, RowwiseParallel
+from miniddp.tensor_parallel.layers import (
+    ColwiseEmbedding,
+    ColwiseLinear,
+    RowwiseLinear,
+    SequenceParallelLayerNorm,
+    VocabParallelEmbedding,
+    copy_to_tensor_parallel,
+    gather_from_sequence_parallel,
+    reduce_from_tensor_parallel,
+    reduce_scatter_to_sequence_parallel,
+)
+from miniddp.tensor_parallel.plan import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 __all__ = [
     "MLP",
@@ -47,12 +56,16 @@ __all__ = [
     "ParallelStyle",
     "RowwiseLinear",
     "RowwiseParallel",
+    "SequenceParallel",
+    "SequenceParallelLayerNorm",
     "TinyGPT",
     "TransformerBlock",
     "VocabParallelEmbedding",
     "copy_to_tensor_parallel",
+    "gather_from_sequence_parallel",
     "parallelize_module",
     "plan_for",
     "reduce_from_tensor_parallel",
+    "reduce_scatter_to_sequence_parallel",
     "vocab_parallel_cross_entropy",
 ]

@@ -24,7 +24,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from miniddp.tensor_parallel.styles import ColwiseParallel, ParallelStyle, RowwiseParallel
+from miniddp.tensor_parallel.plan import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 
 class MLP(nn.Module):
@@ -50,11 +55,10 @@ class CausalSelfAttention(nn.Module):
         self.out = nn.Linear(width, width, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, _ = x.shape
-        q, k, v = self.project(x)  # each (B, T, local heads, head_dim)
+        q, k, v = self.project(x)  # each (B, T, local heads, head_dim); T: all positions
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(y.transpose(1, 2).reshape(batch, length, -1))
+        return self.out(y.transpose(1, 2).flatten(2))
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         fused = hasattr(self, "qkv")
@@ -66,9 +70,11 @@ class CausalSelfAttention(nn.Module):
                 f"the q projection gives {features} features a token, not whole heads of "
                 f"{per_head}: split attention over a number of ranks that divides its heads"
             )
+        # The lengths are the projections' own: under sequence parallelism x holds S/W positions
+        # and a colwise projection gathered all S before multiplying.
         if fused:
-            return outputs[0].view(*x.shape[:2], -1, 3, self.head_dim).unbind(3)
-        return tuple(t.view(*x.shape[:2], -1, self.head_dim) for t in outputs)
+            return outputs[0].unflatten(-1, (-1, 3, self.head_dim)).unbind(3)
+        return tuple(t.unflatten(-1, (-1, self.head_dim)) for t in outputs)
 
 
 class TransformerBlock(nn.Module):
@@ -115,17 +121,36 @@ class TinyGPT(nn.Module):
         return self.head(self.norm(x))  # (B, T, V) in one process, (B, T, V/W) under TP
 
 
-def plan_for(model: nn.Module, prefix: str = "") -> dict[str, ParallelStyle]:
-    """The Megatron plan for one of the modules above: {submodule name: style}."""
+def plan_for(
+    model: nn.Module, prefix: str = "", sequence_parallel: bool = False
+) -> dict[str, ParallelStyle]:
+    """The Megatron plan for one of the modules above: {submodule name: style}. With
+    sequence_parallel, Megatron-SP's (layers.py): a block takes and returns this rank's
+    positions [B, S/W, H], its LayerNorms run on them (SequenceParallel), the linear layers
+    gather and scatter the sequence."""
     at = f"{prefix}." if prefix else ""
+    sp = sequence_parallel
     if isinstance(model, MLP):
-        return {f"{at}up": ColwiseParallel(), f"{at}down": RowwiseParallel()}
+        return {
+            f"{at}up": ColwiseParallel(sequence_parallel=sp),
+            f"{at}down": RowwiseParallel(sequence_parallel=sp),
+        }
     if isinstance(model, CausalSelfAttention):
         projections = ("qkv",) if hasattr(model, "qkv") else ("q", "k", "v")
-        columns = {f"{at}{name}": ColwiseParallel() for name in projections}
-        return columns | {f"{at}out": RowwiseParallel()}
+        columns = {f"{at}{name}": ColwiseParallel(sequence_parallel=sp) for name in projections}
+        return columns | {f"{at}out": RowwiseParallel(sequence_parallel=sp)}
     if isinstance(model, TransformerBlock):
-        return plan_for(model.attention, f"{at}attention") | plan_for(model.mlp, f"{at}mlp")
+        norms: dict[str, ParallelStyle] = {}
+        if sp:
+            norms = {f"{at}attention_norm": SequenceParallel(), f"{at}mlp_norm": SequenceParallel()}
+        attention = plan_for(model.attention, f"{at}attention", sp)
+        return norms | attention | plan_for(model.mlp, f"{at}mlp", sp)
+    if isinstance(model, TinyGPT) and sp:
+        raise ValueError(
+            "plan_for(TinyGPT, sequence_parallel=True): its position embedding is added to the "
+            "whole sequence before the blocks, and its head reads all positions. Plan its "
+            "blocks with sequence_parallel=True and shard the sequence between them yourself"
+        )
     if isinstance(model, TinyGPT):
         plan: dict[str, ParallelStyle] = {f"{at}embed": RowwiseParallel()}
         for index, block in enumerate(model.blocks):

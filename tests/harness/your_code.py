@@ -18,9 +18,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import re
-import traceback
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,7 +27,7 @@ import torch.distributed as dist
 from miniddp import collectives
 from miniddp.collectives.peers import Peers
 from tests.collective_tasks import Case, make_input
-from tests.harness.your_ddp import _deepest_frame_in
+from tests.harness.your_ddp import load_named
 from tests.sharding_tasks import ShardSpec, build_model, param_groups, train
 from tests.workloads import load_implementation
 
@@ -38,43 +35,9 @@ RING_EXAMPLE = "tutorials/exercises/ring.py:all_reduce"
 ZERO1_EXAMPLE = "tutorials/exercises/zero1.py:ZeroRedundancyOptimizer"
 
 
-def _load(option: str, flag: str, example: str) -> tuple[str, Any]:
-    """(absolute "path.py:NAME", the object) for a usable FILE.py:NAME; else pytest.UsageError
-    naming the problem and the fix."""
-    where, colon, name = option.rpartition(":")
-    if not colon or not where.endswith(".py") or not name.isidentifier():
-        raise pytest.UsageError(
-            f"{flag} takes FILE.py:NAME, e.g. {example}; got {option!r}, which is not of that form"
-        )
-    path = Path(where).resolve()
-    if not path.is_file():
-        raise pytest.UsageError(f"{flag} {option}: there is no file {where} (looked for {path})")
-    source = path.read_text()
-    try:
-        compile(source, str(path), "exec")
-    except SyntaxError as error:
-        raise pytest.UsageError(
-            f"{flag} {option}: {where}:{error.lineno}: SyntaxError: {error.msg}"
-        ) from None
-    try:
-        found = load_implementation(f"{path}:{name}")
-    except AttributeError:
-        defined = re.findall(r"^(?:def|class) (\w+)", source, flags=re.MULTILINE)
-        raise pytest.UsageError(
-            f"{flag} {option}: {where} defines no {name}; it defines: "
-            f"{', '.join(defined) or 'nothing'}"
-        ) from None
-    except Exception as error:  # the learner's module raised while importing
-        raise pytest.UsageError(
-            f"{flag} {option}: importing {where} raised {type(error).__name__}: {error}, at "
-            f"{_deepest_frame_in(traceback.extract_tb(error.__traceback__), path)}"
-        ) from None
-    return f"{path}:{name}", found
-
-
 def ring_option(option: str) -> str:
     """--ring FILE.py:FUNCTION, checked: a function callable as FUNCTION(peers, flat, op)."""
-    where, found = _load(option, "--ring", RING_EXAMPLE)
+    where, found = load_named(option, "--ring", RING_EXAMPLE, "FUNCTION")
     if not callable(found) or inspect.isclass(found):
         raise pytest.UsageError(
             f"--ring {option}: {where.rpartition(':')[2]} is a {type(found).__name__}; the "
@@ -92,7 +55,7 @@ def ring_option(option: str) -> str:
 
 def zero1_option(option: str) -> str:
     """--zero1 FILE.py:CLASS, checked: CLASS(params, optimizer_class, **defaults) with step()."""
-    where, found = _load(option, "--zero1", ZERO1_EXAMPLE)
+    where, found = load_named(option, "--zero1", ZERO1_EXAMPLE, "CLASS")
     if not inspect.isclass(found):
         raise pytest.UsageError(
             f"--zero1 {option}: it names a {type(found).__name__}, not a class; the tests build "

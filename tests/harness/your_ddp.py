@@ -19,6 +19,7 @@ import os
 import re
 import traceback
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,38 +27,48 @@ EXAMPLE = "tutorials/exercises/naive.py:NaiveDDP"
 PROTOCOL = "CLASS(module, *, bucket_cap_mb=None), a forward, and finish_gradient_synchronization()"
 
 
-def check_your_ddp(option: str) -> str:
-    """Return "absolute/path.py:CLASS" for a usable --ddp value; else raise pytest.UsageError
-    naming the problem and the fix."""
+def load_named(option: str, flag: str, example: str, what: str = "NAME") -> tuple[str, Any]:
+    """(absolute "path.py:NAME", the object) for a usable FILE.py:NAME given to `flag` (--ddp,
+    --ring, --zero1); else pytest.UsageError naming the problem and the fix."""
     where, colon, name = option.rpartition(":")
     if not colon or not where.endswith(".py") or not name.isidentifier():
         raise pytest.UsageError(
-            f"--ddp takes FILE.py:CLASS, e.g. {EXAMPLE}; got {option!r}, which is not of that form"
+            f"{flag} takes FILE.py:{what}, e.g. {example}; got {option!r}, which is not of that "
+            "form"
         )
     path = Path(where).resolve()
     if not path.is_file():
-        raise pytest.UsageError(f"--ddp {option}: there is no file {where} (looked for {path})")
+        raise pytest.UsageError(f"{flag} {option}: there is no file {where} (looked for {path})")
     source = path.read_text()
     try:
         compile(source, str(path), "exec")
     except SyntaxError as error:
         raise pytest.UsageError(
-            f"--ddp {option}: {where}:{error.lineno}: SyntaxError: {error.msg}"
+            f"{flag} {option}: {where}:{error.lineno}: SyntaxError: {error.msg}"
         ) from None
     from tests.workloads import load_implementation
 
     try:
         found = load_implementation(f"{path}:{name}")
     except AttributeError:
-        classes = ", ".join(re.findall(r"^class (\w+)", source, flags=re.MULTILINE)) or "none"
+        defined = re.findall(r"^(?:def|class) (\w+)", source, flags=re.MULTILINE)
         raise pytest.UsageError(
-            f"--ddp {option}: {where} defines no {name}; the classes it defines: {classes}"
+            f"{flag} {option}: {where} defines no {name}; it defines: "
+            f"{', '.join(defined) or 'nothing'}"
         ) from None
     except Exception as error:  # the learner's module raised while importing
         raise pytest.UsageError(
-            f"--ddp {option}: importing {where} raised {type(error).__name__}: {error}, at "
+            f"{flag} {option}: importing {where} raised {type(error).__name__}: {error}, at "
             f"{_deepest_frame_in(traceback.extract_tb(error.__traceback__), path)}"
         ) from None
+    return f"{path}:{name}", found
+
+
+def check_your_ddp(option: str) -> str:
+    """Return "absolute/path.py:CLASS" for a usable --ddp value; else raise pytest.UsageError
+    naming the problem and the fix."""
+    where, found = load_named(option, "--ddp", EXAMPLE, "CLASS")
+    path, _, name = where.rpartition(":")
     if not inspect.isclass(found):
         raise pytest.UsageError(
             f"--ddp {option}: {name} is a {type(found).__name__}, not a class; the tests build "
@@ -75,7 +86,7 @@ def check_your_ddp(option: str) -> str:
             f"--ddp {option}: {name} has no finish_gradient_synchronization(); the tests call it "
             "after every synced backward (make it do nothing if backward already waited)"
         )
-    return f"{path}:{name}"
+    return where
 
 
 def _deepest_frame_in(frames: traceback.StackSummary, path: Path) -> str:

@@ -16,7 +16,7 @@ message moves, saying why: an action missing or listed twice, a B before its F, 
 would wait for each other forever.
 
 Then try 1F1B: stage s runs min(m, p - s) forwards, then one backward and one forward in turn.
-Does the replay's bubble change? What does `peak_held` say? (Answer: miniddp/pipeline/schedules.py.)
+Does the replay's bubble change? What does `peak_held` say? (Answer: miniddp/pipeline/schedule.py.)
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ rung 4 (torch's layout), given; the TODOs are only about no_sync. Fill them in, 
 The claim trains with k micro-steps, two inside `no_sync()`, against one process and torch's DDP
 doing the same (bit for bit), and counts your all-reduces: none inside `no_sync()`.
 Stuck? Chapter 05 (tutorials/05_no_sync.py) explains the idea, and where the forward must be.
-Only once your own attempt passes, compare it with MiniDDP's, miniddp/ddp.py.
+Only once your own attempt passes, compare it with MiniDDP's, miniddp/data_parallel/ddp.py.
 """
 
 from __future__ import annotations

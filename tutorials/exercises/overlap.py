@@ -4,7 +4,12 @@ Rung 1 sent nothing until backward was over. Here a hook on every parameter laun
 gradient's all-reduce the moment autograd has accumulated it into `.grad`, without waiting, and
 one callback at the end of backward waits for them all. Fill in the TODOs, then check:
 
-    python -m pytest tests/test_ddp_equivalence.py --ddp tutorials/exercises/overlap.py:OverlapDDP
+    python -m pytest tests/test_ddp_equivalence.py --ddp tutorials/exercises/overlap.py:OverlapDDP \
+        --ddp-claims overlap
+
+`--ddp-claims overlap` watches your all-reduces: one launched from a hook must still be in
+flight (not waited for) when a later gradient arrives. A hook that waits for its own
+all-reduce gets the numbers right and fails it: that is rung 1 again, one gradient at a time.
 
 Stuck? Chapter 02b (tutorials/02b_overlap.py) explains the idea. Only once your own attempt
 passes, compare it with rung 2, miniddp/steps/overlap.py.

@@ -19,7 +19,7 @@ computes with its slices of the weights, and the block's output is the sum of th
        backward: a sum passes its gradient unchanged to every term.
 
 Stuck? Chapter 13 (tutorials/13_model_parallel.py), section 2; the answer is
-miniddp/tensor_parallel/communications.py.
+miniddp/tensor_parallel/layers.py.
 """
 
 from __future__ import annotations

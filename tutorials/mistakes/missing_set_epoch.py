@@ -11,7 +11,7 @@ seeds its shuffle with `seed + epoch`, the same everywhere, and cannot know the 
 told.
 
 How torch avoids it: it doesn't; `torch.utils.data.DistributedSampler` documents that you must
-call `set_epoch` before each epoch's iterator, and miniddp.sampler does the same.
+call `set_epoch` before each epoch's iterator, and miniddp.data_parallel.sampler does the same.
 
 The one change is in the loop below: `sampler.set_epoch(epoch)` is missing.
 """

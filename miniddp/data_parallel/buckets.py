@@ -1,7 +1,7 @@
 """A bucket: the flat tensor a group of gradients travels in, and its life in one backward.
 
 Which gradients share a bucket, and in which order buckets launch, is decided in
-miniddp/layout.py; this file is what one bucket does with them.
+miniddp/data_parallel/layout.py; this file is what one bucket does with them.
 """
 
 from __future__ import annotations

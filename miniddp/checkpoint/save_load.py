@@ -28,7 +28,9 @@ Rank 0 never waits for the others (it cannot tell a rank that is on its way to
 through the store (meet.py): when it is written, or why it could not be. On resume, rank r
 restores entry r of the RNG states, whichever process or host is rank r now (torchrun does not
 promise a worker keeps its rank across restarts); a checkpoint saved by rank 0 alone says once,
-on rank 0, what the missing states mean.
+on rank 0, what the missing states mean. Which states are missing is decided by what was saved,
+not by timing: a load on every rank (a MiniDDP wrapper, a sharded model) reads the RNG files
+after every rank has come to it, when every save of theirs has returned.
 
 Other parallelisms leave each rank a different part of the model under the same names, so rank
 0's state is not everyone's (saved as it is, every rank would resume on rank 0's part, silently:
@@ -74,8 +76,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from miniddp.ddp import MiniDDP
-from miniddp.job.checkpoint_file import (
+from miniddp.checkpoint.file import (
     FORMAT,
     RNG_FORMAT,
     VERSION,
@@ -84,10 +85,10 @@ from miniddp.job.checkpoint_file import (
     mismatch_with,
     read_checkpoint,
     rng_path,
+    rng_states,
     write_atomically,
 )
-from miniddp.job.faults import CollectiveFailed, ranks
-from miniddp.job.full_tensors import (
+from miniddp.checkpoint.full_tensors import (
     Spread,
     cut_optimizer_shards,
     cut_shards,
@@ -98,6 +99,8 @@ from miniddp.job.full_tensors import (
     spread_of,
     unsplit_shapes,
 )
+from miniddp.data_parallel.ddp import MiniDDP
+from miniddp.job.faults import CollectiveFailed, ranks
 from miniddp.job.meet import hear_from, meet, tell_the_others
 from miniddp.job.notes import board_of
 from miniddp.sharding.full_state import (
@@ -277,6 +280,10 @@ def load_checkpoint(
         )
     if isinstance(model, MiniDDP) or sharded:
         _every_rank_comes("load_checkpoint()", EVERY_RANK_LOADS)
+        # Every rank is here, so every save it made has returned, its RNG file written: read
+        # them now. Read before the meeting, a slow rank's file could still be on its way, and
+        # rank 0 would call a complete checkpoint "saved by rank 0 alone".
+        checkpoint["rng"] = rng_states(path, checkpoint, map_location)
     try:
         if isinstance(model, MiniDDP) and part["buckets"] is not None:
             model.load_bucket_state(part["buckets"])  # checks the names before it changes

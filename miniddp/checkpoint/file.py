@@ -66,11 +66,19 @@ def read_checkpoint(
     except Exception as error:
         raise CheckpointError(f"{path} is corrupt: {_first_line(error)}") from None
     _check_contents(checkpoint, path)
-    checkpoint["rng"] = [
+    checkpoint["rng"] = rng_states(path, checkpoint, map_location)
+    return checkpoint
+
+
+def rng_states(
+    path: Path, checkpoint: dict[str, Any], map_location: torch.device | str
+) -> list[dict[str, Any] | None]:
+    """Every rank's RNG state for this save: rank 0's from the file, the others' from their
+    files beside it (None where there is none: saved by rank 0 alone, or not yet written)."""
+    return [
         state if state is not None else _rng_beside(path, rank, checkpoint, map_location)
         for rank, state in enumerate(checkpoint["rng"])
     ]
-    return checkpoint
 
 
 def rng_path(path: Path, rank: int) -> Path:

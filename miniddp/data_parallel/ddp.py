@@ -15,13 +15,13 @@ timelines draw. Its whole life in one file:
                 each one's averages back into `.grad` as soon as it arrives
 So gradients are averaged by the time `loss.backward()` returns, bit for bit as in torch's
 DistributedDataParallel: the layout, the 1/W scaling and the launch order follow torch's rules
-(miniddp/layout.py, miniddp/buckets.py).
+(miniddp/data_parallel/layout.py, miniddp/data_parallel/buckets.py).
 
 Two options change that life, and each is an object MiniDDP holds rather than code spread
 through it: under Join (uneven inputs), a rank out of batches runs `join_hook()`'s object
-(miniddp/join.py), which answers every collective a training rank's forward and backward issue;
-with static_graph, a `StaticGraph` (miniddp/static_graph.py) counts each parameter's hooks in
-the first backward and says when a gradient is ready in the later ones.
+(ShadowsTraining, at the end of this file), which answers every collective a training rank's
+forward and backward issue; with static_graph, a `StaticGraph` (static_graph.py) counts each
+parameter's hooks in the first backward and says when a gradient is ready in the later ones.
 """
 
 from __future__ import annotations
@@ -38,25 +38,24 @@ from torch import nn
 from torch.autograd import Variable
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from miniddp.autograd_graph import (
+from miniddp.data_parallel.autograd_graph import (
     ParameterUsage,
     hook_every_parameter,
     parameters_not_reached,
     when_backward_reaches,
 )
-from miniddp.buckets import Bucket, BucketInfo, describe_layout
-from miniddp.comm_hooks import CommHook, GradBucket
+from miniddp.data_parallel.buckets import Bucket, BucketInfo
+from miniddp.data_parallel.comm_hooks import CommHook, GradBucket
+from miniddp.data_parallel.layout import BucketLayout, initial_layout
+from miniddp.data_parallel.static_graph import GRAPH_CHANGED, StaticGraph
 from miniddp.job.env import HOW_TO_LAUNCH
 from miniddp.job.faults import wait_for
-from miniddp.join import ShadowsTraining
-from miniddp.layout import BucketLayout, initial_layout
 from miniddp.observe.events import EventRecorder
 from miniddp.same_model import (
     broadcast_from_rank0,
     check_wrappable,
     verify_same_model_on_every_rank,
 )
-from miniddp.static_graph import GRAPH_CHANGED, StaticGraph
 
 
 class Phase(Enum):
@@ -154,35 +153,33 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         # why the forward must run inside `no_sync()` for accumulation to skip communication.
         synced = torch.is_grad_enabled() and self._require_backward_grad_sync
         self._require_forward_param_sync = synced
-        self._phase = Phase.LOCAL
-        if synced:
-            self._arm(output)
-        elif self._observed and torch.is_grad_enabled():
+        self._phase = Phase.ARMED if synced else Phase.LOCAL
+        if not synced and self._observed and torch.is_grad_enabled():
             self._note_when_backward_starts(output)
+        if synced and self.find_unused_parameters:
+            self._unused_in_forward = parameters_not_reached(output, self.params)
+        if synced:
+            # Queue the end-of-backward callback when backward reaches this output: it then belongs
+            # to the outermost backward, even if a checkpointed block runs an inner one first.
+            when_backward_reaches(output, self._start_reducing)
         self._note("forward", "end")
         return output
-
-    def _arm(self, output: Any) -> None:
-        """The coming backward through `output` will reduce."""
-        self._phase = Phase.ARMED
-        if self.find_unused_parameters:
-            self._unused_in_forward = parameters_not_reached(output, self.params)
-        # Queue the end-of-backward callback when backward reaches this output: it then belongs
-        # to the outermost backward, even if a checkpointed block runs an inner one first.
-        when_backward_reaches(output, self._start_reducing)
 
     def prepare_for_backward(self, output: Any) -> None:
         """Arm the reduction for the next backward through `output`, a forward that ran inside
         `no_sync()`: a pipeline's way to reduce at its last microbatch's backward, whose forward
         ran long before other microbatches' backwards (miniddp/pipeline/stage.py). Torch's
         pipelining calls its DDP's `reducer.prepare_for_backward(outputs)` for the same reason.
-        Buffers are not broadcast: no forward was synced."""
+        What a synced forward does, less the buffers' broadcast: no forward was synced."""
         if self._phase in (Phase.ARMED, Phase.REDUCING):
             raise RuntimeError(
                 "prepare_for_backward: a synced forward already armed this wrapper's next "
                 "backward (or it is reducing). Run the forwards inside no_sync() first."
             )
-        self._arm(output)
+        self._phase = Phase.ARMED
+        if self.find_unused_parameters:
+            self._unused_in_forward = parameters_not_reached(output, self.params)
+        when_backward_reaches(output, self._start_reducing)
 
     @property
     def require_backward_grad_sync(self) -> bool:
@@ -365,7 +362,7 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         throw_on_early_termination: bool = False,
     ) -> Join:
         """`with model.join(): for batch in my_batches: ...` trains on uneven inputs, as torch's
-        `DistributedDataParallel.join` does (the arguments are Join's: miniddp/join.py)."""
+        `DistributedDataParallel.join` does (the arguments are Join's; ShadowsTraining, below)."""
         return Join(
             [self],
             enable,
@@ -438,7 +435,7 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
 
     def _set_static_graph(self) -> None:
         """Declare the graph static (torch's name, for code written against torch's DDP): from
-        now on a `StaticGraph` says when each gradient is ready (miniddp/static_graph.py)."""
+        now on a `StaticGraph` says when each gradient is ready (static_graph.py)."""
         if self._static_graph is not None:
             warnings.warn("static_graph is already True; nothing to do.", stacklevel=2)
             return
@@ -475,9 +472,6 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         """The current bucket layout, in launch order, described for printing."""
         return self._layout.describe(self.param_names)
 
-    def describe_buckets(self) -> str:
-        return describe_layout(self.buckets)
-
     @property
     def has_rebuilt_buckets(self) -> bool:
         return self._layout.has_rebuilt
@@ -491,3 +485,92 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         self._layout.load_state(state, self.param_names)
         for bucket in self._layout.buckets:
             bucket.reset()
+
+
+class ShadowsTraining(JoinHook):
+    """What a joined rank does for each iteration the others still train, and at the end.
+
+    Uneven inputs: ranks run out of batches at different times (torch's Join protocol). Every
+    collective needs every rank: a rank past its last batch stops issuing all-reduces, and the
+    ranks still training wait for it (MiniDDP names it, after the process group's timeout:
+    chapter 11). `Join([model])`, or `model.join()`, keeps the finished ("joined") rank
+    answering instead. Each iteration of a rank still training starts with one all-reduce of a
+    1 (`notify_join_context`); a joined rank, waiting in `Join.__exit__`, adds a 0 to it and so
+    learns how many ranks still train. While that count is not 0, it runs `main_hook`, which
+    shadows, collective for collective, what a training rank's forward and backward issue:
+
+        training rank (MiniDDP.forward/backward)     joined rank (main_hook)
+        all-reduce of 1 if this backward syncs        all-reduce of 0: does anyone sync?
+        broadcast of rank 0's ready order, once       the same broadcast (its own order if it
+                                                      had none: registration order, as torch's)
+        max over ranks still training: who owns       max with -1: it owns no buffers any more
+        the buffers; broadcast them from it
+        (static_graph, first synced backward only)    its usage: nothing
+        the usage map, learnt before any bucket goes
+        one all-reduce per bucket, in bucket order    an all-reduce of zeros per bucket
+        (find_unused_parameters) the usage map        its own usage map
+
+    Adding zeros changes no bit, so the sum is the sum over the ranks that still train. The
+    divisor stays the initial world size W (`divide_by_initial_world_size=True`, torch's
+    default: a joined rank counts as one with zero gradient); with False it is the number of
+    ranks still training, read from that first all-reduce. Buffers come from the highest rank
+    still training, since rank 0 may have joined with stale BatchNorm statistics. When every
+    rank has joined, `post_hook` copies the whole model from the last rank to join (the
+    highest, if several), so the replicas end equal. With `throw_on_early_termination=True`
+    every rank raises as soon as one runs out.
+
+    It lives beside MiniDDP, as torch keeps its `_DDPJoinHook` beside its reducer: it runs
+    MiniDDP's own steps (the buckets, the buffers, the usage map) for a rank with no batch.
+    """
+
+    def __init__(self, ddp: MiniDDP) -> None:
+        self.ddp = ddp
+
+    def main_hook(self) -> None:
+        ddp = self.ddp
+        should_sync = ddp._any_rank_syncs(False)
+        if ddp._layout.rebuild_due:
+            ddp._rebuild_buckets()
+        ddp._sync_buffers(training=False)
+        ddp._require_forward_param_sync = should_sync
+        if not should_sync:
+            return
+        # static_graph's first synced backward asks which parameters any rank used before its
+        # buckets go; a rank that joined before its own first one answers "none" (and learns).
+        first_static = ddp._static_graph_first_backward_ends()
+        # Fresh zero buckets, so that this rank's own gradients (which may live in the real
+        # buckets, with gradient_as_bucket_view) stay as they are.
+        shadows = [Bucket(b.index, b.param_indices, ddp.params) for b in ddp._layout.buckets]
+        for shadow in shadows:
+            shadow.launch(ddp._all_reduce)
+        for shadow in shadows:
+            shadow.wait(ddp._wait)
+        if ddp.find_unused_parameters:
+            self._shadow_usage()
+        # Joined before observing any order: it offers registration order to the coming rebuild
+        # (as torch's does); rank 0's order is the one every rank adopts. Under static_graph the
+        # others record theirs in the backward after the counting one, so it waits as long.
+        layout = ddp._layout
+        if not layout.has_rebuilt and not layout.ready_order and not first_static:
+            layout.ready_order = list(range(len(ddp.params)))
+
+    def _shadow_usage(self) -> None:
+        """A joined rank's part in the usage all-reduce (find_unused_parameters). torch's joined
+        rank re-sends the map its last synced backward received, so a parameter used on any
+        rank then counts as used as long as others train (its `.grad` becomes zeros, not None,
+        which momentum or weight decay would then apply to): the same here, for torch's bits."""
+        ddp = self.ddp
+        last = ddp._usage.last_on_any_rank
+        if last is None:  # joined before any synced backward: it used nothing
+            ddp._usage.on_any_rank(ddp.join_device, ddp.process_group, ddp._wait)
+            return
+        work = dist.all_reduce(last, group=ddp.process_group, async_op=True)
+        ddp._wait(work, "all-reduce of parameter usage")
+        last.clamp_(max=1)  # torch's sums grow each time; only "not zero" is ever read
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Every rank copies the model of the last rank to join: replicas end identical."""
+        ddp = self.ddp
+        source = ddp._highest_rank_where(is_last_joiner)
+        state = [*ddp.module.parameters(), *(ddp._buffers_to_sync if ddp.broadcast_buffers else [])]
+        broadcast_from_rank0(state, "the final model (Join)", ddp.process_group, ddp._wait, source)

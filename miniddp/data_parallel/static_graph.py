@@ -17,7 +17,7 @@ order the buckets are rebuilt from, before the third forward.
 
 from __future__ import annotations
 
-from miniddp.autograd_graph import ParameterUsage
+from miniddp.data_parallel.autograd_graph import ParameterUsage
 
 GRAPH_CHANGED = (
     "the graph changed, which static_graph=True does not allow. Keep which parameters are "

@@ -20,7 +20,7 @@ from functools import partial
 
 from torch import nn
 
-from miniddp.ddp import MiniDDP
+from miniddp.data_parallel.ddp import MiniDDP
 from miniddp.steps import BucketedDDP, NaiveDDP, OverlapDDP
 
 

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from miniddp.job.checkpoint_file import CheckpointError
+from miniddp.checkpoint.file import CheckpointError
 from miniddp.job.faults import wait_for
 from miniddp.placement import TensorShard, group_ranks, placement_of
 

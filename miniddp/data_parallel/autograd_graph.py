@@ -44,7 +44,7 @@ class ParameterUsage:
 
     def __init__(self, count: int) -> None:
         self._here = torch.zeros(count, dtype=torch.int32)
-        self.last_on_any_rank: torch.Tensor | None = None  # what a joined rank re-sends (join.py)
+        self.last_on_any_rank: torch.Tensor | None = None  # what a joined rank re-sends (ddp.py)
 
     def note(self, index: int) -> None:
         self._here[index] = 1

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from miniddp import collectives
-from miniddp.buckets import Bucket
+import miniddp.collectives as collectives
+from miniddp.data_parallel.buckets import Bucket
 
 
 def all_reduce_hook(algorithm: str = "auto"):

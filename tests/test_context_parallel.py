@@ -1,0 +1,113 @@
+"""Context parallelism (miniddp/context_parallel/) against one process's attention on the whole
+sequence, and against torch's private ring, _templated_ring_attention, on the same parts.
+
+What equality to expect: within rounding (float64: measured under 2e-15), not bitwise. One
+process's softmax normalises each query's row over all S keys at once; the ring normalises
+each block over its own keys and rescales by log-sum-exp as the blocks arrive: the same sum,
+in another order. Torch's ring merges the same way (told to merge in float64, as ours does:
+its default is float32), so the two rings agree to the same rounding.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from miniddp.context_parallel import chunks_of, stats_for, step_blocks
+from tests import context_parallel_tasks as tasks
+from tests.context_parallel_tasks import AttentionSpec
+from tests.harness.measurements import record_max
+
+FLOAT64_TOLERANCE = 1e-12
+LAYOUTS = list(itertools.product((False, True), (False, True)))  # (is_causal, load_balance)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("is_causal, load_balance", LAYOUTS)
+def test_ring_attention_is_one_process_sdpa_and_torchs_ring(
+    rank_pools, world_size, is_causal, load_balance
+):
+    """Output, dq, dk and dv: each rank's part equals the slice of one process's SDPA and its
+    gradients, and torch's ring's."""
+    spec = AttentionSpec(is_causal=is_causal, load_balance=load_balance, length=8 * world_size)
+    for rank, result in enumerate(rank_pools(world_size).run(tasks.differences, spec, True)):
+        for kind, largest in result.items():
+            for what, difference in largest.items():
+                record_max(f"ring attention float64, {kind} ({what})", difference)
+                assert difference <= FLOAT64_TOLERANCE, (rank, kind, what, difference)
+
+
+def test_a_scale_and_float32_are_one_process_sdpa(pool2):
+    spec = AttentionSpec(is_causal=True, load_balance=True, dtype=tasks.torch.float32, scale=0.3)
+    for result in pool2.run(tasks.differences, spec):
+        assert max(result["ours"].values()) <= 1e-5, result
+
+
+@pytest.mark.parametrize("load_balance", [False, True])
+def test_a_wrong_causal_offset_is_caught(pool2, load_balance):
+    """The check itself: a mask built from local positions (the source rank's offset
+    forgotten) leaves every rank but none far from one process."""
+    spec = AttentionSpec(is_causal=True, load_balance=load_balance)
+    worst = max(max(r["ours"].values()) for r in pool2.run(tasks.with_a_wrong_causal_offset, spec))
+    assert worst > 1e-2
+
+
+@pytest.mark.parametrize("shape, dim", [((2, 3, 16, 4), 2), ((3, 8, 5), 1), ((8,), 0)])
+@pytest.mark.parametrize("load_balance", [False, True])
+def test_shard_then_unshard_is_the_whole_tensor(pool2, shape, dim, load_balance):
+    for result in pool2.run(tasks.round_trip, shape, dim, load_balance):
+        assert result == {"sharded": True, "unsharded": True, "gradient": True}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("is_causal, load_balance", LAYOUTS)
+def test_the_plan_computes_every_needed_block_once(world_size, is_causal, load_balance):
+    """Over all ranks and steps, every chunk pair (a, b) with b <= a (every pair unmasked) is
+    computed exactly once, on the diagonal causally, and nothing else."""
+    computed = []
+    for rank, step in itertools.product(range(world_size), range(world_size)):
+        queries = chunks_of(rank, world_size, load_balance)
+        keys = chunks_of((rank - step) % world_size, world_size, load_balance)
+        for block in step_blocks(rank, world_size, step, is_causal, load_balance):
+            a = queries[block.q]
+            for b in keys[block.k_start : block.k_stop]:
+                computed.append((a, b, block.causal))
+    chunks = (2 if load_balance else 1) * world_size
+    needed = [(a, b, is_causal and a == b) for a in range(chunks) for b in range(chunks)]
+    needed = [(a, b, c) for a, b, c in needed if not is_causal or b <= a]
+    assert sorted(computed) == sorted(needed)
+
+
+@pytest.mark.parametrize("load_balance", [False, True])
+def test_blocks_counted_and_bytes_sent(rank_pools, load_balance):
+    """Plain, causal rank r computes r + 1 of its W chunk pairs; balanced, every rank the same
+    2W + 1 (two diagonal), and the same scores. Forward sends (W-1)·2·S/W·H·D·itemsize bytes
+    (times B), backward twice that."""
+    world_size, spec = 4, AttentionSpec(is_causal=True, load_balance=load_balance, length=32)
+    results = rank_pools(world_size).run(tasks.blocks_and_bytes, spec)
+    per_rank_bytes = (world_size - 1) * 2 * spec.length // world_size * spec.heads
+    per_rank_bytes *= spec.head_dim * 8 * spec.batch
+    for rank, result in enumerate(results):
+        (stats,) = result["stats"]
+        chunk = spec.length // (2 if load_balance else 1) // world_size
+        assert stats == stats_for(rank, world_size, True, load_balance, chunk, 6)
+        assert stats.blocks == (2 * world_size + 1 if load_balance else rank + 1)
+        assert (result["forward"], result["backward"]) == (per_rank_bytes, 2 * per_rank_bytes)
+    scores = {result["stats"][0].scores for result in results}
+    assert len(scores) == (1 if load_balance else world_size)
+
+
+def test_bad_input_is_refused_on_every_rank_with_the_fix(pool2):
+    for rank, found in enumerate(pool2.run(tasks.refusals)):
+        expected = {
+            "S not divisible by W": "multiple of W",
+            "S not divisible by 2W": "multiple of 2W = 4",
+            "odd local length": "multiple of 2W",
+            "different lengths": "6, 4 and 6 positions",
+            "causal and a mask": "give one or the other",
+        }
+        if rank:  # rank 0 is the one member of that group
+            expected["a group without this rank"] = "is not in the context-parallel group"
+        for case, words in expected.items():
+            assert words in found[case], (rank, case, found[case])
