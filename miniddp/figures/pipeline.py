@@ -76,8 +76,8 @@ def schedules(drawn: dict[str, list[list[Block]]], path: str | Path) -> Path:
             for block in stage:
                 start, width = (block.start - origin) * 1e3, block.duration * 1e3
                 colour = colours[block.kind]
-                axes.barh(block.stage, width, left=start, color=colour, edgecolor="black")
-                axes.text(start + width / 2, block.stage, block.label, ha="center", va="center")
+                axes.barh(block.rank, width, left=start, color=colour, edgecolor="black")
+                axes.text(start + width / 2, block.rank, block.label, ha="center", va="center")
         axes.set_yticks(range(STAGES))
         axes.set_yticklabels([f"stage {s}" for s in range(STAGES)])
         axes.set_ylim(STAGES - 0.5, -0.5)

@@ -33,6 +33,7 @@ class Unit(Protocol):
     @property
     def world_size(self) -> int: ...
 
+
 UNIT_NUMBER_BYTES = 8  # what each rank sends each other rank before a gather (an int64)
 UNIT_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # shard -> its unit
 _BY_NUMBER: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (ranks, n) -> unit
