@@ -10,18 +10,26 @@ So zero bubble is bitwise interleaved 1F1B, and both are bitwise one process.
 The orders themselves are held to their formulas on the logical clock (timeline.replay): the
 bubble of interleaved 1F1B is exactly (p - 1)/(v m + p - 1), zero bubble's is below it, and the
 activations each rank holds are the formulas interleaved.py derives.
+
+Your own interleaved order (tutorials/exercises/gpipe.py, step 2) goes through the same bar:
+
+    MINIDDP_PP_INTERLEAVED=tutorials/exercises/gpipe.py:interleaved_order \\
+        python -m pytest tests/test_pipeline_interleaved.py -x -q -k yours
 """
 
 from __future__ import annotations
 
 import math
+import os
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from miniddp.pipeline import PipelineStage, Schedule1F1B
+from miniddp.pipeline import Action, PipelineStage, Schedule1F1B
+from miniddp.pipeline.actions import order_problem
 from miniddp.pipeline.interleaved import (
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
@@ -31,9 +39,14 @@ from miniddp.pipeline.timeline import bubble_formula, bubble_fraction, peak_held
 from miniddp.sharding.clipping import clip_grad_norm_
 from tests.test_pipeline import PipeSpec, assert_stage_equal, batch, build_model, mean_share, mse
 from tests.test_pipeline import one_process as one_process_per_stage
+from tests.workloads import load_implementation
 
 V = 2
 OURS = {"interleaved": ScheduleInterleaved1F1B, "zero-bubble": ScheduleInterleavedZeroBubble}
+REPO = Path(__file__).resolve().parents[1]
+LEARNERS = os.environ.get("MINIDDP_PP_INTERLEAVED")
+EXERCISE = f"{REPO / 'tutorials' / 'exercises' / 'gpipe.py'}:interleaved_order"
+yours_only = pytest.mark.skipif(not LEARNERS, reason="set MINIDDP_PP_INTERLEAVED=FILE.py:NAME")
 
 
 def spec_for(ranks: int, m: int, steps: int = 3) -> PipeSpec:
@@ -59,7 +72,18 @@ def make(kind: str, spec: PipeSpec, model):
         stages = my_stages(spec, model, TorchStage)
         return cls(stages, m, loss_fn=partial(mean_share, m=m), scale_grads=False), stages
     stages = my_stages(spec, model)
+    if kind == "yours":
+        return YoursInterleaved(stages, m, mse), stages
     return OURS[kind](stages, m, mse), stages
+
+
+class YoursInterleaved(ScheduleInterleaved1F1B):
+    """ScheduleInterleaved1F1B running the order of MINIDDP_PP_INTERLEAVED's function."""
+
+    def order(self) -> list[Action]:
+        make_order = load_implementation(LEARNERS)
+        stage = self.stage
+        return make_order(stage.rank, stage.group_size, len(self.stages), self.n_microbatches)
 
 
 def run_step(schedule, spec: PipeSpec, step: int, losses: list) -> None:
@@ -252,3 +276,65 @@ def test_bad_layouts_are_refused_on_every_rank_with_the_fix(pool2, mistake):
         )
         if mistake != "one_stage_given" or rank == 1:  # the detail is the rank's own
             assert problem in outcome.message and fix in outcome.message, outcome.message
+
+
+def verdict(make_order, ranks: int, m: int) -> str | None:
+    """Why `make_order`'s orders are not a good interleaved 1F1B (None: they are): each rank's
+    order valid alone, the orders deadlock-free together (the logical clock), no rank holding
+    more than interleaved 1F1B's min(v m, warm-up + 1) microbatch-stages, the bubble no more
+    than (p - 1)/(v m + p - 1)."""
+    orders = [make_order(r, ranks, V, m) for r in range(ranks)]
+    for r, order in enumerate(orders):
+        problem = order_problem(order, m, [r + i * ranks for i in range(V)])
+        if problem:
+            return f"rank {r}'s order: {problem}"
+    try:
+        blocks = replay(orders)
+    except ValueError as deadlock:
+        return str(deadlock)
+    per_round = m // max(1, m // ranks)
+    for r, order in enumerate(orders):
+        most = min(V * m, (V - 1) * per_round + 2 * (ranks - 1 - r) + 1)
+        if peak_held(order) > most:
+            return (
+                f"rank {r} holds {peak_held(order)} microbatch-stages' activations at once, "
+                f"more than interleaved 1F1B's {most}"
+            )
+    bubble, formula = bubble_fraction(blocks), bubble_formula(ranks, m, V)
+    if bubble > formula + 1e-9:
+        return f"the bubble is {bubble:.3f}, more than (p - 1)/(v m + p - 1) = {formula:.3f}"
+    return None
+
+
+def deadlocks(rank: int, ranks: int, v: int, m: int) -> list[Action]:
+    """Every rank starts with its last stage's forward: it waits for what nobody sent."""
+    order = interleaved_order(rank, ranks, v, m)
+    return sorted(order, key=lambda a: (a.kind != "F", -a.stage))
+
+
+def holds_everything(rank: int, ranks: int, v: int, m: int) -> list[Action]:
+    """GPipe, interleaved: every forward at every stage, then every backward."""
+    order = interleaved_order(rank, ranks, v, m)
+    return [a for a in order if a.kind == "F"] + [a for a in order if a.kind == "B"]
+
+
+def test_the_order_check_fails_a_deadlock_and_an_order_holding_too_much():
+    assert verdict(interleaved_order, 4, 8) is None
+    assert "deadlock" in verdict(deadlocks, 4, 8)
+    assert "rank 0 holds 16 microbatch-stages' activations" in verdict(holds_everything, 4, 8)
+
+
+def test_the_exercise_stub_fails_naming_its_todo():
+    with pytest.raises(NotImplementedError, match="TODO exercise interleaved"):
+        load_implementation(EXERCISE)(0, 2, V, 4)
+
+
+@yours_only
+@pytest.mark.parametrize("ranks, m", [(2, 4), (2, 8), (4, 4), (4, 8)])
+def test_yours_is_a_good_interleaved_order_and_trains_as_one_process(rank_pools, ranks, m):
+    assert verdict(load_implementation(LEARNERS), ranks, m) is None
+    spec = spec_for(ranks, m)
+    reference = one_process_per_stage(spec)
+    ours = per_stage(rank_pools(ranks).run(train, spec, "yours"), spec)
+    for s in range(spec.stages):
+        assert_stage_equal(ours[s], reference, s, spec, "your order against one process")

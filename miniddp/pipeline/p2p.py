@@ -122,6 +122,7 @@ class Mailbox:
         self.group = group
         self.note = note
         self._sends_in_flight: list[tuple[dist.Work, Transfer]] = []
+        self.bytes_sent = 0  # every send's payload since the mailbox was made
 
     def post(self, sends: list[Transfer], receive: Transfer | None = None) -> dist.Work | None:
         transfers = [*sends, *([receive] if receive is not None else [])]
@@ -145,6 +146,7 @@ class Mailbox:
         for work, transfer in zip(works, transfers):
             if transfer.is_send:
                 self._sends_in_flight.append((work, transfer))  # keeps the tensor alive
+                self.bytes_sent += transfer.tensor.numel() * transfer.tensor.element_size()
                 self.note("send", transfer.what)
         return works[-1] if receive is not None else None
 
