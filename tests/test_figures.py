@@ -30,6 +30,7 @@ FIGURES = [
     "08_memory.png",
     "13_tensor_parallel.png",
     "14_pipeline.png",
+    "14b_schedules.png",
     "15_three_d.png",
 ]
 # Drawn only with --only 12: chapter 12's 3-minute training run (its claims: test_train_gpt.py).

@@ -391,7 +391,7 @@ MISTAKES = {
     "target": ("stage 1 was given no target", "schedule.step(target=y, losses=losses)"),
     "num_stages": (
         "rank 1 says num_stages=3, but the pipeline's group has 2 ranks",
-        "num_stages must be 2",
+        "num_stages must be a multiple of 2",
     ),
     "stage_index": ("rank 0 says stage_index=1", "stage_index=dist.get_rank(group)"),
     "n_microbatches": (

@@ -17,7 +17,7 @@ COMMANDS = {
     "sharding": "memory, traffic and step time of DDP and ZeRO-1/2/3, against torch's",
     "soak": "a 25M-parameter model for minutes beside a CPU hog: false alarms, bits, memory",
     "tp": "a tensor-parallel step: miniddp.tensor_parallel against torch's DTensor TP",
-    "pp": "a pipeline step (GPipe, 1F1B) against torch's pipelining, bare and over a link",
+    "pp": "a pipeline step (GPipe, 1F1B, interleaved, zero bubble) against torch's, bare, linked",
     "compose": "the 3-D step (PP x DP x TP) of MiniDDP's pieces against torch's composition",
 }
 RANKS = {"sharding": 4, "compose": 8}  # sharding: groups of 1, 2 and 4; compose: (2, 2, 2)

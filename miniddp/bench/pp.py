@@ -1,7 +1,9 @@
 """`python -m miniddp.bench pp`: a pipeline step of miniddp.pipeline against torch's own
-torch.distributed.pipelining, the same model cut the same way, GPipe and 1F1B.
+torch.distributed.pipelining, the same model cut the same way: GPipe, 1F1B, interleaved 1F1B
+and interleaved zero bubble.
 
-Every rank is one stage (2 by default: relaunched under torchrun). Each iteration runs every
+Every rank is one stage (2 ranks by default: relaunched under torchrun), or for the interleaved
+designs two stages of half its layers each (v = 2, stage s on rank s % W). Each iteration runs every
 design once, in an order rotated by one per iteration, a barrier before each step; a step's
 time is the slowest stage's. Reported: the median over iterations of ours / torch's, each pair
 from the same iteration, with its 95% interval (miniddp/bench/paired.py).
@@ -33,9 +35,18 @@ from miniddp.bench.options import whole_number, writable_file
 from miniddp.bench.paired import paired_ratio, paired_ratio_interval, quantile, rotated
 from miniddp.job.env import cleanup, init_distributed
 from miniddp.observe.link import Link, LinkQueue, LinkWork
-from miniddp.pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe
+from miniddp.pipeline import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
 
-DESIGNS = ("gpipe", "torch-gpipe", "1f1b", "torch-1f1b")
+OURS = ("gpipe", "1f1b", "interleaved", "zero-bubble")
+DESIGNS = tuple(d for ours in OURS for d in (ours, f"torch-{ours}"))
+INTERLEAVED = ("interleaved", "zero-bubble")
+V = 2  # stages a rank in the interleaved designs
 
 
 def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -49,17 +60,34 @@ def build_stage_module(width: int, layers: int, rank: int) -> nn.Sequential:
     )
 
 
-def build(design: str, module: nn.Module, m: int):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if design.startswith("torch-"):
-        from torch.distributed.pipelining import PipelineStage as TorchStage
-        from torch.distributed.pipelining import Schedule1F1B as Torch1F1B
-        from torch.distributed.pipelining import ScheduleGPipe as TorchGPipe
+def build(design: str, module: nn.Sequential, m: int):
+    """`design`'s schedule over this rank's layers `module`: one stage, or (interleaved) V
+    stages of consecutive layers, stage rank + i W holding the i-th part."""
+    import torch.distributed.pipelining as theirs
 
-        cls = TorchGPipe if design == "torch-gpipe" else Torch1F1B
-        return cls(TorchStage(module, rank, world, "cpu"), m, loss_fn=mse)
-    cls = ScheduleGPipe if design == "gpipe" else Schedule1F1B
-    return cls(PipelineStage(module, rank, world, "cpu"), m, mse)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch_design = design.startswith("torch-")
+    name = design.removeprefix("torch-")
+    classes = {
+        "gpipe": (ScheduleGPipe, theirs.ScheduleGPipe),
+        "1f1b": (Schedule1F1B, theirs.Schedule1F1B),
+        "interleaved": (ScheduleInterleaved1F1B, theirs.ScheduleInterleaved1F1B),
+        "zero-bubble": (ScheduleInterleavedZeroBubble, theirs.ScheduleInterleavedZeroBubble),
+    }
+    cls = classes[name][torch_design]
+    stage_class = theirs.PipelineStage if torch_design else PipelineStage
+    if name in INTERLEAVED:
+        layers = list(module)
+        if len(layers) < V:
+            raise SystemExit(f"the interleaved designs cut a rank's layers in {V}: --layers >= {V}")
+        cut = [len(layers) * i // V for i in range(V + 1)]
+        parts = [nn.Sequential(*layers[cut[i] : cut[i + 1]]) for i in range(V)]
+        stages = [
+            stage_class(part, rank + i * world, V * world, "cpu") for i, part in enumerate(parts)
+        ]
+    else:
+        stages = stage_class(module, rank, world, "cpu")
+    return cls(stages, m, loss_fn=mse) if torch_design else cls(stages, m, mse)
 
 
 def step(schedule, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -151,18 +179,18 @@ def time_designs(args: argparse.Namespace) -> dict[str, list[float]]:
 def report(times: dict[str, list[float]], link: Link | None) -> dict:
     where = "the bare machine" if link is None else f"a simulated link ({link})"
     print(f"\npipeline step on {dist.get_world_size()} stages, {where}")
-    print(f"  {'design':<12} {'median':>9} {'p10':>9} {'p90':>9}")
+    print(f"  {'design':<17} {'median':>9} {'p10':>9} {'p90':>9}")
     for design, values in times.items():
         row = [quantile(values, q) * 1e3 for q in (0.5, 0.1, 0.9)]
-        print(f"  {design:<12} " + " ".join(f"{v:>7.2f}ms" for v in row))
+        print(f"  {design:<17} " + " ".join(f"{v:>7.2f}ms" for v in row))
     ratios = {}
     print("  paired ratio ours / torch's (median, 95% interval):")
-    for ours in ("gpipe", "1f1b"):
+    for ours in OURS:
         theirs = f"torch-{ours}"
         ratio = paired_ratio(times[ours], times[theirs])
         low, high = paired_ratio_interval(times[ours], times[theirs])
         ratios[ours] = {"ratio": ratio, "interval": [low, high]}
-        print(f"  {ours:<5} vs {theirs:<11} {ratio:5.2f}x  [{low:.2f}, {high:.2f}]")
+        print(f"  {ours:<11} vs {theirs:<17} {ratio:5.2f}x  [{low:.2f}, {high:.2f}]")
     return {"link": str(link) if link else "none", "times": times, "ratios": ratios}
 
 

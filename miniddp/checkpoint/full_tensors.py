@@ -23,7 +23,9 @@ Pipeline parallelism, `Stage(group, index, count)`: stage s runs on rank s of th
 `group` and its parameters are nowhere else. So the checkpoint holds all `count` stages' states,
 keyed by stage: every rank of rank 0's pipeline sends its own (model, optimizer, bucket layout,
 after the TP gather) to rank 0; the ranks of the other pipelines, data-parallel replicas of the
-same stages, send nothing. Loading, rank s of a pipeline takes entry s, its own.
+same stages, send nothing. Loading, rank s of a pipeline takes entry s, its own. Interleaved
+pipelines (v stages a rank, count = v W) are refused, naming the fix: a rank would hold v
+stages under one model's keys, and this keying has one stage a rank.
 
 The gathers are collectives (every rank of the group, the same entries in the same order); the
 cuts are not.
@@ -85,6 +87,14 @@ def spread_of(module: nn.Module) -> Spread:
     pipeline = None
     if stages:
         [(group, count)] = stages
+        if count != dist.get_world_size(group):
+            raise CheckpointError(
+                f"this model is a pipeline of {count} stages on {dist.get_world_size(group)} "
+                "ranks, several stages a rank (interleaved): save_checkpoint keys a "
+                "pipeline's state by stage, one stage a rank. Save each stage's submodule and "
+                "optimizer with torch.save on its rank, or checkpoint a one-stage-a-rank "
+                "pipeline (ScheduleGPipe, Schedule1F1B)"
+            )
         pipeline = Pipeline(group, dist.get_rank(group), count)
     return Spread(shards, pipeline)
 

@@ -14,7 +14,9 @@ Where the data comes from:
   checkpoint, crash and resume steps), no run needed.
 - 05, 08, 13: chapter 05's no_sync timeline (2 gloo ranks), and two drawn from formulas and
   layouts: memory per rank per sharding stage, the tensor-parallel column/row split.
-- 14: a job of 4 gloo ranks runs GPipe and 1F1B on stages of fixed cost (figures/pipeline.py).
+- 14: a job of 4 gloo ranks runs GPipe and 1F1B on stages of fixed cost (figures/pipeline.py);
+  14b: the four schedules' orders (GPipe, 1F1B, interleaved 1F1B, zero bubble) on the logical
+  clock, no run needed.
 - 15: a job of 8 gloo ranks trains chapter 15's GPT on a (pp, dp, tp) = (2, 2, 2) mesh and
   records one step: the mesh beside every rank's F, B and traffic per axis (figures/three_d.py).
 - 12 (only when asked, `--only 12`: a 3-minute training run): chapter 12 under torchrun on 2
@@ -49,7 +51,8 @@ CHAPTER_04_TIMEOUT_S = 300
 CHAPTER_04_FIGURES = ("04_timelines.png", "04_sweep.png")
 CHAPTER_12 = REPO / "tutorials" / "12_train_gpt.py"
 CHAPTER_12_TIMEOUT_S = 900
-FIGURE_SETS = ("00", "01", "02", "03", "04", "05", "06", "08", "13", "14", "15")  # the default set
+# the default set
+FIGURE_SETS = ("00", "01", "02", "03", "04", "05", "06", "08", "13", "14", "14b", "15")
 ON_REQUEST = ("12",)  # a whole training run: only with --only 12
 
 
@@ -168,6 +171,8 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.TemporaryDirectory() as work_dir:
             drawn = pipeline.run_pipeline_job(Path(work_dir))
         written.append(pipeline.schedules(drawn, args.out / "14_pipeline.png"))
+    if "14b" in chosen:
+        written.append(pipeline.schedule_lanes(args.out / "14b_schedules.png"))
     if "15" in chosen:
         with tempfile.TemporaryDirectory() as work_dir:
             steps = three_d.run_job(Path(work_dir))

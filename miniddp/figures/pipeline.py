@@ -1,4 +1,5 @@
-"""Chapter 14's picture: GPipe and 1F1B on 4 stages, stages down, time across, measured.
+"""Chapter 14's pictures: GPipe and 1F1B on 4 stages, stages down, time across, measured; and
+(14b) the four schedules' orders on the logical clock, lanes of 4 ranks, F, B, I and W apart.
 
 A 4-rank gloo job (spawned, with a deadline) runs both schedules on stages whose every forward
 takes FORWARD_S and every backward BACKWARD_S (miniddp.pipeline.FixedCost), records the events
@@ -19,7 +20,15 @@ from torch import nn
 from miniddp.figures.draw import plt, save
 from miniddp.figures.record import spawn_and_collect
 from miniddp.pipeline import FixedCost, PipelineStage, Schedule1F1B, ScheduleGPipe
-from miniddp.pipeline.timeline import Block, bubble_formula, bubble_fraction, gather_blocks
+from miniddp.pipeline.interleaved import interleaved_order
+from miniddp.pipeline.timeline import (
+    Block,
+    bubble_formula,
+    bubble_fraction,
+    gather_blocks,
+    peak_held,
+    replay,
+)
 
 STAGES, MICROBATCHES = 4, 6
 FORWARD_S, BACKWARD_S = 0.020, 0.040
@@ -76,8 +85,8 @@ def schedules(drawn: dict[str, list[list[Block]]], path: str | Path) -> Path:
             for block in stage:
                 start, width = (block.start - origin) * 1e3, block.duration * 1e3
                 colour = colours[block.kind]
-                axes.barh(block.stage, width, left=start, color=colour, edgecolor="black")
-                axes.text(start + width / 2, block.stage, block.label, ha="center", va="center")
+                axes.barh(block.rank, width, left=start, color=colour, edgecolor="black")
+                axes.text(start + width / 2, block.rank, block.label, ha="center", va="center")
         axes.set_yticks(range(STAGES))
         axes.set_yticklabels([f"stage {s}" for s in range(STAGES)])
         axes.set_ylim(STAGES - 0.5, -0.5)
@@ -92,3 +101,75 @@ def schedules(drawn: dict[str, list[list[Block]]], path: str | Path) -> Path:
         f"B = {BACKWARD_S * 1e3:g} ms on every stage)"
     )
     return save(figure, path)
+
+
+LANES, LANE_MICROBATCHES, V = 4, 8, 2
+KIND_COLOURS = {"F": "#7fb3d5", "B": "#f0b27a", "I": "#c39bd3", "W": "#82e0aa"}
+
+
+def schedule_lanes(path: str | Path) -> Path:
+    """One panel per schedule on a shared logical clock: a rank's whole forward costs 1 and
+    its backward 2, so an interleaved stage (half a rank's layers) costs 1/2 and 1, and a
+    zero-bubble I or W 1/2 each. Lanes are ranks; a darker edge marks a rank's second stage."""
+    p, m = LANES, LANE_MICROBATCHES
+    panels_of = {
+        "GPipe": ([ScheduleGPipe.order(_Shape(r, p, m)) for r in range(p)], 1),
+        "1F1B": ([Schedule1F1B.order(_Shape(r, p, m)) for r in range(p)], 1),
+        f"interleaved 1F1B, v = {V}": ([interleaved_order(r, p, V, m) for r in range(p)], V),
+        f"interleaved zero bubble, v = {V}": (
+            [interleaved_order(r, p, V, m, zero_bubble=True) for r in range(p)],
+            V,
+        ),
+    }
+    figure, panels = plt.subplots(len(panels_of), 1, figsize=(12, 9.5), sharex=True)
+    for axes, (name, (orders, v)) in zip(panels, panels_of.items()):
+        blocks = replay(orders, forward_cost=1 / v, backward_cost=2 / v)
+        for lane in blocks:
+            for block in lane:
+                second = block.stage >= p
+                axes.barh(
+                    block.rank,
+                    block.duration,
+                    left=block.start,
+                    color=KIND_COLOURS[block.kind],
+                    edgecolor="black",
+                    hatch="//" if second else None,
+                    linewidth=0.6,
+                )
+                axes.text(
+                    block.start + block.duration / 2,
+                    block.rank,
+                    f"{block.kind}{block.microbatch}",
+                    ha="center",
+                    va="center",
+                    fontsize=6,
+                )
+        if "zero" in name:  # I = W = F: idle (p - 1)(F + I - W) a rank, against 3 v m of work
+            formula, written = (p - 1) / (3 * v * m + p - 1), "(p-1)/(3vm+p-1)"
+        else:
+            formula, written = bubble_formula(p, m, v), "(p-1)/(vm+p-1)"
+        held = [peak_held(order) for order in orders]
+        axes.set_yticks(range(p))
+        axes.set_yticklabels([f"rank {r}" for r in range(p)])
+        axes.set_ylim(p - 0.5, -0.5)
+        axes.set_title(
+            f"{name}: bubble {bubble_fraction(blocks):.3f} ({written} = {formula:.3f}); "
+            f"microbatch-stages held per rank {held}",
+            fontsize=9,
+            loc="left",
+        )
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c, ec="black") for c in KIND_COLOURS.values()]
+    labels = ["F forward", "B whole backward", "I input gradient", "W weight gradient"]
+    panels[-1].legend(handles, labels, fontsize=8, loc="center right")  # where nothing is left
+    panels[-1].set_xlabel(
+        f"logical time (p = {p}, m = {m}; a rank's F = 1, B = 2; hatched: its second stage)"
+    )
+    return save(figure, path)
+
+
+class _Shape:
+    """Just what a one-stage schedule's `order()` reads, to list orders without processes."""
+
+    def __init__(self, stage_index: int, num_stages: int, n_microbatches: int) -> None:
+        self.n_microbatches = n_microbatches
+        self.stage = type("Stage", (), {"stage_index": stage_index, "num_stages": num_stages})

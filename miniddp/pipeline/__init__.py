@@ -1,4 +1,4 @@
-"""Pipeline parallelism from scratch: a model cut into stages, one per rank, fed microbatches.
+"""Pipeline parallelism from scratch: a model cut into stages, on ranks, fed microbatches.
 
     stage = PipelineStage(model_slice, stage_index=rank, num_stages=world_size, device=device)
     schedule = Schedule1F1B(stage, n_microbatches=8, loss_fn=loss_fn)   # or ScheduleGPipe
@@ -10,19 +10,29 @@
         schedule.step()
     optimizer.step()                                       # each stage steps its own slice
 
+Interleaved, rank r holds v stages r, r + W, .., and its schedule takes them all:
+
+    stages = [PipelineStage(chunks[rank + i * W], rank + i * W, v * W, device) for i in range(v)]
+    schedule = ScheduleInterleaved1F1B(stages, n_microbatches=8, loss_fn=loss_fn)
+    # or ScheduleInterleavedZeroBubble; then step() as above, on the ranks of the first and
+    # last stage (ranks 0 and W - 1)
+
 The same calls as torch.distributed.pipelining, on torch.distributed's send and receive:
 
-    actions.py      F i and B i, and what makes a list of them one stage's order
+    actions.py      F i, B i (or I i and W i) at a stage, and what makes a rank's order
     stage.py        a slice of the model and what it keeps between forward and backward
     p2p.py          activations forward, gradients backward, and the shape sent once
     schedule.py     one step, as an order of forwards and backwards; checks; 1/m scaling;
                     the orders, GPipe and 1F1B, their bubble and their memory
+    interleaved.py  v stages a rank, and the backward split in two: interleaved 1F1B and
+                    zero bubble, their orders, bubble and memory
     step_checks.py  bad input refused on every stage
     timeline.py     the recorded step as blocks: the picture, the bubble, in ASCII too; and
                     FixedCost, a layer that takes a fixed time, to measure a schedule
 """
 
 from miniddp.pipeline.actions import Action
+from miniddp.pipeline.interleaved import ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble
 from miniddp.pipeline.schedule import PipelineSchedule, Schedule1F1B, ScheduleGPipe
 from miniddp.pipeline.stage import PipelineStage
 from miniddp.pipeline.timeline import FixedCost
@@ -34,4 +44,6 @@ __all__ = [
     "PipelineStage",
     "Schedule1F1B",
     "ScheduleGPipe",
+    "ScheduleInterleaved1F1B",
+    "ScheduleInterleavedZeroBubble",
 ]

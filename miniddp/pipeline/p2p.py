@@ -25,6 +25,11 @@ So the stage blocks in gloo's own `work.wait()` (in C++, the GIL released: as ch
 wait), and only if it raises hands the error to `wait_for`, which says which rank is missing and
 why. A dead peer shows at once, as its connection closes; a silent one after the group's timeout.
 
+With several stages a rank (interleaving), two ranks exchange several streams (W = 2: rank 0
+sends stage 0's activations AND stage 2's to rank 1), and the order one rank sends in need not
+be the order the other receives in. So every transfer carries a tag naming what it is (the
+kind, the stage, the microbatch): gloo and NCCL match a receive with the send of its own tag.
+
 Shapes are not hard-coded: the first time a stage sends an activation it first sends a small
 header (dtype, rank, sizes), and its neighbour allocates its receive buffer from it (`Header`).
 """
@@ -87,12 +92,15 @@ class Header:
 
 @dataclass
 class Transfer:
-    """One send or receive: the tensor, the neighbour (a stage index) and what it carries."""
+    """One send or receive: the tensor, the neighbour (a stage index, on rank `rank` of the
+    group), what it carries, and its tag (the same at both ends, unique within a step)."""
 
     tensor: torch.Tensor
     peer: int
     what: str  # "activation 3", "gradient 3": for the events and a fault's message
     is_send: bool
+    rank: int
+    tag: int = 0
 
     @property
     def description(self) -> str:
@@ -114,6 +122,7 @@ class Mailbox:
         self.group = group
         self.note = note
         self._sends_in_flight: list[tuple[dist.Work, Transfer]] = []
+        self.bytes_sent = 0  # every send's payload since the mailbox was made
 
     def post(self, sends: list[Transfer], receive: Transfer | None = None) -> dist.Work | None:
         transfers = [*sends, *([receive] if receive is not None else [])]
@@ -124,7 +133,8 @@ class Mailbox:
                 dist.isend if t.is_send else dist.irecv,
                 t.tensor,
                 group=self.group,
-                group_peer=t.peer,
+                tag=t.tag,
+                group_peer=t.rank,
             )
             for t in transfers
         ]
@@ -136,6 +146,7 @@ class Mailbox:
         for work, transfer in zip(works, transfers):
             if transfer.is_send:
                 self._sends_in_flight.append((work, transfer))  # keeps the tensor alive
+                self.bytes_sent += transfer.tensor.numel() * transfer.tensor.element_size()
                 self.note("send", transfer.what)
         return works[-1] if receive is not None else None
 
@@ -147,8 +158,7 @@ class Mailbox:
         self.note("recv", transfer.what)
         return transfer.tensor
 
-    def receive_now(self, tensor: torch.Tensor, peer: int, what: str) -> torch.Tensor:
-        receive = Transfer(tensor, peer, what, is_send=False)
+    def receive_now(self, receive: Transfer) -> torch.Tensor:
         return self.wait_receive(self.post([], receive), receive)
 
     def finish_sends(self) -> None:

@@ -1,14 +1,16 @@
 """What every pipeline schedule shares: one step, run as a list of forwards and backwards.
 
-A schedule is an ORDER: for each stage, the sequence of actions F i (forward of microbatch i)
-and B i (its backward). GPipe and 1F1B (at the end of this file) differ only there. Everything
-else is the same for both, and lives here:
+A schedule is an ORDER: for each rank, the sequence of actions F i (forward of microbatch i)
+and B i (its backward), at the rank's one stage or, interleaved, at one of its v stages (and
+zero-bubble schedules split B i into I i and W i: actions.py). GPipe and 1F1B (at the end of
+this file) and the interleaved schedules (interleaved.py) differ only there. Everything else is
+the same for all of them, and lives here:
 
     step(x) / step() / step(target=y, losses=losses)      torch's call, per stage
       check     every stage states what it was given; bad input is refused on all (step_checks)
       split     the batch (first stage) and the target (last) into m equal microbatches
       run       for each action of `order()`: receive what it needs (an activation for F on
-                every stage but the first, a gradient for B on every stage but the last),
+                every stage but the first, a gradient for B or I on every stage but the last),
                 compute, and hand its sends to the next action's batch of transfers (p2p.py)
       finish    wait for the sends, report the losses
 
@@ -22,9 +24,13 @@ same as torch's within one step whenever m is a power of two (scaling by 2^-k co
 rounding); for other m, dividing each loss and dividing the sum round differently, in the last
 place. The losses reported are loss_i itself.
 
+Accumulating over several steps (a batch too big for one step): give each step the loss you
+want divided by the number of steps too, loss_fn = lambda out, y: mse(out, y) / steps; nothing
+else changes, since every step only adds to `.grad`.
+
 Events (`record_events()`, as MiniDDP's; miniddp/pipeline/timeline.py draws them): step
-start/end, forward and backward "start i"/"end i", send and recv of each transfer, and idle
-start/end around every wait for a receive.
+start/end, forward, backward, input and weight "start i s"/"end i s" (microbatch i at stage
+s), send and recv of each transfer, and idle start/end around every wait for a receive.
 
 GPipe and 1F1B: two orders of the same forwards and backwards, and what each one costs.
 
@@ -61,16 +67,27 @@ the later ones alternate as usual (torch's Schedule1F1B refuses m < p; nothing h
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from miniddp.observe.events import EventRecorder
-from miniddp.pipeline.actions import BACKWARD, FORWARD, Action, encode, order_problem
+from miniddp.pipeline.actions import (
+    BACKWARD,
+    FORWARD,
+    INPUT_GRAD,
+    WEIGHT_GRAD,
+    Action,
+    encode,
+    order_problem,
+)
 from miniddp.pipeline.p2p import Header, Mailbox, Transfer
 from miniddp.pipeline.stage import PipelineStage
 from miniddp.pipeline.step_checks import Problem, check_on_every_stage, check_orders_together
+
+EVENT_KIND = {FORWARD: "forward", BACKWARD: "backward", INPUT_GRAD: "input", WEIGHT_GRAD: "weight"}
+ACTIVATION, GRADIENT, SHAPE = range(3)  # what a transfer carries, in its tag
 
 
 @dataclass
@@ -83,13 +100,25 @@ class StepData:
     losses: list[torch.Tensor] = field(default_factory=list)
 
 
+@dataclass
+class Border:
+    """What a stage knows of its input's shape, and whether its next stage knows its own."""
+
+    input_header: Header | None
+    header_sent: bool
+
+
 class PipelineSchedule(EventRecorder):
-    """Runs `stage`'s part of each step in the order `order()` gives. Subclasses define only
-    the order; `loss_fn(output, target)` is called on the last stage, once per microbatch."""
+    """Runs this rank's part of each step in the order `order()` gives. Subclasses define only
+    the order; `loss_fn(output, target)` is called on the last stage, once per microbatch.
+    `stages`: this rank's stage (GPipe, 1F1B), or its v stages in order (interleaved)."""
+
+    stages_per_rank_at_most: int | None = 1  # the interleaved schedules: None, any
+    splits_backward = False  # the zero-bubble schedules: B i as I i, then W i
 
     def __init__(
         self,
-        stage: PipelineStage,
+        stages: PipelineStage | Sequence[PipelineStage],
         n_microbatches: int,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> None:
@@ -100,25 +129,41 @@ class PipelineSchedule(EventRecorder):
                 "loss_fn must be a function loss_fn(output, target) -> scalar tensor, "
                 f"called on the last stage; got {loss_fn!r}"
             )
-        self.stage = stage
+        self.stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
+        if not self.stages or not all(isinstance(s, PipelineStage) for s in self.stages):
+            raise TypeError(f"{type(self).__name__} takes a PipelineStage or a list of them")
+        self.stage = self.stages[0]  # this rank's first stage (its only one, v = 1)
+        self.has_first_stage = any(stage.is_first for stage in self.stages)
+        self.has_last_stage = any(stage.is_last for stage in self.stages)
         self.n_microbatches = n_microbatches
         self.loss_fn = loss_fn
-        self.mailbox = Mailbox(stage.group, self._note)
-        example = stage.input_example
-        self._input_header = None if example is None else Header.of(example)
-        self._header_sent = stage.next_knows_its_shape
+        self.mailbox = Mailbox(self.stage.group, self._note)
+        self._by_index = {stage.stage_index: stage for stage in self.stages}
+        examples: dict[int, bool] = {}  # every stage of this rank's rounds: given an example?
+        for stage in self.stages:
+            examples.update(stage.examples)
+        self._borders = {
+            s.stage_index: Border(
+                None if s.input_example is None else Header.of(s.input_example),
+                s.is_last or examples.get(s.stage_index + 1, False),
+            )
+            for s in self.stages
+        }
+        self.setup_problem = self._stages_problem()  # refused at the first step, on every rank
         self._first_microbatch_shape: tuple[int, ...] | None = None
         self._orders_unchecked = True  # the first step checks that the orders cannot deadlock
+        self.peak_held = 0  # the most microbatch-stages this rank held at once, last step
         self._start_event_log()
 
     @property
     def input_shape(self) -> tuple[int, ...] | None:
-        """The shape of this stage's input microbatch, as given or as learnt from the previous
-        stage in the first step (None on the first stage, or before the first step)."""
-        return None if self._input_header is None else self._input_header.shape
+        """The shape of this rank's first stage's input microbatch, as given or as learnt from
+        the previous stage in the first step (None on the first stage, or before)."""
+        header = self._borders[self.stage.stage_index].input_header
+        return None if header is None else header.shape
 
     def order(self) -> list[Action]:
-        """This stage's actions in one step, each F i and B i exactly once, F i before B i."""
+        """This rank's actions in one step (actions.py says what makes an order)."""
         raise NotImplementedError
 
     def step(
@@ -127,110 +172,160 @@ class PipelineSchedule(EventRecorder):
         target: torch.Tensor | None = None,
         losses: list[torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
-        """One training step of this stage (torch's signature); the last stage returns the
-        batch's outputs and fills `losses` with each microbatch's loss. Gradients are left in
-        `.grad` (added to what was there), the gradient of the mean loss over the microbatches:
-        call the optimizer after it."""
+        """One training step of this rank (torch's signature); the rank of the last stage
+        returns the batch's outputs and fills `losses` with each microbatch's loss. Gradients
+        are left in `.grad` (added to what was there), the gradient of the mean loss over the
+        microbatches: call the optimizer after it."""
         if len(args) > 1:
             raise TypeError(f"step takes one input tensor (the first stage's), got {len(args)}")
         x = args[0] if args else None
         stage, m = self.stage, self.n_microbatches
-        order = self.order()
+        order = [] if self.setup_problem else [a.at(stage.stage_index) for a in self.order()]
         found = self._inspect(x, target, order)
-        check_on_every_stage(found, m, type(self).__name__, stage.group, stage.device)
+        who = "stage" if len(self.stages) == 1 else "rank"
+        check_on_every_stage(found, m, type(self).__name__, stage.group, stage.device, who)
         if self._orders_unchecked:  # once: the orders of a schedule do not change
-            check_orders_together(encode(order), stage.group, stage.device)
+            longest = 3 * m * len(self.stages)  # every row as long: zeros pad (actions.py)
+            codes = encode(order, stage.stage_index)
+            check_orders_together(codes + [0] * (longest - len(codes)), stage.group, stage.device)
             self._orders_unchecked = False
         data = StepData(
-            inputs=list(x.tensor_split(m)) if stage.is_first else [None] * m,
-            targets=list(target.tensor_split(m)) if stage.is_last else [None] * m,
+            inputs=list(x.tensor_split(m)) if self.has_first_stage else [None] * m,
+            targets=list(target.tensor_split(m)) if self.has_last_stage else [None] * m,
         )
-        stage.start_step()
+        for each in self.stages:
+            each.start_step()
+        self.peak_held = 0
         self._note("step", "start")
         sends: list[Transfer] = []
-        last_backward = [a for a in order if a.kind == BACKWARD][-1]  # DP x PP reduces there
+        last_backward = {a.stage: a for a in order if a.kind in (BACKWARD, WEIGHT_GRAD)}
         for action in order:
             # This action's receive goes out in one batch with the previous action's sends.
             received = self._receive_for(action, sends)
-            if action.kind == FORWARD:
-                sends = self._forward(data, action.microbatch, received)
-            else:
-                last = action == last_backward
-                sends = self._backward(data, action.microbatch, received, last)
+            sends = self._run(action, data, received, last_backward[action.stage] == action)
+            self.peak_held = max(self.peak_held, sum(len(s.held) for s in self.stages))
         self.mailbox.post(sends)
         self.mailbox.finish_sends()
         self._note("step", "end")
-        if stage.is_last and losses is not None:
+        if self.has_last_stage and losses is not None:
             losses.clear()
             losses.extend(data.losses)
-        return torch.cat(data.outputs) if stage.is_last else None
+        return torch.cat(data.outputs) if self.has_last_stage else None
 
     def _receive_for(self, action: Action, sends: list[Transfer]) -> torch.Tensor | None:
         """Post `sends` in one batch with the receive `action` needs, and wait for that receive.
-        An action that needs none (F on the first stage, B on the last) returns None, and the
-        sends go out alone."""
-        stage, i = self.stage, action.microbatch
+        An action that needs none (F on the first stage, B or I on the last, W) returns None,
+        and the sends go out alone."""
+        stage, i = self._by_index[action.stage], action.microbatch
+        border = self._borders[stage.stage_index]
+        s = stage.stage_index
         if action.kind == FORWARD and not stage.is_first:
-            if self._input_header is None:  # the first step: learn the shape first
+            if border.input_header is None:  # the first step: learn the shape first
                 self.mailbox.post(sends)
                 sends = []
-                previous = stage.stage_index - 1
-                buffer = Header.buffer(stage.device)
-                codes = self.mailbox.receive_now(buffer, previous, "the shape")
-                self._input_header = Header.decode(codes)
-            buffer = self._input_header.empty(stage.device)
-            receive = Transfer(buffer, stage.stage_index - 1, f"activation {i}", is_send=False)
-        elif action.kind == BACKWARD and not stage.is_last:
+                shape = self._receive(Header.buffer(stage.device), s - 1, SHAPE, 0, s)
+                border.input_header = Header.decode(self.mailbox.receive_now(shape))
+            buffer = border.input_header.empty(stage.device)
+            receive = self._receive(buffer, s - 1, ACTIVATION, i, s)
+        elif action.kind in (BACKWARD, INPUT_GRAD) and not stage.is_last:
             buffer = torch.empty_like(stage.held[i].output)
-            receive = Transfer(buffer, stage.stage_index + 1, f"gradient {i}", is_send=False)
+            receive = self._receive(buffer, s + 1, GRADIENT, i, s)
         else:
             self.mailbox.post(sends)
             return None
         work = self.mailbox.post(sends, receive)
         return self.mailbox.wait_receive(work, receive)
 
-    def _forward(self, data: StepData, i: int, received: torch.Tensor | None) -> list[Transfer]:
-        stage = self.stage
-        self._note("forward", f"start {i}")
-        output = stage.forward(i, data.inputs[i] if stage.is_first else received)
-        if stage.is_last:
-            loss = self.loss_fn(output, data.targets[i])
-            stage.keep_loss(i, loss / self.n_microbatches)  # this step's share of the mean
-            data.losses.append(loss.detach())
-            data.outputs.append(output.detach())
-        self._note("forward", f"end {i}")
-        if stage.is_last:
-            return []
+    def _receive(self, buffer, peer: int, carries: int, i: int, me: int) -> Transfer:
+        tag = carries + 3 * (i + self.n_microbatches * me)
+        what = "the shape" if carries == SHAPE else f"{('activation', 'gradient')[carries]} {i}"
+        return Transfer(buffer, peer, what, False, self.stage.rank_of(peer), tag)
+
+    def _send(self, tensor, peer: int, carries: int, i: int) -> Transfer:
+        tag = carries + 3 * (i + self.n_microbatches * peer)
+        what = "the shape" if carries == SHAPE else f"{('activation', 'gradient')[carries]} {i}"
+        return Transfer(tensor, peer, what, True, self.stage.rank_of(peer), tag)
+
+    def _run(
+        self, action: Action, data: StepData, received: torch.Tensor | None, last: bool
+    ) -> list[Transfer]:
+        """Compute `action` at its stage; what it sends (an activation downstream, a gradient
+        upstream), for the next action's batch."""
+        stage, i, s = self._by_index[action.stage], action.microbatch, action.stage
+        name = f"{i} {s}"
+        self._note(EVENT_KIND[action.kind], f"start {name}")
         sends = []
-        activation = output.detach().contiguous()
-        if not self._header_sent:
-            header = Header.of(activation).encode(stage.device)
-            sends.append(Transfer(header, stage.stage_index + 1, "the shape", is_send=True))
-            self._header_sent = True
-        sends.append(Transfer(activation, stage.stage_index + 1, f"activation {i}", True))
+        if action.kind == FORWARD:
+            output = stage.forward(i, data.inputs[i] if stage.is_first else received)
+            if stage.is_last:
+                loss = self.loss_fn(output, data.targets[i])
+                stage.keep_loss(i, loss / self.n_microbatches)  # this step's share of the mean
+                data.losses.append(loss.detach())
+                data.outputs.append(output.detach())
+            else:
+                activation = output.detach().contiguous()
+                border = self._borders[s]
+                if not border.header_sent:
+                    header = Header.of(activation).encode(stage.device)
+                    sends.append(self._send(header, s + 1, SHAPE, 0))
+                    border.header_sent = True
+                sends.append(self._send(activation, s + 1, ACTIVATION, i))
+        elif action.kind == WEIGHT_GRAD:
+            stage.backward_weight(i)
+        else:
+            if action.kind == BACKWARD:
+                input_grad = stage.backward(i, received, last)
+            else:
+                input_grad = stage.backward_input(i, received)
+            if not stage.is_first:
+                sends.append(self._send(input_grad, s - 1, GRADIENT, i))
+        self._note(EVENT_KIND[action.kind], f"end {name}")
         return sends
 
-    def _backward(
-        self, data: StepData, i: int, received: torch.Tensor | None, last: bool
-    ) -> list[Transfer]:
-        stage = self.stage
-        self._note("backward", f"start {i}")
-        input_grad = stage.backward(i, received, last)
-        self._note("backward", f"end {i}")
-        if stage.is_first:
-            return []
-        return [Transfer(input_grad, stage.stage_index - 1, f"gradient {i}", is_send=True)]
+    def _stages_problem(self) -> str | None:
+        """What is wrong with the stages this rank gave its schedule (None: nothing)."""
+        first, stages = self.stage, self.stages
+        size, v = first.group_size, len(stages)
+        if any(s.group is not first.group or s.num_stages != first.num_stages for s in stages):
+            return "its stages belong to different pipelines (groups or num_stages differ)"
+        most = self.stages_per_rank_at_most
+        if most is not None and first.num_stages > size * most:
+            return (
+                f"{type(self).__name__} runs one stage a rank, and there are "
+                f"{first.num_stages} stages on {size} ranks: use ScheduleInterleaved1F1B"
+            )
+        expected = [first.rank + i * size for i in range(first.num_stages // size)]
+        if [s.stage_index for s in stages] != expected:
+            return (
+                f"it was given stages {[s.stage_index for s in stages]} (v = {v}); rank "
+                f"{first.rank} holds stages {expected}, every one of them, in that order"
+            )
+        if any(s.data_parallel for s in stages) and (v > 1 or self.splits_backward):
+            return (
+                "a data-parallel stage (MiniDDP inside) runs under ScheduleGPipe or "
+                "Schedule1F1B only, one stage a rank, its backward whole"
+            )
+        return None
 
     def _inspect(
         self, x: torch.Tensor | None, target: torch.Tensor | None, order: list[Action]
     ) -> tuple[Problem, int, int] | tuple[Problem, int, int, str]:
-        """What this stage can see wrong with its own part of the step: its input, and its
-        order (a learner's schedule may be wrong; then also why, for this stage's message)."""
-        stage, m = self.stage, self.n_microbatches
-        problem = order_problem(order, m)
+        """What this rank can see wrong with its own part of the step: its stages, its input,
+        and its order (a learner's schedule may be wrong; then also why, for this rank's
+        message)."""
+        m = self.n_microbatches
+        if self.setup_problem:
+            return Problem.BAD_STAGES, 0, 0, self.setup_problem
+        if len(self.stages) == 1:  # its actions are named as written: F0, not F0@0
+            own = self.stage.stage_index
+            problem = order_problem([a._replace(stage=None) for a in order if a.stage == own], m)
+            strangers = [str(a) for a in order if a.stage != own]
+            problem = problem or (f"{strangers[0]} is not this rank's" if strangers else None)
+        else:
+            problem = order_problem(order, m, [s.stage_index for s in self.stages])
         if problem is not None:
             return Problem.BAD_ORDER, 0, 0, problem
-        if stage.is_first:
+        if self.has_first_stage:
             if x is None:
                 return Problem.NO_INPUT, 0, 0
             if x.shape[0] % m:
@@ -242,7 +337,7 @@ class PipelineSchedule(EventRecorder):
                 return Problem.INPUT_SHAPE_CHANGED, shape[0], self._first_microbatch_shape[0]
         elif x is not None:
             return Problem.INPUT_NOT_ON_FIRST, 0, 0
-        if stage.is_last:
+        if self.has_last_stage:
             if target is None:
                 return Problem.NO_TARGET, 0, 0
             if target.shape[0] % m:

@@ -1,19 +1,31 @@
 """One stage of a pipeline: a slice of the model on one rank, and what it keeps for backward.
 
-Vocabulary (the GPipe paper's and torch.distributed.pipelining's): the model is cut into p
-*stages*, stage s on rank s of the pipeline's process group; a batch is cut into m
-*microbatches*; the *activation* of microbatch i at stage s is what stage s receives from stage
-s-1 (its input) and hands to stage s+1 (its output).
+Vocabulary (the GPipe paper's and torch.distributed.pipelining's): the model is cut into
+*stages*; a batch is cut into m *microbatches*; the *activation* of microbatch i at stage s is
+what stage s receives from stage s-1 (its input) and hands to stage s+1 (its output).
 
-A stage does two things for a schedule (schedule.py), in whatever order the schedule says:
+Where stages run: with W ranks in the pipeline's group and v stages a rank (v = 1 for GPipe
+and 1F1B; v >= 2 *interleaves*, Narayanan et al., 2021), there are v W stages and stage s runs
+on rank s % W, torch's layout:
 
-    forward(i, x)     run the slice on microbatch i's input; keep input and output for backward
-    backward(i, g)    backpropagate g (the gradient of the loss with respect to the output,
-                      received from stage s+1; on the last stage, the loss itself) through
-                      what forward(i) kept, accumulating the parameters' .grad, and return the
-                      gradient with respect to the input, for stage s-1; then drop what was kept
+    rank r holds stages r, r + W, .., r + (v - 1) W       (W = 2, v = 2: rank 0 holds 0 and 2)
 
-What it keeps between the two is the memory a schedule is judged by: `peak_held` counts the
+Each rank builds its v stages in that order, i = 0 .. v-1: building a stage is a collective
+(every rank states the stage it builds, below), so a rank building another stage than its
+neighbours is refused on every rank, naming the rank and the fix, instead of a hang later.
+
+A stage does these things for a schedule (schedule.py), in whatever order the schedule says:
+
+    forward(i, x)          run the slice on microbatch i's input; keep input and output
+    backward(i, g)         backpropagate g (the gradient of the loss with respect to the
+                           output, received from stage s+1; on the last stage, the loss itself)
+                           through what forward(i) kept, accumulating the parameters' .grad;
+                           return the input's gradient, for stage s-1; drop what was kept
+    backward_input(i, g)   the same input gradient, and nothing else: .grad is not touched
+    backward_weight(i)     later, the parameters' part of the same backward, then drop
+
+(the last two are the zero-bubble split, miniddp/pipeline/interleaved.py). What a stage keeps
+between forward and its backward is the memory a schedule is judged by: `peak_held` counts the
 microbatches whose activations were held at once during the last step.
 
 The input of every stage but the first is a fresh leaf (`detach().requires_grad_()`): autograd
@@ -52,19 +64,24 @@ from miniddp.placement import Stage, mark
 
 @dataclass
 class Held:
-    """What forward(i) keeps for backward(i): the stage's input leaf, its output, and on the
-    last stage the loss backward starts from."""
+    """What forward(i) keeps for backward(i): the stage's input leaf, its output, on the last
+    stage the loss backward starts from; after backward_input, the gradient it started from."""
 
     input: torch.Tensor
     output: torch.Tensor
     loss: torch.Tensor | None = None
+    output_grad: torch.Tensor | None = None
+
+    def root(self, output_grad: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Where backward starts: the loss (its gradient 1), or the output and its gradient."""
+        return (self.loss, None) if self.loss is not None else (self.output, output_grad)
 
 
 class PipelineStage:
-    """`submodule` as stage `stage_index` of `num_stages`, on rank `stage_index` of `group`
-    (torch's `PipelineStage` arguments). `input_args`, an example of this stage's input
-    microbatch, fixes the shape of what it receives; without it, the previous stage sends the
-    shape once, with its first activation."""
+    """`submodule` as stage `stage_index` of `num_stages`, on rank `stage_index % W` of
+    `group`, W ranks (torch's `PipelineStage` arguments). `input_args`, an example of this
+    stage's input microbatch, fixes the shape of what it receives; without it, the previous
+    stage sends the shape once, with its first activation."""
 
     def __init__(
         self,
@@ -84,19 +101,23 @@ class PipelineStage:
         self.num_stages = num_stages
         self.device = torch.device(device)
         self.group = group
-        has_example = _check_stages_agree(
+        self.rank, self.group_size = dist.get_rank(group), dist.get_world_size(group)
+        # Whether each stage built in this round (this one and its W - 1 peers) has an example.
+        self.examples = _check_stages_agree(
             stage_index, num_stages, input_args is not None, group, self.device
         )
         self.is_first = stage_index == 0
         self.is_last = stage_index == num_stages - 1
         self.input_example = input_args
-        # Whether the next stage was given an example of its input: then no shape is sent to it.
-        self.next_knows_its_shape = not self.is_last and has_example[stage_index + 1]
         self.data_parallel = hasattr(submodule, "no_sync")  # MiniDDP or torch's DDP inside
         self.held: dict[int, Held] = {}
         self.peak_held = 0
         for param in submodule.parameters():
             mark(param, stage=Stage(group, stage_index, num_stages))
+
+    def rank_of(self, stage_index: int) -> int:
+        """The rank of the group that runs stage `stage_index`."""
+        return stage_index % self.group_size
 
     def forward(self, microbatch: int, x: torch.Tensor) -> torch.Tensor:
         """Run the slice on microbatch `microbatch` and keep what its backward needs; returns
@@ -122,11 +143,33 @@ class PipelineStage:
         held = self.held.pop(microbatch)
         if last and self.data_parallel:
             _arm_reduction(self.submodule, held.output)
-        if held.loss is not None:
-            torch.autograd.backward(held.loss)  # d loss / d loss = 1
-        else:
-            torch.autograd.backward(held.output, grad_tensors=output_grad)
+        root, grad = held.root(output_grad)
+        torch.autograd.backward(root, grad_tensors=grad)  # from the loss: d loss / d loss = 1
         return None if self.is_first else held.input.grad
+
+    def backward_input(
+        self, microbatch: int, output_grad: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """d loss / d input alone: `autograd.grad` with respect to the input leaf computes only
+        the gradients on the path to it, and `.grad` of no parameter; `retain_graph` keeps the
+        graph for backward_weight. The first stage has no input gradient: nothing runs."""
+        held = self.held[microbatch]
+        root, grad = held.root(output_grad)
+        held.output_grad = grad
+        if self.is_first:
+            return None
+        (input_grad,) = torch.autograd.grad(root, [held.input], grad, retain_graph=True)
+        return input_grad
+
+    def backward_weight(self, microbatch: int) -> None:
+        """d loss / d parameters, into .grad, from the same root and gradient as backward_input:
+        `autograd.backward(..., inputs=parameters)` accumulates only the parameters' .grad,
+        then frees the graph and what forward kept."""
+        held = self.held.pop(microbatch)
+        root, grad = held.root(held.output_grad)
+        weights = [p for p in self.submodule.parameters() if p.requires_grad]
+        if weights:
+            torch.autograd.backward(root, grad_tensors=grad, inputs=weights)
 
     def start_step(self) -> None:
         if self.held:
@@ -155,28 +198,44 @@ def _check_stages_agree(
     has_example: bool,
     group: dist.ProcessGroup | None,
     device: torch.device,
-) -> list[bool]:
-    """Every rank of the group tells the others its stage index and stage count, so a mistake on
-    one rank is refused on all of them, instead of leaving the others waiting for a message; and
-    whether it was given an example of its input. Returns the latter, per rank."""
+) -> dict[int, bool]:
+    """Every rank of the group tells the others the stage it builds and the stage count, so a
+    mistake on one rank is refused on all of them, instead of leaving the others waiting for a
+    message; and whether it was given an example of its input. The W stages built together
+    are one *round* i: stages i W .. i W + W - 1, stage i W + r on rank r. Returns, for each
+    stage of the round, whether it has an example."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     row = [stage_index, num_stages, int(has_example)]
     claims = gather_rows(row, "the stages' check", group, device)
     problems = []
+    round_ = claims[0][0] // size  # rank 0's: the others build the same round
     for each_rank, (index, count, _) in enumerate(claims):
-        if count != size:
+        if count < size or count % size:
             problems.append(
                 f"rank {each_rank} says num_stages={count}, but the pipeline's group has "
-                f"{size} ranks: one stage per rank, so num_stages must be {size} (or give "
-                "PipelineStage the group of this pipeline's ranks)"
+                f"{size} ranks: every rank holds the same number v of stages, so num_stages "
+                f"must be a multiple of {size} (v * {size}; or give PipelineStage the group of "
+                "this pipeline's ranks)"
             )
-        elif index != each_rank:
+        elif count != claims[0][1]:
             problems.append(
-                f"rank {each_rank} says stage_index={index}: stage s runs on rank s of the "
-                f"group, so pass stage_index=dist.get_rank(group) ({each_rank})"
+                f"rank {each_rank} says num_stages={count}, rank 0 says {claims[0][1]}: "
+                "give every stage the same num_stages"
             )
+        elif index % size != each_rank or index // size != round_ or not 0 <= index < count:
+            problems.append(
+                f"rank {each_rank} says stage_index={index}: stage s runs on rank s % {size} "
+                f"of the group, and each rank builds its stages in order, rank r's i-th being "
+                f"r + i * {size}: pass stage_index=dist.get_rank(group) + i * {size} "
+                f"({each_rank + round_ * size} in round i = {round_}, the one rank 0 builds)"
+            )
+    if size == 1 and num_stages > 1:
+        problems.append(
+            f"one rank holds all {num_stages} stages: a pipeline needs at least 2 ranks "
+            "(stage s + 1 on another rank than stage s)"
+        )
     if problems:
         raise ValueError(
             f"The pipeline's stages disagree (seen on rank {rank}):\n  " + "\n  ".join(problems)
         )
-    return [bool(example) for _, _, example in claims]
+    return {index: bool(example) for index, _, example in claims}

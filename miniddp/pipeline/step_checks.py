@@ -37,6 +37,7 @@ class Problem(IntEnum):
     TARGET_NOT_DIVISIBLE = 5
     INPUT_NOT_ON_FIRST = 6
     BAD_ORDER = 7
+    BAD_STAGES = 8
 
 
 def describe(problem: Problem, a: int, b: int) -> str:
@@ -63,7 +64,12 @@ def describe(problem: Problem, a: int, b: int) -> str:
         ),
         Problem.BAD_ORDER: (
             "has a schedule whose order() is not one stage's order of a step: it must list "
-            "Action('F', i) and Action('B', i) once each for i in 0 .. m-1, F i before B i"
+            "Action('F', i) and Action('B', i) once each for i in 0 .. m-1, F i before B i "
+            "(or I i then W i in place of B i; at each of the rank's stages)"
+        ),
+        Problem.BAD_STAGES: (
+            "cannot run its schedule's stages: give the schedule this rank's stages, "
+            "stage_index = rank + i * W for i = 0 .. v-1, in that order"
         ),
         Problem.INPUT_NOT_ON_FIRST: (
             "was given an input, but only the first stage takes one (the others receive their "
@@ -94,16 +100,18 @@ def check_on_every_stage(
     schedule_name: str,
     group: dist.ProcessGroup | None,
     device: torch.device,
+    who: str = "stage",
 ) -> None:
-    """Gather every stage's findings; raise the same ValueError on all of them if any is wrong."""
+    """Gather every rank's findings; raise the same ValueError on all of them if any is wrong.
+    `who`: how a rank is named, "stage" (one stage a rank) or "rank" (several)."""
     problem, a, b, *detail = found
     mine = [int(problem), a, b, n_microbatches, schedule_id(schedule_name)]
     rows = gather_rows(mine, "the pipeline step's check of its inputs", group, device)
     here = dist.get_rank(group)
     lines = [
-        f"stage {stage} {describe(Problem(code), a, b)}"
-        + (f" (here: {detail[0]})" if stage == here and detail else "")
-        for stage, (code, a, b, _, _) in enumerate(rows)
+        f"{who} {rank} {describe(Problem(code), a, b)}"
+        + (f" (here: {detail[0]})" if rank == here and detail else "")
+        for rank, (code, a, b, _, _) in enumerate(rows)
         if code != Problem.NONE
     ]
     counts = sorted({row[3] for row in rows})
@@ -127,16 +135,18 @@ def check_on_every_stage(
 def check_orders_together(
     my_order: list[int], group: dist.ProcessGroup | None, device: torch.device
 ) -> None:
-    """Each stage's order may be valid alone and the orders still wait for each other forever
+    """Each rank's order may be valid alone and the orders still wait for each other forever
     (stage 0 waiting for gradient 0 before sending activation 1, which stage 1 needs first).
-    Gather every stage's order (encoded, miniddp/pipeline/actions.py) and replay them on a
-    logical clock: a deadlock is refused on every stage, before anything is sent."""
+    Gather every rank's order (encoded, miniddp/pipeline/actions.py, zero-padded to one
+    length) and replay them on a logical clock: a deadlock is refused on every rank, before
+    anything is sent."""
     rows = gather_rows(my_order, "the pipeline's check of its schedule's orders", group, device)
     try:
         replay([decode(row) for row in rows])
     except ValueError as deadlock:
         raise ValueError(
             f"This pipeline's schedule cannot run: {deadlock}. Stage s can run F i only after "
-            "stage s-1 did, and B i only after stage s+1 did: reorder order() so that every "
-            "stage's next action is always possible (compare ScheduleGPipe, Schedule1F1B)."
+            "stage s-1 did, and B i (or I i) only after stage s+1 did: reorder order() so that "
+            "every rank's next action is always possible (compare ScheduleGPipe, Schedule1F1B, "
+            "ScheduleInterleaved1F1B)."
         ) from None

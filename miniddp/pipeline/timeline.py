@@ -1,4 +1,4 @@
-"""A pipeline step as blocks: stages down, time across, one block per forward or backward.
+"""A pipeline step as blocks: ranks down, time across, one block per forward or backward.
 
     blocks = gather_blocks(schedule)          # every stage's last recorded step, on every rank
     print(ascii_chart(blocks))                # the classic picture, in text
@@ -8,12 +8,14 @@ The *bubble* of a step is the share of stage-time spent idle:
 
     bubble = 1 - (time all stages spent computing) / (p * makespan)
 
-where the makespan runs from the first forward's start to the last backward's end. With every
-F taking t_f and every B t_b, GPipe and 1F1B both give (p - 1) / (m + p - 1) (schedule.py).
+where the makespan runs from the first forward's start to the last backward's end, and p is the
+number of ranks (lanes). With every F taking t_f and every B t_b, GPipe and 1F1B both give
+(p - 1) / (m + p - 1) (schedule.py); interleaving v stages a rank, (p - 1) / (v m + p - 1)
+(interleaved.py).
 
-`replay(orders)` runs the same orders on a logical clock instead of a real one (each F costs
-`forward_cost`, each B `backward_cost`, communication nothing): deterministic, so tests can hold
-a schedule to the formula exactly, with no timing at all.
+`replay(orders)` runs every rank's order on a logical clock instead of a real one (each F costs
+`forward_cost`, each B `backward_cost`, an I or a W half a B, communication nothing):
+deterministic, so tests can hold a schedule to the formula exactly, with no timing at all.
 
 A layer that takes a fixed time: compute made deterministic, to measure a schedule.
 
@@ -35,20 +37,30 @@ import torch.distributed as dist
 from torch import nn
 
 from miniddp.observe.events import Event
-from miniddp.pipeline.actions import BACKWARD, FORWARD, Action
+from miniddp.pipeline.actions import (
+    BACKWARD,
+    FORWARD,
+    FREES,
+    INPUT_GRAD,
+    WEIGHT_GRAD,
+    Action,
+)
 
-KIND_OF_EVENT = {"forward": FORWARD, "backward": BACKWARD}
+KIND_OF_EVENT = {"forward": FORWARD, "backward": BACKWARD, "input": INPUT_GRAD}
+KIND_OF_EVENT["weight"] = WEIGHT_GRAD
 
 
 @dataclass(frozen=True)
 class Block:
-    """Stage `stage` computing F or B of `microbatch`, from `start` to `end` (seconds)."""
+    """Rank `rank` computing F, B, I or W of `microbatch` at `stage`, from `start` to `end`
+    (seconds, or logical time units)."""
 
-    stage: int
-    kind: str  # "F" or "B"
+    rank: int
+    kind: str  # "F", "B", "I" or "W"
     microbatch: int
     start: float
     end: float
+    stage: int
 
     @property
     def duration(self) -> float:
@@ -59,111 +71,130 @@ class Block:
         return f"{self.kind}{self.microbatch}"
 
 
-def blocks_of(events: Sequence[Event], stage: int) -> list[Block]:
-    """The F and B blocks of the LAST step in `events` (a schedule's `events`)."""
+def blocks_of(events: Sequence[Event], rank: int) -> list[Block]:
+    """The blocks of the LAST step in `events` (a schedule's `events`)."""
     starts = [i for i, e in enumerate(events) if (e.kind, e.name) == ("step", "start")]
     if not starts:
         raise ValueError("no step was recorded: call schedule.record_events() before step()")
-    opened: dict[tuple[str, int], float] = {}
+    opened: dict[tuple[str, int, int], float] = {}
     blocks = []
     for event in events[starts[-1] :]:
         if event.kind not in KIND_OF_EVENT:
             continue
-        edge, microbatch = event.name.split()
-        key = (KIND_OF_EVENT[event.kind], int(microbatch))
+        edge, microbatch, stage = event.name.split()
+        key = (KIND_OF_EVENT[event.kind], int(microbatch), int(stage))
         if edge == "start":
             opened[key] = event.time
         else:
-            blocks.append(Block(stage, *key, opened.pop(key), event.time))
+            kind, i, stage = key
+            blocks.append(Block(rank, kind, i, opened.pop(key), event.time, stage))
     return blocks
 
 
 def gather_blocks(schedule) -> list[list[Block]]:
-    """Every stage's blocks of its last recorded step, on every stage (one all_gather_object
-    over the pipeline's group; every stage must call it)."""
+    """Every rank's blocks of its last recorded step, on every rank (one all_gather_object
+    over the pipeline's group; every rank must call it)."""
     stage = schedule.stage
-    mine = blocks_of(schedule.events or [], stage.stage_index)
-    everyone: list = [None] * stage.num_stages
+    mine = blocks_of(schedule.events or [], stage.rank)
+    everyone: list = [None] * stage.group_size
     dist.all_gather_object(everyone, mine, group=stage.group)
     return everyone
 
 
 def bubble_fraction(blocks: Sequence[Sequence[Block]]) -> float:
-    """1 - busy / (p * makespan), over every stage's blocks of one step."""
+    """1 - busy / (p * makespan), over every rank's blocks of one step."""
     every = [block for stage in blocks for block in stage]
     makespan = max(b.end for b in every) - min(b.start for b in every)
     busy = sum(b.duration for b in every)
     return 1 - busy / (len(blocks) * makespan)
 
 
-def bubble_formula(num_stages: int, n_microbatches: int) -> float:
-    """(p - 1) / (m + p - 1): the bubble of GPipe and 1F1B when every F and every B take the
-    same time on every stage, and communication none."""
-    return (num_stages - 1) / (n_microbatches + num_stages - 1)
+def bubble_formula(ranks: int, n_microbatches: int, stages_per_rank: int = 1) -> float:
+    """(p - 1) / (v m + p - 1), p ranks of v stages each: the bubble of GPipe and 1F1B (v = 1)
+    and of interleaved 1F1B, when every F and every B take the same time on every stage (a
+    stage's share, 1/v, of its rank's layers), and communication none."""
+    return (ranks - 1) / (stages_per_rank * n_microbatches + ranks - 1)
 
 
 def replay(
     orders: Sequence[Sequence[Action]], forward_cost: float = 1.0, backward_cost: float = 2.0
 ) -> list[list[Block]]:
-    """Run each stage's order on a logical clock: an action starts when its stage is free and
-    what it needs is done (F i on stage s needs F i on s-1; B i needs B i on s+1, or on the
-    last stage its own F i). Raises if the orders deadlock."""
+    """Run each rank's order on a logical clock: an action starts when its rank is free and
+    what it needs is done. F i at stage s needs F i at s-1; B i or I i at s needs the input
+    gradient of s+1 (its B i or I i), or at the last stage its own F i; W i follows its I i.
+    An action naming no stage is rank r's stage r. Raises if the orders deadlock."""
     p = len(orders)
-    done: dict[tuple[int, str, int], float] = {}  # (stage, kind, microbatch) -> end time
+    orders = [[Action(*a).at(r) for a in order] for r, order in enumerate(orders)]
+    last = max(a.stage for order in orders for a in order)
+    cost = {FORWARD: forward_cost, BACKWARD: backward_cost}
+    cost[INPUT_GRAD] = cost[WEIGHT_GRAD] = backward_cost / 2
+    done: dict[tuple[str, int, int], float] = {}  # (F or "grad", stage, microbatch) -> end
     free_at = [0.0] * p
     position = [0] * p
     blocks: list[list[Block]] = [[] for _ in range(p)]
-    while any(position[s] < len(orders[s]) for s in range(p)):
+    while any(position[r] < len(orders[r]) for r in range(p)):
         progressed = False
-        for s in range(p):
-            if position[s] == len(orders[s]):
+        for r in range(p):
+            if position[r] == len(orders[r]):
                 continue
-            kind, i = orders[s][position[s]]
+            kind, i, s = orders[r][position[r]]
             if kind == FORWARD:
-                needs = (s - 1, FORWARD, i) if s > 0 else None
+                needs = (FORWARD, s - 1, i) if s > 0 else None
+            elif kind == WEIGHT_GRAD:
+                needs = ("grad", s, i)  # its own I i, earlier in this rank's order
             else:
-                needs = (s + 1, BACKWARD, i) if s < p - 1 else (s, FORWARD, i)
+                needs = ("grad", s + 1, i) if s < last else (FORWARD, s, i)
             if needs is not None and needs not in done:
                 continue
-            start = max(free_at[s], done[needs] if needs is not None else 0.0)
-            end = start + (forward_cost if kind == FORWARD else backward_cost)
-            done[(s, kind, i)] = free_at[s] = end
-            blocks[s].append(Block(s, kind, i, start, end))
-            position[s] += 1
+            start = max(free_at[r], done[needs] if needs is not None else 0.0)
+            end = free_at[r] = start + cost[kind]
+            if kind != WEIGHT_GRAD:
+                done[(FORWARD if kind == FORWARD else "grad", s, i)] = end
+            blocks[r].append(Block(r, kind, i, start, end, s))
+            position[r] += 1
             progressed = True
         if not progressed:
-            stuck = [s for s in range(p) if position[s] < len(orders[s])]
-            waiting = [f"stage {s} at {Action(*orders[s][position[s]])}" for s in stuck]
+            stuck = [r for r in range(p) if position[r] < len(orders[r])]
+            one_each = all(a.stage == r for r, order in enumerate(orders) for a in order)
+            waiting = [
+                f"stage {r} at {orders[r][position[r]]._replace(stage=None)}"
+                if one_each
+                else f"rank {r} at {orders[r][position[r]]}"
+                for r in stuck
+            ]
             raise ValueError(f"these orders deadlock: {', '.join(waiting)} wait forever")
     return blocks
 
 
 def peak_held(order: Sequence[Action]) -> int:
-    """How many microbatches' activations a stage running `order` holds at most: each F
-    keeps one until its B."""
+    """How many microbatch-stages' activations a rank running `order` holds at most: each F
+    keeps one until its B (or, split, its W: the weights' gradient needs the layers' inputs)."""
     held = peak = 0
-    for kind, _ in order:
-        held += 1 if kind == FORWARD else -1
+    for kind, *_ in order:
+        held += 1 if kind == FORWARD else -1 if kind in FREES else 0
         peak = max(peak, held)
     return peak
 
 
 def ascii_chart(blocks: Sequence[Sequence[Block]], columns: int = 96) -> str:
-    """The classic picture: one row per stage, `columns` characters across the step. A block
-    is its label (F3, B3) padded with '-' ('=' for B) to its length; '.' is idle."""
+    """The classic picture: one row per rank, `columns` characters across the step. A block is
+    its label (F3, B3, I3, W3; F3.2 at stage 2 where ranks hold several) padded with '-' ('='
+    for B and I, '~' for W) to its length; '.' is idle."""
     every = [block for stage in blocks for block in stage]
     origin = min(b.start for b in every)
     scale = columns / (max(b.end for b in every) - origin)
+    one_each = all(b.stage == b.rank for b in every)
     rows = []
-    for stage, stage_blocks in enumerate(blocks):
+    for rank, rank_blocks in enumerate(blocks):
         row = ["."] * columns
-        for block in stage_blocks:
+        for block in rank_blocks:
             first = round((block.start - origin) * scale)
             last = max(first + 1, round((block.end - origin) * scale))
-            fill = "-" if block.kind == FORWARD else "="
-            text = (block.label + fill * columns)[: last - first]
+            fill = {FORWARD: "-", WEIGHT_GRAD: "~"}.get(block.kind, "=")
+            label = block.label if one_each else f"{block.label}.{block.stage}"
+            text = (label + fill * columns)[: last - first]
             row[first:last] = text
-        rows.append(f"stage {stage} |{''.join(row[:columns])}|")
+        rows.append(f"{'stage' if one_each else 'rank'} {rank} |{''.join(row[:columns])}|")
     return "\n".join(rows)
 
 

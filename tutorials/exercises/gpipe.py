@@ -36,3 +36,28 @@ class ScheduleGPipe(PipelineSchedule):
             "TODO exercise gpipe (tutorials/exercises/gpipe.py, chapter 14): return "
             f"ScheduleGPipe's order of the {m} forwards and {m} backwards"
         )
+
+
+# Step 2 (chapter 14b): interleaved 1F1B. Rank r now holds v stages, r, r + W, .., and its
+# order names the stage of each action: Action("F", i, stage). Start from 1F1B's order above
+# (warm-up forwards, then one forward and one backward in turn, then the backwards left) and
+# turn it into interleaved 1F1B's: the k-th forward goes to local stage (k // W) % v, the k-th
+# backward to local stage v - 1 - (k // W) % v, and rank r warms up with (v - 1) W +
+# 2 (W - 1 - r) forwards (take W | m). Then:
+#
+#     MINIDDP_PP_INTERLEAVED=tutorials/exercises/gpipe.py:interleaved_order \
+#         python -m pytest tests/test_pipeline_interleaved.py -x -q -k yours
+#
+# replays your orders on the logical clock (refused if they deadlock, or if a rank holds more
+# activations than interleaved 1F1B's min(v m, warm-up + 1)), checks the bubble against
+# (p - 1) / (v m + p - 1), then trains with them, bit for bit one process.
+# (Answer: miniddp/pipeline/interleaved.py.)
+
+
+def interleaved_order(rank: int, ranks: int, stages_per_rank: int, n_microbatches: int) -> list:
+    """Rank `rank`'s interleaved 1F1B order: Action(kind, microbatch, stage) for its stages."""
+    raise NotImplementedError(
+        "TODO exercise interleaved (tutorials/exercises/gpipe.py, chapter 14b): return "
+        f"rank {rank}'s interleaved 1F1B order of {stages_per_rank} stages x "
+        f"{n_microbatches} microbatches"
+    )
