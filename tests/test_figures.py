@@ -30,6 +30,7 @@ FIGURES = [
     "08_memory.png",
     "13_tensor_parallel.png",
     "14_pipeline.png",
+    "15b_ring_attention.png",
 ]
 # Drawn only with --only 12: chapter 12's 3-minute training run (its claims: test_train_gpt.py).
 ON_REQUEST = ["12_loss.png"]

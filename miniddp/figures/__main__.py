@@ -15,6 +15,8 @@ Where the data comes from:
 - 05, 08, 13: chapter 05's no_sync timeline (2 gloo ranks), and two drawn from formulas and
   layouts: memory per rank per sharding stage, the tensor-parallel column/row split.
 - 14: a job of 4 gloo ranks runs GPipe and 1F1B on stages of fixed cost (figures/pipeline.py).
+- 15b: drawn from ring attention's plan (step_blocks): the blocks each of 4 ranks computes,
+  causal, plain and load-balanced (figures/context_parallel.py).
 - 12 (only when asked, `--only 12`: a 3-minute training run): chapter 12 under torchrun on 2
   ranks with `--plot`, its GPT's loss curves on MiniDDP and torch's DDP.
 """
@@ -30,6 +32,7 @@ from pathlib import Path
 
 from miniddp.bench.options import whole_number, writable_folder
 from miniddp.figures import (
+    context_parallel,
     data_parallel,
     draw,
     failover,
@@ -46,7 +49,7 @@ CHAPTER_04_TIMEOUT_S = 300
 CHAPTER_04_FIGURES = ("04_timelines.png", "04_sweep.png")
 CHAPTER_12 = REPO / "tutorials" / "12_train_gpt.py"
 CHAPTER_12_TIMEOUT_S = 900
-FIGURE_SETS = ("00", "01", "02", "03", "04", "05", "06", "08", "13", "14")  # the default set
+FIGURE_SETS = ("00", "01", "02", "03", "04", "05", "06", "08", "13", "14", "15b")  # the default set
 ON_REQUEST = ("12",)  # a whole training run: only with --only 12
 
 
@@ -165,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.TemporaryDirectory() as work_dir:
             drawn = pipeline.run_pipeline_job(Path(work_dir))
         written.append(pipeline.schedules(drawn, args.out / "14_pipeline.png"))
+    if "15b" in chosen:
+        written.append(context_parallel.ring_blocks(args.out / "15b_ring_attention.png"))
     for path in written:
         print(path)
 
