@@ -18,6 +18,7 @@ COMMANDS = {
     "soak": "a 25M-parameter model for minutes beside a CPU hog: false alarms, bits, memory",
     "tp": "a tensor-parallel step: miniddp.tensor_parallel against torch's DTensor TP",
     "pp": "a pipeline step (GPipe, 1F1B) against torch's pipelining, bare and over a link",
+    "cp": "ring attention's step against one process and torch's ring, time and memory",
 }
 RANKS = {"sharding": 4}  # groups of 1, 2 and 4 ranks in one run
 
