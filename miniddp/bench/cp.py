@@ -101,7 +101,7 @@ class Case:
         q, k, v, grad = self.parts
         group = dist.group.WORLD
         with mock.patch.object(cp._cp_options, "enable_load_balance", self.balanced):
-            out, lse = cp._templated_ring_attention(
+            out, lse = cp._templated_ring_attention(  # 2: the sequence dim of [B, H, S, D]
                 group, 2, aten._scaled_dot_product_flash_attention_for_cpu, q, k, v,
                 is_causal=self.causal, dropout_p=0.0,
             )[:2]  # fmt: skip
@@ -189,8 +189,6 @@ def main(argv: list[str]) -> None:
     args = parse_args(argv)
     env = init_distributed()
     torch.set_num_threads(1)  # the ranks share the cores
-    if env.world_size != 2 and env.is_main:
-        print(f"note: torch's ring is called with W = 2 here; this run has W = {env.world_size}")
     results = [summarise(measure(args, length)) for length in args.lengths]
     if env.is_main:
         mask = "causal, load-balanced" if args.causal else "no mask"
