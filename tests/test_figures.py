@@ -32,6 +32,7 @@ FIGURES = [
     "14_pipeline.png",
     "14b_schedules.png",
     "15_three_d.png",
+    "15b_ring_attention.png",
 ]
 # Drawn only with --only 12: chapter 12's 3-minute training run (its claims: test_train_gpt.py).
 ON_REQUEST = ["12_loss.png"]

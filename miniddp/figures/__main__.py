@@ -19,6 +19,8 @@ Where the data comes from:
   clock, no run needed.
 - 15: a job of 8 gloo ranks trains chapter 15's GPT on a (pp, dp, tp) = (2, 2, 2) mesh and
   records one step: the mesh beside every rank's F, B and traffic per axis (figures/three_d.py).
+- 15b: drawn from ring attention's plan (step_blocks): the blocks each of 4 ranks computes,
+  causal, plain and load-balanced (figures/context_parallel.py).
 - 12 (only when asked, `--only 12`: a 3-minute training run): chapter 12 under torchrun on 2
   ranks with `--plot`, its GPT's loss curves on MiniDDP and torch's DDP.
 """
@@ -34,6 +36,7 @@ from pathlib import Path
 
 from miniddp.bench.options import whole_number, writable_folder
 from miniddp.figures import (
+    context_parallel,
     data_parallel,
     draw,
     failover,
@@ -52,7 +55,7 @@ CHAPTER_04_FIGURES = ("04_timelines.png", "04_sweep.png")
 CHAPTER_12 = REPO / "tutorials" / "12_train_gpt.py"
 CHAPTER_12_TIMEOUT_S = 900
 # the default set
-FIGURE_SETS = ("00", "01", "02", "03", "04", "05", "06", "08", "13", "14", "14b", "15")
+FIGURE_SETS = ("00", "01", "02", "03", "04", "05", "06", "08", "13", "14", "14b", "15", "15b")
 ON_REQUEST = ("12",)  # a whole training run: only with --only 12
 
 
@@ -177,6 +180,8 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.TemporaryDirectory() as work_dir:
             steps = three_d.run_job(Path(work_dir))
         written.append(three_d.mesh_and_step(steps, args.out / "15_three_d.png"))
+    if "15b" in chosen:
+        written.append(context_parallel.ring_blocks(args.out / "15b_ring_attention.png"))
     for path in written:
         print(path)
 
