@@ -131,6 +131,7 @@ def test_pipeline_round_trip_gives_each_stage_its_own_state(
         load_checkpoint(path, tasks.stage_block(0, seed=0), allow_world_size_change=True)
 
 
+@pytest.mark.slow  # 25 s; TP and PP round trips, each alone, are in the default suite
 def test_dp_tp_pp_round_trip_on_8_ranks_gives_each_rank_its_own_state(
     rank_pools: Callable[[int], RankPool], tmp_path: Path
 ) -> None:

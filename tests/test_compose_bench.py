@@ -42,6 +42,7 @@ def check_the_report(report: dict, links: list[str]) -> None:
         assert 0 < low <= run["ratio"] <= high
 
 
+@pytest.mark.slow  # 20 s of start-up: the composition's bits are test_parallelize.py's
 def test_tp_x_pp_on_4_ranks_bare_and_over_a_link(tmp_path):
     """(pp, dp, tp) = (2, 1, 2): TP inside each stage, the tie across stages, loss_parallel."""
     links = ["none", LINK]

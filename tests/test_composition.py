@@ -27,9 +27,12 @@ COMBINATIONS = {  # name: ((pp, dp, tp), data parallelism)
     "dp x tp x pp": ((2, 2, 2), "ddp"),
     "fsdp x tp x pp": ((2, 2, 2), "fsdp"),
 }
+# With `pytest -m slow`: each pair is also inside a triple here, or in test_parallelize.py's GPT.
+SLOW = {"tp x pp", "fsdp x tp x pp"}
+NAMES = [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in COMBINATIONS]
 
 
-@pytest.mark.parametrize("name", list(COMBINATIONS))
+@pytest.mark.parametrize("name", NAMES)
 def test_every_combination_trains_as_one_process(rank_pools, name):
     shape, data_parallel = COMBINATIONS[name]
     world = shape[0] * shape[1] * shape[2]

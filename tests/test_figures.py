@@ -131,8 +131,8 @@ def test_the_three_d_figure_draws_the_mesh_and_a_step(tmp_path: Path) -> None:
     steps = []
     for rank in range(8):
         stage = rank // 4
-        blocks = [Block(stage, "F", 0, 0.01 * stage, 0.01 * stage + 0.01)]
-        blocks.append(Block(stage, "B", 0, 0.03 - 0.01 * stage, 0.05 - 0.01 * stage))
+        blocks = [Block(stage, "F", 0, 0.01 * stage, 0.01 * stage + 0.01, stage)]
+        blocks.append(Block(stage, "B", 0, 0.03 - 0.01 * stage, 0.05 - 0.01 * stage, stage))
         wire = [
             three_d.WireEvent("tp", "all_reduce", 512, 2048, 0.012, 0.013),
             three_d.WireEvent("pp", "send", 512, 2048, 0.02),

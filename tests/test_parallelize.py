@@ -16,9 +16,14 @@ MESHES = {  # name: ((pp, dp, tp), data parallelism)
     "tp x pp": ((2, 1, 2), "ddp"),
     "dp x pp": ((2, 2, 1), "ddp"),
 }
+# With `pytest -m slow`: the same pieces compose on a small model in test_composition.py.
+IN_THE_DEFAULT_SUITE = {"dp x tp x pp"}
+NAMES = [
+    n if n in IN_THE_DEFAULT_SUITE else pytest.param(n, marks=pytest.mark.slow) for n in MESHES
+]
 
 
-@pytest.mark.parametrize("name", list(MESHES))
+@pytest.mark.parametrize("name", NAMES)
 def test_the_parallel_gpt_trains_as_one_process(rank_pools, name):
     shape, data_parallel = MESHES[name]
     world = shape[0] * shape[1] * shape[2]

@@ -71,7 +71,16 @@ def torchrun(chapter: Path, nproc: int) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("chapter", CHAPTERS, ids=[chapter.name for chapter in CHAPTERS])
+# Run with `pytest -m slow`: 14b's timed bubbles take half a minute (its orders and bits are
+# checked in the default suite by tests/test_pipeline_interleaved.py).
+SLOW_CHAPTERS = {"14b_interleaved_zero_bubble.py"}
+
+
+@pytest.mark.parametrize(
+    "chapter",
+    [pytest.param(c, marks=pytest.mark.slow) if c.name in SLOW_CHAPTERS else c for c in CHAPTERS],
+    ids=[chapter.name for chapter in CHAPTERS],
+)
 def test_chapter_runs_on_two_ranks(chapter: Path, tmp_path: Path) -> None:
     args = []
     if chapter.name == "04_overlap.py":  # it draws its own figures (python -m miniddp.figures)
@@ -124,6 +133,7 @@ def test_launch_sh_help_prints_usage(tmp_path: Path) -> None:
 THREE_D = REPO / "tutorials" / "15_three_d_parallel.py"
 
 
+@pytest.mark.slow  # 40 s; the default suite trains the same composition: test_parallelize.py
 def test_the_three_d_chapter_runs_quickly_on_eight_ranks(tmp_path: Path) -> None:
     """Chapter 15 on its 8 ranks, 2 steps and nothing timed: every check but the link's. About
     30 s here, most of it 8 processes importing torch, and torch._dynamo at AdamW's first step."""
