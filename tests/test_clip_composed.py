@@ -59,6 +59,7 @@ def test_pipeline_stage_s_own_mark_is_enough(pool2):
     check_against_one_process(pool2.run(tasks.pipeline_scheduled), "PP, scheduled")
 
 
+@pytest.mark.slow  # 13 s of 8-rank start-up; TP, DP x TP x FSDP and PP each run by default
 def test_three_d_norm_is_one_process_s(rank_pools):
     """(pp, dp, tp) = (2, 2, 2): every piece on 8 ranks, one norm."""
     check_against_one_process(rank_pools(8).run(tasks.three_d), "(pp, dp, tp)")
