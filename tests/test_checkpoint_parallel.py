@@ -86,6 +86,7 @@ def test_tensor_parallel_round_trip_gives_each_rank_its_own_shards(
     assert_each_rank_got_its_own(results)
 
 
+@pytest.mark.slow  # 11 s, a 4-rank job; the per-rank TP round trip runs by default
 def test_a_tensor_parallel_checkpoint_holds_the_unsplit_model_and_resumes_at_tp_1_and_4(
     rank_pools: Callable[[int], RankPool], tmp_path: Path
 ) -> None:

@@ -28,7 +28,7 @@ COMBINATIONS = {  # name: ((pp, dp, tp), data parallelism)
     "fsdp x tp x pp": ((2, 2, 2), "fsdp"),
 }
 # With `pytest -m slow`: each pair is also inside a triple here, or in test_parallelize.py's GPT.
-SLOW = {"tp x pp", "fsdp x tp x pp"}
+SLOW = {"tp x pp", "fsdp x tp x pp", "dp x tp x pp"}  # 3-D by default: test_parallelize.py
 NAMES = [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in COMBINATIONS]
 
 
