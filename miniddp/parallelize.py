@@ -220,20 +220,28 @@ def parallelize(
     return ParallelGPT(part, module, mesh, schedule, tied)
 
 
+def first_and_last_stage_group(
+    grid: torch.Tensor, pp_axis: int, pp_group: dist.ProcessGroup
+) -> dist.ProcessGroup:
+    """This rank's group of its pipeline's first and last stage's ranks, over the mesh's `grid`
+    (with two stages, the pipeline's own group, `pp_group`). new_group is collective, so every
+    rank creates all of them, one per pipeline."""
+    size = grid.shape[pp_axis]
+    mine = pp_group
+    for ranks in grid.movedim(pp_axis, -1).reshape(-1, size).tolist():
+        if size > 2:
+            pair = dist.new_group([ranks[0], ranks[-1]])
+            mine = pair if dist.get_rank() in ranks else mine
+    return mine
+
+
 def _tie_first_and_last_stage(part: nn.Module, mesh: DeviceMesh) -> TiedAcrossStages | None:
-    """One group per pipeline, of its first and last stage's ranks (with two stages, the
-    pipeline's own group); new_group is collective, so every rank creates all of them."""
     pp_axis = mesh.mesh_dim_names.index("pp")
-    pipelines = mesh.mesh.movedim(pp_axis, -1).reshape(-1, mesh["pp"].size()).tolist()
-    mine = None
-    for ranks in pipelines:
-        pair = None if len(ranks) == 2 else dist.new_group([ranks[0], ranks[-1]])
-        if dist.get_rank() in ranks:
-            mine = pair or mesh["pp"].get_group()
+    pair = first_and_last_stage_group(mesh.mesh, pp_axis, mesh["pp"].get_group())
     if part.first:
-        return TiedAcrossStages(part.token, "weight", mine)
+        return TiedAcrossStages(part.token, "weight", pair)
     if part.last:
         copy = part.head.weight
         mark(copy, stage=Stage(mesh["pp"].get_group(), 0, mesh["pp"].size()))  # stage 0's
-        return TiedAcrossStages(part.head, "weight", mine)
+        return TiedAcrossStages(part.head, "weight", pair)
     return None

@@ -64,7 +64,13 @@ from miniddp.job.env import cleanup, init_distributed, launched_by_torchrun
 from miniddp.mesh import init_device_mesh
 from miniddp.models.gpt import GPT, GPTConfig
 from miniddp.observe.link import Link, all_reduce_hook, simulated_link
-from miniddp.parallelize import AXES, GPTStage, parallelize, tensor_parallel_plan
+from miniddp.parallelize import (
+    AXES,
+    GPTStage,
+    first_and_last_stage_group,
+    parallelize,
+    tensor_parallel_plan,
+)
 from miniddp.tensor_parallel import ColwiseParallel
 
 DESIGNS = ("ours", "torch")
@@ -158,7 +164,7 @@ def theirs(args: argparse.Namespace, link: Link | None) -> Side:
     schedule = pipelining.Schedule1F1B(
         stage, args.microbatches, loss_fn=loss_fn, scale_grads=not by_hand
     )
-    pair = _first_and_last(mesh.mesh, mesh["pp"].get_group())
+    pair = first_and_last_stage_group(mesh.mesh, 0, mesh["pp"].get_group())  # the "pp" axis
     tied = params.get("token.weight") if index == 0 else params.get("head.weight")
     sharded_loss = torch_tp.loss_parallel if tp > 1 else nullcontext
 
@@ -196,19 +202,6 @@ def _as_sharded(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     if placements is None or grad.placements == placements:
         return grad
     return grad.redistribute(placements=placements)  # Replicate -> Shard: each keeps its rows
-
-
-def _first_and_last(grid: torch.Tensor, pp_group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """This rank's group of its pipeline's first and last stage, made as parallelize() makes it
-    (two stages: the pipeline's own group; new_group is collective: all of them, everywhere)."""
-    pipelines = grid.movedim(0, -1).reshape(-1, grid.shape[0]).tolist()
-    mine = pp_group
-    for ranks in pipelines:
-        if len(ranks) > 2:
-            pair = dist.new_group([ranks[0], ranks[-1]])
-            if dist.get_rank() in ranks:
-                mine = pair
-    return mine
 
 
 def windows(args: argparse.Namespace) -> torch.Tensor:

@@ -102,15 +102,31 @@ class Case:
         group = dist.group.WORLD
         with mock.patch.object(cp._cp_options, "enable_load_balance", self.balanced):
             out, lse = cp._templated_ring_attention(  # 2: the sequence dim of [B, H, S, D]
-                group, 2, aten._scaled_dot_product_flash_attention_for_cpu, q, k, v,
-                is_causal=self.causal, dropout_p=0.0,
-            )[:2]  # fmt: skip
+                group,
+                2,
+                aten._scaled_dot_product_flash_attention_for_cpu,
+                q,
+                k,
+                v,
+                is_causal=self.causal,
+                dropout_p=0.0,
+            )[:2]
             if held is not None:  # what its backward is given: the forward's whole legacy
                 held.append(sum(t.untyped_storage().nbytes() for t in (q, k, v, out, lse)))
             cp._templated_ring_attention_backward(
-                group, 2, aten._scaled_dot_product_flash_attention_for_cpu_backward, grad,
-                "grad_out", q, k, v, out, lse, self.causal, dropout_p=0.0,
-            )  # fmt: skip
+                group,
+                2,
+                aten._scaled_dot_product_flash_attention_for_cpu_backward,
+                grad,
+                "grad_out",
+                q,
+                k,
+                v,
+                out,
+                lse,
+                self.causal,
+                dropout_p=0.0,
+            )
         return out
 
 
