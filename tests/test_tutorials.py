@@ -8,11 +8,13 @@ the README's chapter runs through `./launch.sh`, and the chapter about nodes und
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
+from miniddp.observe.timeline_views import LINE  # tutorials/common.py's say() wraps longer lines
 from tests.harness.processes import (
     child_env,
     run_in_own_session,
@@ -21,6 +23,7 @@ from tests.harness.processes import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
+TORCH_LOG = re.compile(r"[DIWEF]\d{4} \d\d:\d\d:\d\d")
 # Globbed at collection time, so a new chapter is tested without touching this file; a chapter
 # is a number, perhaps a letter (02b_overlap.py: chapter 02 comes in parts), then a name.
 # Chapter 12's default run is a minutes-long training: tests/test_train_gpt.py runs the same
@@ -45,6 +48,12 @@ TIMEOUT_SECONDS = 240
 UNDER_TORCHRUN = {"07_multinode.py"}
 # Inherited values would change what launch.sh runs.
 LAUNCH_VARIABLES = ("NPROC", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "MAX_RESTARTS")
+
+
+def too_wide(output: str) -> list[str]:
+    """The chapter's lines that need a terminal wider than LINE (torch's own log lines, which
+    start with their level and date, "W1202 00:14:04", are not the chapter's)."""
+    return [line for line in output.splitlines() if len(line) > LINE and not TORCH_LOG.match(line)]
 
 
 def run(command: list[str], tmp_path: Path) -> tuple[int, str]:
@@ -89,6 +98,9 @@ def test_chapter_runs_on_two_ranks(chapter: Path, tmp_path: Path) -> None:
         args = ["--plot", str(tmp_path / "figures")]
     returncode, output = run_chapter(chapter, 2, tmp_path, *args)
     assert returncode == 0, f"{chapter.name} exited with {returncode}:\n{tail(output)}"
+    assert not too_wide(output), f"{chapter.name} printed lines over {LINE} characters:\n" + (
+        "\n".join(too_wide(output))
+    )
     if chapter.name == "04_overlap.py":
         for name in ("04_timelines.png", "04_sweep.png"):
             assert (tmp_path / "figures" / name).stat().st_size > 10_000, name

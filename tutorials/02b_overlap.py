@@ -9,8 +9,8 @@ has nothing to do until the last one exists. OverlapDDP (rung 2, miniddp/steps/o
 a hook on every parameter that launches that gradient's all-reduce without waiting for it, so
 the sums travel while backward computes the earlier layers. This chapter:
 
-1. prints the code rung 2 changes in rung 1's file (`python -m miniddp.steps diff --code 1 2`;
-   `--diff` prints the whole diff);
+1. names the code rung 2 changes in rung 1's file (`--diff` prints it: `python -m miniddp.steps
+   diff --code 1 2`);
 2. runs both rungs on the same model and data and draws their timelines: as many all-reduces
    as before, one per gradient, but now all but the last launched while backward still runs;
 3. checks rung 2's claim: the gradients of one process on the global batch, and with 2 ranks
@@ -44,6 +44,7 @@ from miniddp.steps import NaiveDDP, OverlapDDP
 
 STEPS = 3
 BATCH = 16  # samples per rank per step
+TRAVELS = {NaiveDDP: "gradient", OverlapDDP: "gradient"}  # what one all-reduce carries
 
 
 def main() -> None:
@@ -56,7 +57,7 @@ def main() -> None:
     say(f"Chapter 02b: overlap on {world_size} ranks, backend {env.backend}, {env.device}")
 
     section("1. What rung 2 adds to rung 1")
-    say_rung_diff(1, 2, whole=args.diff)
+    say_rung_diff(1, 2, show=args.diff)
     say(
         textwrap.dedent("""\
         The all-reduce moves from the end (finish_gradient_synchronization) into a hook that
@@ -73,7 +74,7 @@ def main() -> None:
         model.record_events(True)
         gradients[rung] = train_steps(model, batches)
         model.record_events(False)
-        counts[rung] = say_timeline(rung.__name__, model)
+        counts[rung] = say_timeline(rung.__name__, model, travels=TRAVELS[rung])
         say()
     parameters = len(model.params)
     say(

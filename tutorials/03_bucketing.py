@@ -11,8 +11,8 @@ across ranks. BucketedDDP (rung 3, miniddp/steps/buckets.py) packs the gradients
 buckets of about `bucket_cap_mb` MiB and launches each bucket, whole, in a fixed order. This
 chapter:
 
-1. prints the code rung 3 changes in rung 2's file (`python -m miniddp.steps diff --code 2 3`;
-   `--diff` prints the whole diff);
+1. names the code rung 3 changes in rung 2's file (`--diff` prints it: `python -m miniddp.steps
+   diff --code 2 3`);
 2. prints the layout: which gradients share a bucket, and why there;
 3. runs both rungs and draws their timelines: all-reduces per step drop from P to the number of
    buckets, and all but the last bucket still leave while backward runs;
@@ -47,6 +47,7 @@ from miniddp.steps import BucketedDDP, OverlapDDP
 
 STEPS = 3
 BATCH = 16  # samples per rank per step
+TRAVELS = {OverlapDDP: "gradient", BucketedDDP: "bucket"}  # what one all-reduce carries
 
 
 def main() -> None:
@@ -65,7 +66,7 @@ def main() -> None:
     say(f"Chapter 03: buckets on {world_size} ranks, backend {env.backend}, {env.device}")
 
     section("1. What rung 3 adds to rung 2")
-    say_rung_diff(2, 3, whole=args.diff)
+    say_rung_diff(2, 3, show=args.diff)
     say(
         textwrap.dedent("""\
         A hook no longer sends its gradient: it copies it, scaled by 1/W, into its slice of a
@@ -98,7 +99,7 @@ def main() -> None:
         model.record_events(True)
         gradients[rung] = train_steps(model, batches)
         model.record_events(False)
-        counts[rung] = say_timeline(rung.__name__, model)
+        counts[rung] = say_timeline(rung.__name__, model, travels=TRAVELS[rung])
         say()
     parameters, buckets = len(bucketed.params), len(bucketed.buckets)
     say(

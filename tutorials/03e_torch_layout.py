@@ -2,7 +2,7 @@
 order gradients really came.
 
     torchrun --nproc_per_node=2 tutorials/03e_torch_layout.py [--bucket-cap-mb 0.5] [--diff]
-    ./launch.sh                                   (runs this chapter by default)
+    ./launch.sh tutorials/03e_torch_layout.py     (launch.sh runs chapter 03 by default)
 
 Rung 3 (chapter 03) laid its buckets out once, at construction, on a guess: gradients arrive in
 reverse registration order. TorchLayoutDDP (rung 4, miniddp/steps/torch_layout.py) does what
@@ -94,7 +94,7 @@ def main() -> None:
     say(f"Chapter 03e: torch's layout on {world_size} ranks, backend {env.backend}, {env.device}")
 
     section("1. What rung 4 adds to rung 3")
-    say_rung_diff(3, 4, whole=args.diff)
+    say_rung_diff(3, 4, show=args.diff)
 
     section("2. At construction: one bucket for everything")
     model = TorchLayoutDDP(build_model(), bucket_cap_mb=args.bucket_cap_mb)
@@ -109,12 +109,15 @@ def main() -> None:
     say(
         textwrap.dedent("""\
         Rung 3 guessed the order gradients would come in. Torch's reason not to guess is
-        correctness, not speed (a comment in torch's distributed.py, near the rebuild): with
-        parameters that go unused on some ranks, or other collectives issued during backward,
-        buckets launched in a guessed order could be matched with the wrong collective on
-        another rank: one rank's bucket 1 summed with another's bucket 0, or with a broadcast.
-        So torch sends everything as one bucket, after the whole backward, watches the order
-        gradients really arrive in, and rebuilds once. Step 0 pays for it: no overlap at all.""")
+        correctness, not speed (a comment in torch's distributed.py, near the rebuild): in a
+        model whose backward issues other collectives too, and where some ranks leave a
+        parameter unused, a bucket launched in a guessed order could be matched with the
+        wrong collective on another rank: one rank's bucket summed with another's broadcast.
+        So, whenever it will rebuild (find_unused_parameters=False, or a static graph), torch
+        sends everything as one bucket after the whole backward, watches the order gradients
+        really arrive in, and rebuilds once. Step 0 pays for it: no overlap at all. (With
+        find_unused_parameters=True it never rebuilds: it keeps the registration-order guess,
+        small first bucket included; rung 6, miniddp/steps/unused.py.)""")
     )
 
     section("3. Step 0: gradients arrive last layer first")

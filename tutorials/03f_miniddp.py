@@ -8,9 +8,10 @@ included, as long as every parameter gets a gradient and every bucket goes out a
 all-reduce. The last two rungs lift those limits, one idea each, and MiniDDP
 (miniddp/data_parallel/ddp.py) is the top rung with what production needs around it. This chapter:
 
-1. prints the code rung 6 adds (`python -m miniddp.steps diff --code 5 6`) and runs it on a
-   model with a branch one rank skips and a layer no rank uses, against torch's DDP;
-2. prints the code rung 7 adds (`diff --code 6 7`), shows a `.grad` that is its bucket's slice
+1. names the code rung 6 adds (`--diff` prints it: `python -m miniddp.steps diff --code 5 6`)
+   and runs it on a model with a branch one rank skips and a layer no rank uses, against
+   torch's DDP;
+2. names the code rung 7 adds (`diff --code 6 7`), shows a `.grad` that is its bucket's slice
    (gradient_as_bucket_view), then swaps gloo's all-reduce for the send/recv ring of chapter 01
    with a comm hook and counts each bucket's messages against 2(W-1)/W n;
 3. sums up `diff 7 8`, what MiniDDP adds to rung 7 (compared definition by definition, as
@@ -109,7 +110,7 @@ def main() -> None:
     say(f"Chapter 03f: rungs 6, 7 and MiniDDP on {world_size} ranks, backend {env.backend}")
 
     section("1. What rung 6 adds to rung 5: unused parameters")
-    say_rung_diff(5, 6, whole=args.diff)
+    say_rung_diff(5, 6, show=args.diff)
     say(
         textwrap.dedent("""\
         A bucket launches once all its gradients are in, so a parameter that gets none would
@@ -125,7 +126,12 @@ def main() -> None:
     say(f"\nWithBranches under rung 6 and torch's DDP, {STEPS} steps; the last step's .grad:")
     for name, a, b in zip(names[-4:], ours[-1][-4:], theirs[-1][-4:]):
         shown = "None" if a is None else f"{a.flatten()[0].item():+.6f}"
-        say(f"  {name:<14} rung 6 {shown:>10}   torch's {'None' if b is None else 'the same bits'}")
+        if b is None:
+            theirs_shown = "None"
+        else:
+            same = a is not None and torch.equal(a, b)
+            theirs_shown = "the same bits" if same else f"{b.flatten()[0].item():+.6f}, differs"
+        say(f"  {name:<14} rung 6 {shown:>10}   torch's {theirs_shown}")
     pairs = [(a, b) for mine, other in zip(ours, theirs) for a, b in zip(mine, other)]
     unused_like_torch = same_on_every_rank(
         all((a is None) == (b is None) and (a is None or torch.equal(a, b)) for a, b in pairs)
@@ -139,7 +145,7 @@ def main() -> None:
     )
 
     section("2. What rung 7 adds to rung 6: comm hooks, gradients as bucket views")
-    say_rung_diff(6, 7, whole=args.diff)
+    say_rung_diff(6, 7, show=args.diff)
     viewed = CommHookDDP(
         ladder_model(), bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=True
     )

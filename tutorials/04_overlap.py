@@ -7,10 +7,11 @@
 Chapters 02b-03f showed buckets launching while backward still runs. This chapter measures what
 that buys, on the ladder of designs (`miniddp/steps/`), each fixing the previous one's problem:
 
-1. naive: after backward, one blocking all-reduce per gradient. Nothing overlaps.
-2. overlap: each gradient's all-reduce starts from its hook, during backward; but there are
-   still as many messages, and latencies, as tensors.
-3. buckets (MiniDDP): a few big messages, each launched as soon as it is full.
+1. naive (rung 1): after backward, one blocking all-reduce per gradient. Nothing overlaps.
+2. overlap (rung 2): each gradient's all-reduce starts from its hook, during backward; but
+   there are still as many messages, and latencies, as tensors.
+3. buckets (rungs 3 and 4, and MiniDDP, rung 8): a few big messages, each launched as soon as it
+   is full.
 
 Then a bucket-size sweep against the alpha-beta model (`miniddp/observe/overlap_model.py`).
 
@@ -262,7 +263,7 @@ def main() -> None:
 
     if args.plot and env.is_main:
         rungs = ["1 naive", "2 overlap", "3 buckets", "4 torch layout", MINIDDP, "deferred launch"]
-        named = {n.replace(MINIDDP, "5 MiniDDP"): last_step(steps[n]) for n in rungs}
+        named = {n.replace(MINIDDP, "8 MiniDDP"): last_step(steps[n]) for n in rungs}
 
         def even_buckets(size: float) -> float:
             return rest + predict_step(uniform_buckets(total, size), backward, alpha, beta).sync_s

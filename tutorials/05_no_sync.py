@@ -14,11 +14,10 @@ sum is needed. `no_sync()` skips the first k-1:
     optimizer.step()
 
 Rung 5 of the ladder, NoSyncDDP (miniddp/steps/no_sync.py), is rung 4 plus exactly this. The
-chapter prints
-what it adds (`python -m miniddp.steps diff --code 4 5`), counts the collectives,
-checks the result against one process training on the global batch and against torch's DDP bit
-for bit, then shows the pitfall: the forward outside `no_sync()`, only backward inside. Its
-picture, docs/figures/05_no_sync.png, is one such step on a time axis.
+chapter names what it adds (`--diff` prints it: `python -m miniddp.steps diff --code 4 5`), counts
+the collectives, checks the result against one process training on the global batch and against
+torch's DDP bit for bit, then shows the pitfall: the forward outside `no_sync()`, only backward
+inside. Its picture, docs/figures/05_no_sync.png, is one such step on a time axis.
 """
 
 from __future__ import annotations
@@ -120,7 +119,7 @@ def main() -> None:
     say(f"Chapter 05: no_sync on {world_size} ranks, {k} micro-steps of {MICRO_BATCH} samples")
 
     section("0. What rung 5 adds to rung 4")
-    say_rung_diff(4, 5, whole=args.diff)
+    say_rung_diff(4, 5, show=args.diff)
     say(
         textwrap.dedent("""\
         One decision, taken at the end of every forward: inside no_sync() the forward leaves

@@ -33,13 +33,13 @@ the step number alone fixes the windows and the dropout masks. After a torchrun 
 with --resume, each resumes from its own, and the last two lines (final-val-loss,
 final-params-sha256) are those of a run that never stopped.
 
-Measured, the default run on 2 CPU ranks (docs/figures/12_loss.png): the validation loss falls
-from 4.37 nats per character to 2.27 in 200 steps, 2.10 nats; 2.27 nats is a perplexity of 9.6
-characters, against 98 for a guess. (It starts below ln 98 = 4.58: with the head tied to the
-embedding, the untrained model already favours repeating its input character, and code repeats
-spaces.) Both replicas, the whole run included, took 174 s of CPU time over the two ranks:
-about a minute and a half of wall time on two idle cores, by that count. (Measured here on two
-cores shared with a dozen other processes, load average 12: 7 minutes.)
+Measured, the default run on 2 CPU ranks (docs/figures/12_loss.png): the validation loss falls from
+4.37 nats per character to 2.27 in 200 steps (the training loss, noisier, ends between 2.0 and
+2.3); 2.27 nats is a perplexity of 9.6 characters, against 98 for a guess. (It starts below ln 98 =
+4.58: with the head tied to the embedding, the untrained model already favours repeating its input
+character, and code repeats spaces.) Both replicas, the whole run included, took 174 s of CPU time
+over the two ranks: about a minute and a half of wall time on two idle cores, by that count.
+(Measured here on two cores shared with a dozen other processes, load average 12: 7 minutes.)
 """
 
 from __future__ import annotations

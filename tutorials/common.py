@@ -21,7 +21,7 @@ from torch.utils.data import TensorDataset
 from miniddp.job.env import cleanup
 from miniddp.observe.link import ENVIRONMENT_VARIABLE, Link
 from miniddp.observe.timeline import StepTimeline, gather, split_steps
-from miniddp.observe.timeline_views import ascii_timeline
+from miniddp.observe.timeline_views import LINE, ascii_timeline
 from miniddp.steps.__main__ import diff, idea, label
 
 
@@ -70,9 +70,19 @@ def _rank() -> int:
 
 
 def say(*args) -> None:
-    """print() on rank 0 only, so a message appears once rather than once per rank."""
+    """print() on rank 0 only, so a message appears once rather than once per rank; a line
+    longer than LINE characters is wrapped there, under its own indent, so that no chapter's
+    output needs a wide terminal."""
     if _rank() == 0:
-        print(*args, flush=True)
+        lines = " ".join(map(str, args)).split("\n")
+        print("\n".join(map(_fit, lines)), flush=True)
+
+
+def _fit(line: str) -> str:
+    if len(line) <= LINE:
+        return line
+    indent = " " * (len(line) - len(line.lstrip()))
+    return textwrap.fill(line, LINE, subsequent_indent=indent + "  ", break_on_hyphens=False)
 
 
 def say_prose(text: str, width: int = 96) -> None:
@@ -137,20 +147,25 @@ def add_plot_option(parser: argparse.ArgumentParser) -> None:
 
 
 def add_diff_option(parser: argparse.ArgumentParser) -> None:
-    """--diff: print the rung's whole diff, its docstring's story included, not just its code."""
+    """--diff: print the code the rung changes; by default the chapter only points at it, so
+    that its results come first."""
     parser.add_argument(
-        "--diff", action="store_true", help="print the whole diff, not only the code hunks"
+        "--diff", action="store_true", help="print the code this rung changes in the one below"
     )
 
 
-def say_rung_diff(before: int, after: int, whole: bool = False) -> None:
-    """What rung `after` adds to rung `before`: its code hunks, the prose being the chapter's
-    (`python -m miniddp.steps diff --code before after`); with `whole`, the whole diff."""
-    say(f"Rung {after}, {label(after)}: {idea(after).split(': ', 1)[-1]}")
-    command = f"python -m miniddp.steps diff {'' if whole else '--code '}{before} {after}"
-    shown = diff(before, after, code_only=not whole)
-    note = "" if whole else "\n(only the hunks that change code: --diff prints the whole diff)"
-    say(f"\n$ {command}\n{shown}{note}")
+def say_rung_diff(before: int, after: int, show: bool = False) -> None:
+    """What rung `after` adds to rung `before`: its idea in one line and the commands that show
+    its diff; with `show` (the chapter's --diff), the code hunks themselves
+    (`python -m miniddp.steps diff --code before after`)."""
+    say(textwrap.fill(f"Rung {after}, {label(after)}: {idea(after).split(': ', 1)[-1]}", 100))
+    code, whole = (f"python -m miniddp.steps diff {o}{before} {after}" for o in ("--code ", ""))
+    if not show:
+        say(f"Its code, the change to rung {before}'s file: `{code}` (this chapter's --diff);")
+        say(f"the whole diff, its docstring's story included: `{whole}`.")
+        return
+    say(f"\n$ {code}\n{diff(before, after, code_only=True)}")
+    say(f"(only the hunks that change code: `{whole}` prints the whole diff)")
 
 
 def ladder_model() -> nn.Sequential:
@@ -255,16 +270,17 @@ def launch_counts(step: StepTimeline) -> tuple[int, int]:
 
 
 def say_timeline(
-    name: str, model: nn.Module, drawn: tuple[int, ...] = (-1,)
+    name: str, model: nn.Module, drawn: tuple[int, ...] = (-1,), travels: str = "bucket"
 ) -> list[tuple[int, int]]:
     """Draw the steps numbered `drawn` (default: the last) that `model` recorded
     (`record_events()`) on every rank, and say every step's `launch_counts`; returns them, for
-    this rank. Every rank must call it."""
+    this rank. Every rank must call it. `travels`: what one all-reduce carries, for the legend
+    (a "gradient" for rungs 1 and 2)."""
     steps = split_steps(model.events, _rank())
     for number in drawn:
         step = steps[number]
         say(f"{name}, step {step.step} on every rank, ms since its forward began:")
-        say(ascii_timeline(gather([step])))
+        say(ascii_timeline(gather([step]), travels=travels))
     counts = [launch_counts(step) for step in steps]
     for step, (launched, early) in zip(steps, counts):
         say(

@@ -1,8 +1,7 @@
 """Three views of recorded steps (miniddp/observe/timeline.py): an ASCII timeline for the
-terminal, a
-Chrome trace (Perfetto, chrome://tracing) merged across ranks, and a matplotlib figure. Each
-draws the two lanes per rank, compute and communication, and a bucket's span from its launch to
-its all-reduce's completion.
+terminal, a Chrome trace (Perfetto, chrome://tracing) merged across ranks, and a matplotlib
+figure. Each draws the two lanes per rank, compute and communication, and a bucket's span from
+its launch to its all-reduce's completion.
 """
 
 from __future__ import annotations
@@ -26,18 +25,23 @@ def _label(span: Span) -> str:
     return BUCKET_LABELS[index % len(BUCKET_LABELS)]
 
 
-def ascii_timeline(steps: Sequence[StepTimeline], width: int = 96) -> str:
+LINE = 100  # characters: a drawing fits a terminal, and a chapter's output, without wrapping
+
+
+def ascii_timeline(
+    steps: Sequence[StepTimeline], width: int | None = None, travels: str = "bucket"
+) -> str:
     """Draw steps on a shared time axis: a compute and a communication lane per rank and step.
 
     Compute: f forward, b backward, w waiting for the last all-reduces after backward.
     Communication: the bucket's index (0-9, then a-z, A-Z); where several buckets are in flight,
-    the oldest, which is the one gloo works on: launches are queued in order.
+    the oldest, which is the one gloo works on: launches are queued in order. By default the
+    drawing is LINE characters wide. A design that sends each gradient alone (rungs 1 and 2)
+    records one "bucket" per gradient: pass `travels="gradient"` and the legend says what the
+    index counts.
     """
     if not steps:
         return "(no steps recorded)"
-    t0 = min(step.start for step in steps)
-    total = max(step.end for step in steps) - t0 or 1e-9
-    cell = total / width
     several_steps = len({step.step for step in steps}) > 1
     names = {
         id(step): f"rank {step.rank}" + (f" step {step.step}" if several_steps else "")
@@ -45,6 +49,10 @@ def ascii_timeline(steps: Sequence[StepTimeline], width: int = 96) -> str:
     }
     lane_width = max(len(COMPUTE), len(COMM))  # lane names in full
     indent = max(map(len, names.values())) + lane_width + 2
+    width = width or LINE - indent - 2  # columns of time, between the two bars
+    t0 = min(step.start for step in steps)
+    total = max(step.end for step in steps) - t0 or 1e-9
+    cell = total / width
     lines = [f"{'':{indent}}|0 ms{f'{total * 1e3:.2f} ms':>{width - 4}}|"]
     for step in sorted(steps, key=lambda s: (s.step, s.rank)):
         for lane in (COMPUTE, COMM):
@@ -53,7 +61,7 @@ def ascii_timeline(steps: Sequence[StepTimeline], width: int = 96) -> str:
             who = names[id(step)] if lane == COMPUTE else ""
             lines.append(f"{who:<{indent - lane_width - 2}} {lane:<{lane_width}} |{row}|")
     lines.append(
-        f"{'':{indent}} f forward, b backward, w wait after backward; 0-9a-z: bucket index"
+        f"{'':{indent}} f forward, b backward, w wait after backward; 0-9a-z: {travels} index"
     )
     return "\n".join(lines)
 
