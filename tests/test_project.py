@@ -2,6 +2,7 @@
 MiniDDP's whole life is in one file."""
 
 import ast
+import re
 from pathlib import Path
 
 from torch import nn
@@ -30,10 +31,29 @@ def test_ci_runs_the_readmes_test_command():
     assert ci_lines[-1] == readme_commands()[1]
 
 
-def test_every_chapter_is_in_the_reading_order():
-    reading_order = (ROOT / "tutorials" / "README.md").read_text()
-    for chapter in sorted((ROOT / "tutorials").glob("[0-9][0-9]*_*.py")):
-        assert chapter.name in reading_order, f"{chapter.name} missing from tutorials/README.md"
+CHAPTERS = sorted(path.name for path in (ROOT / "tutorials").glob("[0-9][0-9]*_*.py"))
+
+
+def test_every_chapter_is_in_the_reading_order_and_the_course_map():
+    """Each list of chapters names every chapter, in the order of their numbers, which is the
+    ladder's order: a chapter never uses a rung a later chapter teaches."""
+    for listing in ("tutorials/README.md", "README.md", "docs/course_map.md"):
+        text = (ROOT / listing).read_text()
+        missing = [chapter for chapter in CHAPTERS if chapter not in text]
+        assert not missing, f"{listing} does not name {missing}"
+        first_mention = sorted(CHAPTERS, key=text.index)
+        if listing != "docs/course_map.md":  # the map follows the course's topics instead
+            assert first_mention == CHAPTERS, f"{listing} lists the chapters out of order"
+
+
+def test_the_ladder_s_chapters_teach_the_rungs_in_order():
+    """Chapter after chapter, the rungs they teach ("rung N" in their first line) only climb."""
+    taught = []
+    for chapter in CHAPTERS:
+        first_line = (ROOT / "tutorials" / chapter).read_text().splitlines()[0]
+        for numbers in re.findall(r"rungs? ((?:\d(?:, | and )?)+)", first_line):  # "rungs 6 and 7"
+            taught += [int(n) for n in re.findall(r"\d", numbers)]
+    assert taught == sorted(taught) and set(taught) == set(range(1, 8)), taught
 
 
 def test_every_method_miniddp_calls_on_itself_is_in_ddp_py_or_the_event_recorders():

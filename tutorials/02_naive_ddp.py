@@ -5,7 +5,7 @@
 
 Every rank holds a full copy of the model and trains on its own shard of each batch. Two rules
 keep the copies identical, and `miniddp.steps.NaiveDDP`, the first rung of the ladder of DDPs
-that chapters 02b-03f climb, implements both:
+that chapters 02b-05b climb, implements both:
 
 1. Start equal: broadcast every parameter and buffer from rank 0.
 2. Step equal: after backward, replace each gradient by its average over the ranks. Every rank

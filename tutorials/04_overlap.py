@@ -4,7 +4,7 @@
         [--link alpha=5ms,bandwidth=250mbit] the default: a slow network, simulated
         [--link none]                        the bare machine
 
-Chapters 02b-03f showed buckets launching while backward still runs. This chapter measures what
+Chapters 02b-03e showed buckets launching while backward still runs. This chapter measures what
 that buys, on the ladder of designs (`miniddp/steps/`), each fixing the previous one's problem:
 
 1. naive (rung 1): after backward, one blocking all-reduce per gradient. Nothing overlaps.

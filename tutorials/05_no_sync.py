@@ -1,4 +1,4 @@
-"""Chapter 05: gradient accumulation with no_sync(), and the pitfall that silently undoes it.
+"""Chapter 05: rung 5 of the ladder, accumulation with no_sync(), and the pitfall that undoes it.
 
     torchrun --nproc_per_node=2 tutorials/05_no_sync.py [--micro-steps 4] [--bucket-cap-mb 0.004]
                                                         [--diff]

@@ -169,7 +169,7 @@ def say_rung_diff(before: int, after: int, show: bool = False) -> None:
 
 
 def ladder_model() -> nn.Sequential:
-    """The model chapters 02b-03f climb the ladder with: five Linear layers, 8 -> 32 -> 32 -> 32
+    """The model chapters 02b-05b climb the ladder with: five Linear layers, 8 -> 32 -> 32 -> 32
     -> 32 -> 1, in float32 like most training: 10 gradient tensors, 3,489 numbers, 13.6 KiB."""
     return make_model(seed=0, in_features=8, hidden=32, depth=5, dtype=torch.float32)
 

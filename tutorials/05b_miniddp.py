@@ -1,7 +1,7 @@
-"""Chapter 03f: rungs 6 and 7, then MiniDDP: unused parameters, comm hooks, gradients that live
+"""Chapter 05b: rungs 6 and 7, then MiniDDP: unused parameters, comm hooks, gradients that live
 in their buckets, and what production adds; MiniDDP's buckets over chapter 01's ring.
 
-    torchrun --nproc_per_node=2 tutorials/03f_miniddp.py [--bucket-cap-mb 0.004] [--diff]
+    torchrun --nproc_per_node=2 tutorials/05b_miniddp.py [--bucket-cap-mb 0.004] [--diff]
 
 Rung 5 (chapter 05) averages gradients exactly as torch's DistributedDataParallel does, no_sync
 included, as long as every parameter gets a gradient and every bucket goes out as gloo's
@@ -100,14 +100,14 @@ def ring_bytes(nbytes: int, numel: int, world_size: int, rank: int) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Chapter 03f: rungs 6, 7 and MiniDDP.")
+    parser = argparse.ArgumentParser(description="Chapter 05b: rungs 6, 7 and MiniDDP.")
     parser.add_argument("--bucket-cap-mb", type=float, default=0.004, help="bucket cap in MiB")
     add_diff_option(parser)
     args = parser.parse_args()
     env = init_distributed()
     world_size, rank = env.world_size, env.rank
     batches = step_batches(STEPS, BATCH, world_size, rank)
-    say(f"Chapter 03f: rungs 6, 7 and MiniDDP on {world_size} ranks, backend {env.backend}")
+    say(f"Chapter 05b: rungs 6, 7 and MiniDDP on {world_size} ranks, backend {env.backend}")
 
     section("1. What rung 6 adds to rung 5: unused parameters")
     say_rung_diff(5, 6, show=args.diff)
