@@ -173,3 +173,83 @@ def refusals() -> dict[str, str]:
         except ValueError as error:
             found[name] = str(error)
     return found
+
+
+@dataclass(frozen=True)
+class GPTRun:
+    """A few AdamW steps of a small float64 GPT on a (dp, cp) mesh, against one process on the
+    global batch. `averaged_over`: the group DDP averages over, "dp x cp" (right) or "dp" (the
+    trap: each CP rank's gradient is only its part)."""
+
+    mesh_shape: tuple[int, int] = (1, 2)  # (dp, cp)
+    load_balance: bool = True
+    averaged_over: str = "dp x cp"
+    steps: int = 3
+    batch: int = 2  # windows per DP replica
+    length: int = 16  # T, the whole window the CP ranks share
+
+
+def gpt_and_windows(run: GPTRun) -> tuple[torch.nn.Module, torch.Tensor]:
+    from miniddp.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=11, context=run.length, width=16, layers=2, heads=2, dropout=0)
+    model = GPT(config).double()
+    dp = run.mesh_shape[0]
+    g = torch.Generator().manual_seed(1)
+    windows = torch.randint(0, 11, (run.steps, dp * run.batch, run.length + 1), generator=g)
+    return model, windows
+
+
+def one_process_gpt(run: GPTRun) -> dict[str, list]:
+    model, windows = gpt_and_windows(run)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step_windows in windows:
+        logits = model(step_windows[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), step_windows[:, 1:].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "params": [p.detach() for p in model.parameters()]}
+
+
+def dp_times_cp_gpt(run: GPTRun) -> dict[str, object]:
+    """This rank trains its DP replica's windows, its CP part of each: local tokens, targets and
+    their global positions, attention on the ring, MiniDDP over the chosen group. Returns the
+    largest differences from one process: the global loss per step, the parameters after."""
+    from miniddp import MiniDDP
+    from miniddp.context_parallel import positions_of, sdpa_on_the_ring
+    from miniddp.mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", run.mesh_shape, mesh_dim_names=("dp", "cp"))
+    cp, lb = mesh["cp"].get_group(), run.load_balance
+    group = None if run.averaged_over == "dp x cp" else mesh["dp"].get_group()
+    model, windows = gpt_and_windows(run)
+    ddp = MiniDDP(model, process_group=group)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mine = slice(mesh.get_local_rank("dp") * run.batch, (mesh.get_local_rank("dp") + 1) * run.batch)
+    positions = positions_of(run.length, cp, lb)
+    losses = []
+    for step_windows in windows[:, mine]:
+        inputs, targets = (
+            shard_sequence(t, 1, cp, lb) for t in (step_windows[:, :-1], step_windows[:, 1:])
+        )
+        with sdpa_on_the_ring(cp, load_balance=lb):
+            logits = ddp(inputs, positions=positions)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())  # this rank's mean
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        whole = loss.detach().clone()
+        dist.all_reduce(whole)  # equal parts: the global mean is the mean of the ranks' means
+        losses.append(whole.item() / dist.get_world_size())
+    reference = one_process_gpt(run)
+    return {
+        "loss": max(abs(a - b) for a, b in zip(losses, reference["losses"])),
+        "params": max(
+            float((p.detach() - q).abs().max())
+            for p, q in zip(model.parameters(), reference["params"])
+        ),
+    }

@@ -111,3 +111,30 @@ def test_bad_input_is_refused_on_every_rank_with_the_fix(pool2):
             expected["a group without this rank"] = "is not in the context-parallel group"
         for case, words in expected.items():
             assert words in found[case], (rank, case, found[case])
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, load_balance",
+    [((1, 2), True), ((1, 2), False), ((2, 2), True)],
+    ids=["cp2-balanced", "cp2-plain", "dp2xcp2"],
+)
+def test_the_gpt_on_a_dp_by_cp_mesh_trains_as_one_process(rank_pools, mesh_shape, load_balance):
+    """Chapter 12's model, its attention on the ring (sdpa_on_the_ring), each rank a part of
+    each window with its global positions, MiniDDP averaging over DP x CP: the loss of every
+    step and the parameters after three AdamW steps are one process's on the global batch."""
+    run = tasks.GPTRun(mesh_shape=mesh_shape, load_balance=load_balance)
+    world_size = mesh_shape[0] * mesh_shape[1]
+    for rank, result in enumerate(rank_pools(world_size).run(tasks.dp_times_cp_gpt, run)):
+        record_max("GPT on DP x CP float64, loss per step", result["loss"])
+        assert result["loss"] <= FLOAT64_TOLERANCE and result["params"] <= FLOAT64_TOLERANCE, (
+            rank,
+            result,
+        )
+
+
+def test_averaging_over_dp_alone_is_caught(rank_pools):
+    """The check itself, on the classic trap: each CP rank's gradient is only its part of the
+    sequence's, so DDP over the DP group alone trains another model."""
+    run = tasks.GPTRun(mesh_shape=(2, 2), averaged_over="dp")
+    for result in rank_pools(4).run(tasks.dp_times_cp_gpt, run):
+        assert result["params"] > 1e-4, result

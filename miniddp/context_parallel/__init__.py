@@ -9,18 +9,21 @@ The vocabulary (Liu et al. 2023, "Ring Attention"; torch's context_parallel):
                              the causal skip
 
 Everything but attention acts on each position alone (LayerNorm, the MLP, the residuals), so it
-runs on the S/W local positions unchanged; only attention needs every key. Two files, in
+runs on the S/W local positions unchanged; only attention needs every key. Three files, in
 reading order:
 
     sequence.py         the layouts; shard_sequence, unshard_sequence
     ring.py             ring_attention: K/V round the ring, the log-sum-exp merge, the backward
                         by the same ring; the blocks each rank computes (count_blocks)
+    model.py            a whole model on the ring: sdpa_on_the_ring routes its attention
+                        calls, positions_of gives its position embedding global positions
 
     q, k, v = (shard_sequence(t, dim=2, load_balance=True) for t in (Q, K, V))
     out = ring_attention(q, k, v, is_causal=True, load_balance=True)
     # == shard_sequence(F.scaled_dot_product_attention(Q, K, V, is_causal=True), 2, ...)
 """
 
+from miniddp.context_parallel.model import positions_of, sdpa_on_the_ring
 from miniddp.context_parallel.ring import (
     Block,
     RingStats,
@@ -36,7 +39,9 @@ __all__ = [
     "RingStats",
     "chunks_of",
     "count_blocks",
+    "positions_of",
     "ring_attention",
+    "sdpa_on_the_ring",
     "shard_sequence",
     "stats_for",
     "step_blocks",

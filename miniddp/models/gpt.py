@@ -121,15 +121,20 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits (B, T, vocab) for the next character after each of `tokens` (B, T)."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, vocab) for the next character after each of `tokens` (B, T).
+
+        `positions` (T,): where each token sits in its window, 0..T-1 unless given. Context
+        parallelism gives a rank a part of each window, so it passes that part's positions
+        (miniddp.context_parallel.positions_of)."""
         length = tokens.shape[1]
-        if length > self.config.context:
+        if positions is None and length > self.config.context:
             raise ValueError(
                 f"a window of {length} tokens is longer than the model's context "
                 f"{self.config.context}: crop it, or build the model with a longer context"
             )
-        positions = torch.arange(length, device=tokens.device)
+        if positions is None:
+            positions = torch.arange(length, device=tokens.device)
         x = self.dropout(self.token(tokens) + self.position(positions))
         for block in self.blocks:
             x = block(x)

@@ -1,0 +1,92 @@
+"""Context parallelism on a whole model: its attention calls routed onto the ring, the rest as is.
+
+A transformer's every layer but attention acts on each position alone (embeddings, LayerNorm,
+the MLP, the residual additions, the loss), so it runs unchanged on this rank's S/W positions.
+Only attention needs every key. So a model need not be rewritten for context parallelism: while
+inside `sdpa_on_the_ring(group)`, each call of `F.scaled_dot_product_attention` runs as
+`ring_attention` over `group` (torch's context_parallel swaps the same call, by its dispatcher).
+
+    cp = mesh["cp"].get_group()
+    local = [shard_sequence(t, 1, cp, load_balance=True) for t in (inputs, targets, positions)]
+    with sdpa_on_the_ring(cp, load_balance=True):
+        logits = model(local[0], positions=local[2])   # global positions: position embeddings
+    loss = F.cross_entropy(logits.flatten(0, 1), local[1].flatten())   # this rank's mean
+    loss.backward()
+
+Two things a model must get right, and neither is attention's:
+- **Positions are global.** A rank's tokens are not positions 0..S/W-1: a position embedding
+  (or RoPE) must be given the positions `shard_sequence` gave the rank, sharded the same way.
+- **Gradients are averaged over CP x DP.** Each rank's loss is the mean over its own S/W
+  positions, and the whole sequence's mean loss is the mean of the W equal-sized parts. Ring
+  attention's backward already sends dK and dV to the rank that owns them, so rank r's parameter
+  gradient is that of its own part of the computation, for every rank's loss; the sum over the
+  CP ranks is the gradient of the sum of their losses, and the mean loss's gradient is the sum
+  / W: an average over the CP group, exactly what a DDP all-reduce over CP x DP does with each
+  replica's 1/W. The trap is the other normalisation: a loss summed over local tokens and
+  divided by the *global* token count needs a sum over CP, and an average only over DP.
+
+Attention dropout is refused: each rank would draw its own masks for blocks the one-process
+model draws in another order, and ring attention has none. Use dropout 0 in attention (as
+torchtitan's context-parallel runs do), or eval().
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+
+from miniddp.context_parallel.ring import ring_attention
+from miniddp.context_parallel.sequence import group_size_and_rank, shard_sequence
+
+SDPA_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+
+
+class sdpa_on_the_ring(TorchFunctionMode):  # noqa: N801 (a context manager, named as torch's)
+    """While inside, `F.scaled_dot_product_attention(q, k, v, ...)` on this rank's [B, H, S/W, D]
+    parts is `ring_attention(q, k, v, group, is_causal, load_balance, scale)`: this rank's part of
+    attention over the whole sequence. Every other call runs as it would."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None, load_balance: bool = False):
+        super().__init__()
+        group_size_and_rank(group)  # a clear error now, not at the first attention
+        self.group, self.load_balance = group, load_balance
+
+    def __torch_function__(
+        self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        given = dict(zip(SDPA_ARGUMENTS, args)) | kwargs
+        if given.get("dropout_p", 0.0) > 0.0:
+            raise ValueError(
+                f"scaled_dot_product_attention(dropout_p={given['dropout_p']}) inside "
+                "sdpa_on_the_ring: ring attention has no attention dropout (each rank would "
+                "draw masks the whole sequence never would). Build the model with attention "
+                "dropout 0.0, or call model.eval()."
+            )
+        if given.get("enable_gqa"):
+            raise ValueError("sdpa_on_the_ring: enable_gqa is not supported; repeat K and V")
+        return ring_attention(
+            given["query"],
+            given["key"],
+            given["value"],
+            self.group,
+            is_causal=given.get("is_causal", False),
+            load_balance=self.load_balance,
+            scale=given.get("scale"),
+            attn_mask=given.get("attn_mask"),
+        )
+
+
+def positions_of(
+    length: int, group: dist.ProcessGroup | None = None, load_balance: bool = False
+) -> torch.Tensor:
+    """The global positions of this rank's part of a sequence of `length`: what its position
+    embedding must read (the same layout as shard_sequence's)."""
+    return shard_sequence(torch.arange(length), 0, group, load_balance)
