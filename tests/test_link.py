@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from miniddp import MiniDDP
 from miniddp.job.faults import wait_for
 from miniddp.observe.link import Link, LinkQueue, all_reduce_hook, simulated_link, wire_bytes
+from miniddp.observe.link_sends import p2p_link
 from tests.harness.pool import RankPool
 
 GBIT = 1e9 / 8  # bytes per second
@@ -197,3 +198,36 @@ def test_torch_ddp_through_the_hook_matches_miniddp_on_the_link(pool2: RankPool)
         True,
         True,
     ]
+
+
+def sends_over_the_link(link_text: str, numel: int) -> dict:
+    """Two sends from rank 0 to rank 1, back to back, through p2p_link: what rank 1 received,
+    and when each side saw each transfer complete (seconds after the first send)."""
+    rank = dist.get_rank()
+    buffers = [torch.full((numel,), 1.0 + i) if rank == 0 else torch.zeros(numel) for i in (0, 1)]
+    dist.barrier()
+    with p2p_link(Link.parse(link_text)):
+        start = time.perf_counter()
+        post = dist.isend if rank == 0 else dist.irecv
+        works = [post(buffer, 1 - rank) for buffer in buffers]
+        done = []
+        for work in works:
+            work.wait()
+            done.append(time.perf_counter() - start)
+    return {
+        "received": [buffer[-1].item() for buffer in buffers],
+        "done_s": done,
+        "restored": dist.isend.__name__ == "isend",
+    }
+
+
+def test_sends_over_the_link_arrive_in_turn_with_their_values(pool2: RankPool) -> None:
+    """Two 4 MB sends at 1 Gbit/s (32 ms each): they arrive no sooner than 32 and 64 ms on
+    both sides, in order, with their values; leaving the block restores torch.distributed."""
+    link, numel = Link.parse("alpha=1ms,bandwidth=1gbit"), 1_000_000
+    transfer = link.seconds(4 * numel)
+    for rank, result in enumerate(pool2.run(sends_over_the_link, str(link), numel)):
+        assert result["received"] == [1.0, 2.0], rank
+        first, second = result["done_s"]
+        assert first >= transfer and second >= 2 * transfer, (rank, result["done_s"])
+        assert result["restored"]

@@ -37,7 +37,7 @@ the median of the per-iteration ratios ours / torch's with its 95% interval
                                      collectives through miniddp.observe.link.simulated_link
                                      (torch's DDP through its `all_reduce_hook`, DTensor's
                                      collectives re-issued through torch.distributed's), sends
-                                     through the pp benchmark's `p2p_link`
+                                     through miniddp.observe.link_sends.p2p_link
 """
 
 from __future__ import annotations
@@ -59,11 +59,11 @@ from torch.nn import functional as F
 
 from miniddp.bench.options import whole_number, writable_file
 from miniddp.bench.paired import paired_ratio, paired_ratio_interval, quantile, rotated
-from miniddp.bench.pp import p2p_link
 from miniddp.job.env import cleanup, init_distributed, launched_by_torchrun
 from miniddp.mesh import init_device_mesh
 from miniddp.models.gpt import GPT, GPTConfig
 from miniddp.observe.link import Link, all_reduce_hook, simulated_link
+from miniddp.observe.link_sends import p2p_link
 from miniddp.parallelize import (
     AXES,
     GPTStage,

@@ -11,30 +11,26 @@ from the same iteration, with its 95% interval (miniddp/bench/paired.py).
     --link none                      the bare machine: gloo over loopback
     --link alpha=1ms,bandwidth=1gbit every activation and gradient crosses a simulated link
 
-The simulated link (`p2p_link`) delays each send, ours and torch's alike, until the link would
-have carried it: alpha + bytes / bandwidth, one transfer at a time per rank, as
-miniddp/observe/link.py does for collectives (which do not cover send and receive).
+The simulated link (`p2p_link`, miniddp/observe/link_sends.py) delays each send, ours and
+torch's alike, until the link would have carried it: alpha + bytes / bandwidth, one transfer at
+a time per rank, as miniddp/observe/link.py does for collectives.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import queue
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 from torch import nn
 
 from miniddp.bench.options import whole_number, writable_file
 from miniddp.bench.paired import paired_ratio, paired_ratio_interval, quantile, rotated
 from miniddp.job.env import cleanup, init_distributed
-from miniddp.observe.link import Link, LinkQueue, LinkWork
+from miniddp.observe.link import Link
+from miniddp.observe.link_sends import p2p_link
 from miniddp.pipeline import (
     PipelineStage,
     Schedule1F1B,
@@ -100,59 +96,6 @@ def step(schedule, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
         schedule.step(target=y, losses=[])
     else:
         schedule.step()
-
-
-class _DelayedSends:
-    """One thread that issues each send when the link has carried it; dues only grow, so a
-    FIFO keeps every pair's messages in order."""
-
-    def __init__(self, original_isend) -> None:
-        self.original = original_isend
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._serve, daemon=True, name="bench-p2p-link").start()
-
-    def _serve(self) -> None:
-        while True:
-            due, args, kwargs, future, delivered = self.queue.get()
-            time.sleep(max(0.0, due - time.perf_counter()))
-            work = self.original(*args, **kwargs)
-            threading.Thread(target=_complete, args=(work, future, delivered), daemon=True).start()
-
-
-def _complete(work, future: torch.futures.Future, delivered: threading.Event) -> None:
-    try:
-        work.wait()
-        future.set_result(None)
-    except Exception as error:
-        future.set_exception(error)
-    delivered.set()
-
-
-@contextmanager
-def p2p_link(link: Link | None) -> Iterator[None]:
-    """Inside, every `dist.isend` (ours and torch's, which both go through it) is delayed until
-    the simulated link would have delivered it. Receives are untouched: they complete when the
-    data arrives."""
-    if link is None:
-        yield
-        return
-    original = c10d.isend
-    wire, sender = LinkQueue(link), _DelayedSends(original)
-
-    def isend_over_the_link(tensor, dst=None, group=None, tag=0, group_dst=None):
-        due = wire.deliver_at(time.perf_counter(), tensor.numel() * tensor.element_size())
-        future: torch.futures.Future = torch.futures.Future()
-        delivered = threading.Event()
-        kwargs = {"dst": dst, "group": group, "tag": tag, "group_dst": group_dst}
-        sender.queue.put((due, (tensor,), kwargs, future, delivered))
-        return LinkWork(future, delivered)
-
-    # torch checks a P2POp's function against c10d.isend, so both names must change.
-    c10d.isend = dist.isend = isend_over_the_link
-    try:
-        yield
-    finally:
-        c10d.isend = dist.isend = original
 
 
 def time_designs(args: argparse.Namespace) -> dict[str, list[float]]:

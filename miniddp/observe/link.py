@@ -113,7 +113,9 @@ class Link:
     def __str__(self) -> str:
         bits = self.bandwidth * 8
         power = max(p for p in range(len(_BITS)) if p == 0 or bits >= 1000**p)
-        return f"alpha={self.alpha * 1e6:g}us,bandwidth={bits / 1000**power:g}{_BITS[power]}"
+        unit = next((u for u, size in _TIME_UNITS.items() if self.alpha >= size), "ns")
+        alpha = self.alpha / float(_TIME_UNITS[unit])  # in the largest unit it fills: 1ms
+        return f"alpha={alpha:g}{unit},bandwidth={bits / 1000**power:g}{_BITS[power]}"
 
 
 def _quantity(field: str, value: str, text: str) -> float:
