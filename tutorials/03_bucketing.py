@@ -11,8 +11,9 @@ across ranks. BucketedDDP (rung 3, miniddp/steps/buckets.py) packs the gradients
 buckets of about `bucket_cap_mb` MiB and launches each bucket, whole, in a fixed order. This
 chapter:
 
-1. names the code rung 3 changes in rung 2's file (`--diff` prints it: `python -m miniddp.steps
-   diff --code 2 3`);
+1. walks what rung 3 adds to rung 2 in three parts: the flat buffer, the assignment rule, the
+   fixed launch order (`--diff` prints each part's code; `python -m miniddp.steps diff --code 2
+   3` the diff itself);
 2. prints the layout: which gradients share a bucket, and why there;
 3. runs both rungs and draws their timelines: all-reduces per step drop from P to the number of
    buckets, and all but the last bucket still leave while backward runs;
@@ -22,6 +23,7 @@ chapter:
 from __future__ import annotations
 
 import argparse
+import inspect
 import textwrap
 
 import torch.distributed as dist
@@ -39,13 +41,45 @@ from common import (
     section,
     step_batches,
     train_steps,
+    where,
 )
 from torch.nn.parallel import DistributedDataParallel
 
 from miniddp.job.env import init_distributed
 from miniddp.steps import BucketedDDP, OverlapDDP
+from miniddp.steps.buckets import Bucket, assign_buckets
 
 STEPS = 3
+# The diff from rung 2 is the largest on the ladder; it is three ideas, read one at a time.
+PARTS = [
+    (
+        "The flat buffer",
+        (Bucket,),
+        """\
+        A hook no longer sends its gradient: it copies it, scaled by 1/W, into its slice of a
+        bucket's one flat tensor, so that one all-reduce averages every gradient in it. The
+        Bucket owns its life in a backward: add, is_full, launch, wait, write_back, reset.""",
+    ),
+    (
+        "The assignment rule",
+        (assign_buckets,),
+        """\
+        Which gradients share a bucket is decided once, at construction: walk the parameters
+        in reverse registration order (backward usually readies the last layer first) and
+        close a bucket once it holds the cap. Section 2 prints the layout it gives.""",
+    ),
+    (
+        "The fixed launch order",
+        (BucketedDDP._mark_ready, BucketedDDP._launch_full_buckets),
+        """\
+        A full bucket launches only when every bucket before it has: bucket 2 waits for
+        bucket 1 even if it filled first. So every rank issues the same all-reduces in the
+        same order, whatever order its own gradients came in. At the end of backward each
+        bucket is waited for and its slices copied back into .grad. The wrapper's methods
+        have MiniDDP's names: from here up, every rung, and MiniDDP, adds its idea to this
+        same code.""",
+    ),
+]
 BATCH = 16  # samples per rank per step
 TRAVELS = {OverlapDDP: "gradient", BucketedDDP: "bucket"}  # what one all-reduce carries
 
@@ -65,19 +99,14 @@ def main() -> None:
     batches = step_batches(STEPS, BATCH, world_size, env.rank)
     say(f"Chapter 03: buckets on {world_size} ranks, backend {env.backend}, {env.device}")
 
-    section("1. What rung 3 adds to rung 2")
-    say_rung_diff(2, 3, show=args.diff)
-    say(
-        textwrap.dedent("""\
-        A hook no longer sends its gradient: it copies it, scaled by 1/W, into its slice of a
-        bucket's flat tensor. When a bucket's last slice is filled, the bucket is ready, and
-        ready buckets launch strictly in index order: bucket 2 waits for bucket 1 even if it
-        filled first. So every rank issues the same all-reduces in the same order, whatever
-        order its own gradients came in. At the end of backward each bucket is waited for and
-        its slices copied back into .grad. The Bucket owns these steps (add, is_full, launch,
-        wait, write_back, reset), and the wrapper's methods have MiniDDP's names: from here up
-        every rung, and MiniDDP, adds its idea to this same code.""")
-    )
+    section("1. What rung 3 adds to rung 2, in three parts")
+    say_rung_diff(2, 3)
+    for title, definitions, prose in PARTS:
+        say(f"\n{title} ({where(*definitions)}).")
+        say(textwrap.dedent(prose).strip())
+        if args.diff:
+            for definition in definitions:
+                say(textwrap.indent(textwrap.dedent(inspect.getsource(definition)), "    "))
 
     section("2. The layout")
     bucketed = BucketedDDP(ladder_model(), bucket_cap_mb=args.bucket_cap_mb)

@@ -7,11 +7,13 @@ the script's own folder first on sys.path.
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import sys
 import textwrap
 from itertools import groupby, pairwise
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +25,8 @@ from miniddp.observe.link import ENVIRONMENT_VARIABLE, Link
 from miniddp.observe.timeline import StepTimeline, gather, split_steps
 from miniddp.observe.timeline_views import LINE, ascii_timeline
 from miniddp.steps.__main__ import diff, idea, label
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def make_dataset(
@@ -161,11 +165,21 @@ def say_rung_diff(before: int, after: int, show: bool = False) -> None:
     say(textwrap.fill(f"Rung {after}, {label(after)}: {idea(after).split(': ', 1)[-1]}", 100))
     code, whole = (f"python -m miniddp.steps diff {o}{before} {after}" for o in ("--code ", ""))
     if not show:
-        say(f"Its code, the change to rung {before}'s file: `{code}` (this chapter's --diff);")
-        say(f"the whole diff, its docstring's story included: `{whole}`.")
+        say(f"The code it adds to rung {before}: `{code}` (or this chapter's --diff).")
+        say(f"The whole diff, its docstring's story included: `{whole}`.")
         return
     say(f"\n$ {code}\n{diff(before, after, code_only=True)}")
     say(f"(only the hunks that change code: `{whole}` prints the whole diff)")
+
+
+def where(*definitions: Any) -> str:
+    """Where each class or function is defined, as a reader would open it: "path:line name"."""
+    found = []
+    for definition in definitions:
+        path = Path(inspect.getsourcefile(definition)).resolve().relative_to(REPO)
+        line = inspect.getsourcelines(definition)[1]
+        found.append(f"{path}:{line} {definition.__qualname__}")
+    return ", ".join(found)
 
 
 def ladder_model() -> nn.Sequential:
