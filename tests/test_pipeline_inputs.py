@@ -82,19 +82,22 @@ def run_on_my_rank(call, spec: PipeSpec, inputs: tuple, target, losses: list):
 
 
 class MaskedBlock(nn.Module):
-    """Block s of an MLP whose stages hand each other four tensors: the hidden state h, a float
-    `scale` per sample (given with the batch, passed on as it came: a float input that needs a
-    gradient at every stage but the first, where nothing learns from it), a bool mask `keep`
-    and int64 `ids` (which carry no gradient). The last block returns h alone."""
+    """Block s of an MLP whose stages hand each other five tensors: the hidden state h; a float
+    `gate` per sample, made from h (a second tensor whose gradient must come back; the last
+    block does not use it: a float input with no gradient, for which zeros go back, as in
+    torch); a float `scale` given with the batch and passed on as it came (on stage 0 it needs
+    no gradient, so the gradient that comes back for it leads nowhere); a bool mask `keep` and
+    int64 `ids` (which carry no gradient). The last block returns h alone."""
 
     def __init__(self, width_in: int, width_out: int, last: bool) -> None:
         super().__init__()
         self.linear = nn.Linear(width_in, width_out)
         self.last = last
 
-    def forward(self, h, scale, keep, ids):
-        h = torch.tanh(self.linear(h) * scale) * keep + 0.01 * ids[:, None]
-        return h if self.last else (h, scale, keep, ids + 1)
+    def forward(self, h, gate, scale, keep, ids):
+        z = self.linear(h) * scale
+        h = torch.tanh(z if self.last else z + gate) * keep + 0.01 * ids[:, None]
+        return h if self.last else (h, h.mean(1, keepdim=True), scale, keep, ids + 1)
 
 
 def masked_model(spec: PipeSpec) -> nn.Sequential:
@@ -109,10 +112,11 @@ def masked_batch(spec: PipeSpec, step: int) -> tuple[tuple[torch.Tensor, ...], t
     generator = torch.Generator().manual_seed(1000 * spec.seed + step)
     size = spec.n_microbatches * spec.microbatch
     x = torch.randn(size, spec.widths[0], generator=generator)
+    gate = torch.randn(size, 1, generator=generator)
     scale = torch.rand(size, 1, generator=generator) + 0.5
     keep = torch.rand(size, 1, generator=generator) > 0.3
     ids = torch.randint(0, 5, (size,), generator=generator)
-    return (x, scale, keep, ids), torch.randn(size, spec.widths[-1], generator=generator)
+    return (x, gate, scale, keep, ids), torch.randn(size, spec.widths[-1], generator=generator)
 
 
 def masked_one_process(spec: PipeSpec) -> dict:
@@ -168,8 +172,10 @@ def train_masked(spec: PipeSpec, name: str, kind: str) -> dict[int, dict]:
 
 @pytest.mark.parametrize("name", list(OURS))
 def test_a_tuple_with_masks_between_stages_is_bitwise_one_process_and_torchs(pool2, name):
-    """Stages that take and return (h, scale, keep, ids): the float tensors' gradients go back,
-    the bool mask and the int ids travel forward only; the first stage takes four arguments.
+    """Stages that take and return (h, gate, scale, keep, ids): the float tensors' gradients go
+    back (the gate's crosses the middle borders of the four-stage runs; zeros come back for it
+    from the last stage, which ignores it), the bool mask and the int ids travel forward only;
+    the first stage takes five arguments.
     Bitwise one process, and torch's schedule of the same name given the same stages."""
     spec = spec_for(name)
     reference = masked_one_process(spec)

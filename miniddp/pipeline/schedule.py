@@ -7,12 +7,24 @@ this file) and the interleaved schedules (interleaved.py) differ only there. Eve
 the same for all of them, and lives here:
 
     step(x) / step() / step(target=y, losses=losses)      torch's call, per stage
+                                                          (x: the batch's tensors, any number)
       check     every stage states what it was given; bad input is refused on all (step_checks)
       split     the batch (first stage) and the target (last) into m equal microbatches
       run       for each action of `order()`: receive what it needs (an activation for F on
                 every stage but the first, a gradient for B or I on every stage but the last),
                 compute, and hand its sends to the next action's batch of transfers (p2p.py)
       finish    wait for the sends, report the losses
+
+What crosses a border is a tuple of tensors (p2p.py): a stage's output, a tensor or a tuple,
+is the next stage's arguments; only the floating-point ones carry a gradient back.
+
+Forward only (torch's two ways): `eval(...)`, with step()'s arguments, or step() of a schedule
+built with loss_fn=None. The order is step()'s with the backwards left out: the same forwards
+in the same order, so the same messages, and no action waits on one that is gone (an F waits
+only on the F before it). It runs under torch.no_grad(), so no stage holds anything for a
+backward. A step() that would train under torch.no_grad() is refused on every stage at the
+step's check, saying to call eval(): autograd would fail on one stage and leave the others
+waiting.
 
 Gradients: the last stage backpropagates loss_i / m, not loss_i, so after all m microbatches
 `.grad` holds sum_i d(loss_i / m)/d theta, the gradient of the batch's mean loss (each loss_i a
@@ -207,7 +219,7 @@ class PipelineSchedule(EventRecorder):
         stage, m = self.stage, self.n_microbatches
         order = [] if self.setup_problem else [a.at(stage.stage_index) for a in self.order()]
         found = self._inspect(args, target, losses, order, backward)
-        if not backward:  # the same forwards in the same order: no new waits (timeline.py)
+        if not backward:  # the same forwards in the same order (replayed below, once)
             order = [a for a in order if a.kind == FORWARD]
         who = "stage" if len(self.stages) == 1 else "rank"
         check_on_every_stage(
