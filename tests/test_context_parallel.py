@@ -108,7 +108,7 @@ def test_bad_input_is_refused_on_every_rank_with_the_fix(pool2):
             "causal and a mask": "give one or the other",
         }
         if rank:  # rank 0 is the one member of that group
-            expected["a group without this rank"] = "is not in the context-parallel group"
+            expected["a group without this rank"] = "is not in this context-parallel group"
         for case, words in expected.items():
             assert words in found[case], (rank, case, found[case])
 

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from miniddp.collectives import all_gather
+from miniddp.job.env import size_and_rank_in
 from miniddp.job.faults import wait_for
 
 HOW_TO_LAUNCH = (
@@ -39,13 +40,11 @@ def group_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """W and this rank's place in the context-parallel group, or a clear error."""
     if not dist.is_initialized():
         raise RuntimeError(HOW_TO_LAUNCH)
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise ValueError(
-            f"rank {dist.get_rank()} is not in the context-parallel group it was given: pass "
-            "each rank its own group (mesh['cp'].get_group()), or group=None for the whole job"
-        )
-    return dist.get_world_size(group), rank
+    return size_and_rank_in(
+        group,
+        "context-parallel",
+        "pass each rank its own group (mesh['cp'].get_group()), or group=None for the whole job",
+    )
 
 
 def chunks_of(rank: int, world_size: int, load_balance: bool) -> list[int]:

@@ -57,6 +57,20 @@ class DistEnv:
         return self.rank == 0
 
 
+def size_and_rank_in(group: dist.ProcessGroup | None, what: str, fix: str) -> tuple[int, int]:
+    """The size of `group` and this rank's place in it, or a clear error where this rank is no
+    member: torch answers rank -1 and size -1 there, and a shard cut or a table sized from
+    them fails later saying nothing useful. `what` names the group ("pipeline"), `fix` how to
+    give each rank its own."""
+    rank = dist.get_rank(group)
+    if rank < 0:
+        ranks = ", ".join(map(str, dist.get_process_group_ranks(group)))
+        raise ValueError(
+            f"rank {dist.get_rank()} is not in this {what} group (ranks {ranks}): {fix}"
+        )
+    return dist.get_world_size(group), rank
+
+
 def launched_by_torchrun() -> bool:
     return all(name in os.environ for name in TORCHRUN_VARIABLES)
 

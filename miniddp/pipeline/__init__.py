@@ -10,6 +10,13 @@
         schedule.step()
     optimizer.step()                                       # each stage steps its own slice
 
+Validation is forward only, with the same calls: schedule.eval(x), eval(target=y, losses=losses),
+eval() (torch's name; no backward, no .grad touched). A schedule built with loss_fn=None runs
+forward only in step() too.
+
+A stage may take and return a tuple of tensors (a hidden state and its mask): step(x, mask)
+on the first stage, and each stage is called as submodule(*what the previous one returned).
+
 Interleaved, rank r holds v stages r, r + W, .., and its schedule takes them all:
 
     stages = [PipelineStage(chunks[rank + i * W], rank + i * W, v * W, device) for i in range(v)]

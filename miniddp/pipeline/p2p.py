@@ -30,8 +30,17 @@ sends stage 0's activations AND stage 2's to rank 1), and the order one rank sen
 be the order the other receives in. So every transfer carries a tag naming what it is (the
 kind, the stage, the microbatch): gloo and NCCL match a receive with the send of its own tag.
 
+What crosses a border is a tuple of tensors, as in torch's pipelining: a stage's output is a
+tensor or a tuple of them (a hidden state and its mask), and the next stage is called with them
+as its arguments, `submodule(*inputs)`. Each tensor is its own transfer. A floating-point one
+carries a gradient back (zeros if the next stage did not use it); an integer or bool one (a
+mask, token ids) travels forward only. Both ends read that from the dtype alone
+(`carries_gradient`), so they agree without asking; each transfer's tag names the tensor's
+place in the tuple.
+
 Shapes are not hard-coded: the first time a stage sends an activation it first sends a small
-header (dtype, rank, sizes), and its neighbour allocates its receive buffer from it (`Header`).
+header (the count, then each tensor's dtype and sizes), and its neighbour allocates its receive
+buffers from it (`Header`).
 """
 
 from __future__ import annotations
@@ -44,8 +53,24 @@ import torch.distributed as dist
 
 from miniddp.job.faults import wait_for
 
-MAX_DIMS = 8  # the header has room for an activation of up to 8 dimensions
-DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32)
+MAX_TENSORS = 8  # an activation is a tuple of at most 8 tensors ...
+MAX_DIMS = 8  # ... each of up to 8 dimensions
+DTYPES = (
+    *(torch.float32, torch.float64, torch.float16, torch.bfloat16),
+    *(torch.int64, torch.int32, torch.bool),
+)
+ENTRY = 2 + MAX_DIMS  # a tensor in the header: dtype, ndim, sizes
+
+
+def as_tuple(value: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """A stage's input or output as the tuple of tensors that crosses a border."""
+    return value if isinstance(value, tuple) else (value,)
+
+
+def carries_gradient(dtype: torch.dtype) -> bool:
+    """Whether a gradient comes back for an entry of this dtype in an activation: autograd's own
+    rule, only floating-point tensors can require grad."""
+    return dtype.is_floating_point
 
 
 def failed(error: Exception) -> torch.futures.Future:
@@ -57,37 +82,47 @@ def failed(error: Exception) -> torch.futures.Future:
 
 @dataclass(frozen=True)
 class Header:
-    """What a receiver must know to allocate an activation: its dtype and sizes."""
+    """What a receiver must know to allocate an activation: each tensor's dtype and sizes."""
 
-    dtype: torch.dtype
-    shape: tuple[int, ...]
+    entries: tuple[tuple[torch.dtype, tuple[int, ...]], ...]
 
     @staticmethod
-    def of(tensor: torch.Tensor) -> Header:
-        return Header(tensor.dtype, tuple(tensor.shape))
+    def of(tensors: tuple[torch.Tensor, ...]) -> Header:
+        return Header(tuple((t.dtype, tuple(t.shape)) for t in tensors))
+
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(shape for _, shape in self.entries)
 
     def encode(self, device: torch.device) -> torch.Tensor:
-        if self.dtype not in DTYPES or len(self.shape) > MAX_DIMS:
+        strange = [(d, s) for d, s in self.entries if d not in DTYPES or len(s) > MAX_DIMS]
+        if strange or len(self.entries) > MAX_TENSORS:
             raise ValueError(
-                f"a stage's output of dtype {self.dtype} and shape {self.shape} cannot be "
-                f"described to the next stage: use one of {DTYPES} with at most {MAX_DIMS} "
-                "dimensions, or give the next stage input_args (an example of its input)."
+                f"a stage's output of {len(self.entries)} tensors (dtypes and shapes: "
+                f"{list(self.entries)}) cannot be described to the next stage: use at most "
+                f"{MAX_TENSORS} tensors of {DTYPES}, each of at most {MAX_DIMS} dimensions, "
+                "or give the next stage input_args (an example of its input)."
             )
-        padded = [*self.shape, *[0] * (MAX_DIMS - len(self.shape))]
-        codes = [DTYPES.index(self.dtype), len(self.shape), *padded]
+        codes = [len(self.entries)]
+        for dtype, shape in self.entries:
+            codes += [DTYPES.index(dtype), len(shape), *shape, *[0] * (MAX_DIMS - len(shape))]
+        codes += [0] * (1 + ENTRY * MAX_TENSORS - len(codes))
         return torch.tensor(codes, dtype=torch.int64, device=device)
 
     @staticmethod
     def decode(codes: torch.Tensor) -> Header:
-        dtype_code, ndim, *sizes = codes.tolist()
-        return Header(DTYPES[dtype_code], tuple(sizes[:ndim]))
+        count, *rest = codes.tolist()
+        rows = [rest[k * ENTRY : (k + 1) * ENTRY] for k in range(count)]
+        return Header(tuple((DTYPES[dtype], tuple(sizes[:ndim])) for dtype, ndim, *sizes in rows))
 
     @staticmethod
     def buffer(device: torch.device) -> torch.Tensor:
-        return torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=device)
+        return torch.empty(1 + ENTRY * MAX_TENSORS, dtype=torch.int64, device=device)
 
-    def empty(self, device: torch.device) -> torch.Tensor:
-        return torch.empty(self.shape, dtype=self.dtype, device=device)
+    def empty(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        return tuple(
+            torch.empty(shape, dtype=dtype, device=device) for dtype, shape in self.entries
+        )
 
 
 @dataclass
@@ -111,11 +146,11 @@ class Transfer:
 
 
 class Mailbox:
-    """One stage's sends and receives. `post(sends, receive)` launches them as one batch and
-    returns the receive's work; `finish_sends()` waits for every send still in flight.
+    """One stage's sends and receives. `post(sends, receives)` launches them as one batch and
+    returns the receives' works; `finish_sends()` waits for every send still in flight.
 
     `note(kind, name)` is the schedule's event recorder: it hears "send" when a send goes out,
-    "idle" start/end around each wait for a receive, and "recv" when the data is here.
+    "idle" start/end around each wait for receives, and "recv" when the data is here.
     """
 
     def __init__(self, group: dist.ProcessGroup | None, note: Callable[[str, str], None]) -> None:
@@ -124,10 +159,10 @@ class Mailbox:
         self._sends_in_flight: list[tuple[dist.Work, Transfer]] = []
         self.bytes_sent = 0  # every send's payload since the mailbox was made
 
-    def post(self, sends: list[Transfer], receive: Transfer | None = None) -> dist.Work | None:
-        transfers = [*sends, *([receive] if receive is not None else [])]
+    def post(self, sends: list[Transfer], receives: list[Transfer] = ()) -> list[dist.Work]:
+        transfers = [*sends, *receives]
         if not transfers:
-            return None
+            return []
         ops = [
             dist.P2POp(
                 dist.isend if t.is_send else dist.irecv,
@@ -143,23 +178,26 @@ class Mailbox:
         except RuntimeError as error:  # gloo sends at once: a dead peer can fail it right here
             what = " and ".join(t.description for t in transfers)
             wait_for(failed(error), what, self.group)  # raises, naming the missing peer
-        for work, transfer in zip(works, transfers):
-            if transfer.is_send:
-                self._sends_in_flight.append((work, transfer))  # keeps the tensor alive
-                self.bytes_sent += transfer.tensor.numel() * transfer.tensor.element_size()
-                self.note("send", transfer.what)
-        return works[-1] if receive is not None else None
+        for work, transfer in zip(works, sends):
+            self._sends_in_flight.append((work, transfer))  # keeps the tensor alive
+            self.bytes_sent += transfer.tensor.numel() * transfer.tensor.element_size()
+            self.note("send", transfer.what)
+        return works[len(sends) :]
 
-    def wait_receive(self, work: dist.Work, transfer: Transfer) -> torch.Tensor:
-        """Block until `transfer` has arrived; the time spent here is the stage's idle time."""
+    def wait_receives(
+        self, works: list[dist.Work], receives: list[Transfer]
+    ) -> tuple[torch.Tensor, ...]:
+        """Block until `receives` have arrived; the time spent here is the stage's idle time."""
         self.note("idle", "start")
-        self._wait(work, transfer.description)
+        for work, transfer in zip(works, receives, strict=True):
+            self._wait(work, transfer.description)
         self.note("idle", "end")
-        self.note("recv", transfer.what)
-        return transfer.tensor
+        for transfer in receives:
+            self.note("recv", transfer.what)
+        return tuple(transfer.tensor for transfer in receives)
 
-    def receive_now(self, receive: Transfer) -> torch.Tensor:
-        return self.wait_receive(self.post([], receive), receive)
+    def receive_now(self, receives: list[Transfer]) -> tuple[torch.Tensor, ...]:
+        return self.wait_receives(self.post([], receives), receives)
 
     def finish_sends(self) -> None:
         for work, transfer in self._sends_in_flight:

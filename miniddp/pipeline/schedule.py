@@ -7,12 +7,24 @@ this file) and the interleaved schedules (interleaved.py) differ only there. Eve
 the same for all of them, and lives here:
 
     step(x) / step() / step(target=y, losses=losses)      torch's call, per stage
+                                                          (x: the batch's tensors, any number)
       check     every stage states what it was given; bad input is refused on all (step_checks)
       split     the batch (first stage) and the target (last) into m equal microbatches
       run       for each action of `order()`: receive what it needs (an activation for F on
                 every stage but the first, a gradient for B or I on every stage but the last),
                 compute, and hand its sends to the next action's batch of transfers (p2p.py)
       finish    wait for the sends, report the losses
+
+What crosses a border is a tuple of tensors (p2p.py): a stage's output, a tensor or a tuple,
+is the next stage's arguments; only the floating-point ones carry a gradient back.
+
+Forward only (torch's two ways): `eval(...)`, with step()'s arguments, or step() of a schedule
+built with loss_fn=None. The order is step()'s with the backwards left out: the same forwards
+in the same order, so the same messages, and no action waits on one that is gone (an F waits
+only on the F before it). It runs under torch.no_grad(), so no stage holds anything for a
+backward. A step() that would train under torch.no_grad() is refused on every stage at the
+step's check, saying to call eval(): autograd would fail on one stage and leave the others
+waiting.
 
 Gradients: the last stage backpropagates loss_i / m, not loss_i, so after all m microbatches
 `.grad` holds sum_i d(loss_i / m)/d theta, the gradient of the batch's mean loss (each loss_i a
@@ -67,6 +79,7 @@ the later ones alternate as usual (torch's Schedule1F1B refuses m < p; nothing h
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -82,8 +95,8 @@ from miniddp.pipeline.actions import (
     encode,
     order_problem,
 )
-from miniddp.pipeline.p2p import Header, Mailbox, Transfer
-from miniddp.pipeline.stage import PipelineStage
+from miniddp.pipeline.p2p import MAX_TENSORS, Header, Mailbox, Transfer, as_tuple, carries_gradient
+from miniddp.pipeline.stage import Activation, PipelineStage
 from miniddp.pipeline.step_checks import Problem, check_on_every_stage, check_orders_together
 
 EVENT_KIND = {FORWARD: "forward", BACKWARD: "backward", INPUT_GRAD: "input", WEIGHT_GRAD: "weight"}
@@ -92,11 +105,13 @@ ACTIVATION, GRADIENT, SHAPE = range(3)  # what a transfer carries, in its tag
 
 @dataclass
 class StepData:
-    """One step's microbatches, and what the last stage collects from them."""
+    """One step's microbatches, and what the last stage collects from them. `backward`: a
+    training step; False: forward only (eval(), or a schedule without a loss_fn)."""
 
-    inputs: list[torch.Tensor | None]  # the first stage's; None elsewhere
-    targets: list[torch.Tensor | None]  # the last stage's; None elsewhere
-    outputs: list[torch.Tensor] = field(default_factory=list)
+    backward: bool
+    inputs: list[Activation | None]  # the first stage's, each microbatch's arguments
+    targets: list[torch.Tensor | None]  # the last stage's; None elsewhere, or in eval without
+    outputs: list[torch.Tensor | Activation] = field(default_factory=list)
     losses: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -110,7 +125,8 @@ class Border:
 
 class PipelineSchedule(EventRecorder):
     """Runs this rank's part of each step in the order `order()` gives. Subclasses define only
-    the order; `loss_fn(output, target)` is called on the last stage, once per microbatch.
+    the order; `loss_fn(output, target)` is called on the last stage, once per microbatch;
+    without one (None, torch's), the schedule runs forward only, as eval() does.
     `stages`: this rank's stage (GPipe, 1F1B), or its v stages in order (interleaved)."""
 
     stages_per_rank_at_most: int | None = 1  # the interleaved schedules: None, any
@@ -120,14 +136,14 @@ class PipelineSchedule(EventRecorder):
         self,
         stages: PipelineStage | Sequence[PipelineStage],
         n_microbatches: int,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         if not isinstance(n_microbatches, int) or n_microbatches < 1:
             raise ValueError(f"n_microbatches must be an integer >= 1, got {n_microbatches!r}")
-        if not callable(loss_fn):
+        if loss_fn is not None and not callable(loss_fn):
             raise TypeError(
                 "loss_fn must be a function loss_fn(output, target) -> scalar tensor, "
-                f"called on the last stage; got {loss_fn!r}"
+                f"called on the last stage, or None for a forward-only schedule; got {loss_fn!r}"
             )
         self.stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
         if not self.stages or not all(isinstance(s, PipelineStage) for s in self.stages):
@@ -150,17 +166,20 @@ class PipelineSchedule(EventRecorder):
             for s in self.stages
         }
         self.setup_problem = self._stages_problem()  # refused at the first step, on every rank
-        self._first_microbatch_shape: tuple[int, ...] | None = None
-        self._orders_unchecked = True  # the first step checks that the orders cannot deadlock
+        self._first_microbatch_shapes: tuple[tuple[int, ...], ...] | None = None
+        self._orders_checked: set[bool] = set()  # a training and a forward-only order, once each
         self.peak_held = 0  # the most microbatch-stages this rank held at once, last step
         self._start_event_log()
 
     @property
-    def input_shape(self) -> tuple[int, ...] | None:
-        """The shape of this rank's first stage's input microbatch, as given or as learnt from
-        the previous stage in the first step (None on the first stage, or before)."""
+    def input_shape(self) -> tuple[int, ...] | tuple[tuple[int, ...], ...] | None:
+        """The shape of this rank's first stage's input microbatch (a tuple of shapes for
+        several tensors), as given or as learnt from the previous stage in the first step (None
+        on the first stage, or before)."""
         header = self._borders[self.stage.stage_index].input_header
-        return None if header is None else header.shape
+        if header is None:
+            return None
+        return header.shapes[0] if len(header.shapes) == 1 else header.shapes
 
     def order(self) -> list[Action]:
         """This rank's actions in one step (actions.py says what makes an order)."""
@@ -171,27 +190,50 @@ class PipelineSchedule(EventRecorder):
         *args: torch.Tensor,
         target: torch.Tensor | None = None,
         losses: list[torch.Tensor] | None = None,
-    ) -> torch.Tensor | None:
-        """One training step of this rank (torch's signature); the rank of the last stage
-        returns the batch's outputs and fills `losses` with each microbatch's loss. Gradients
-        are left in `.grad` (added to what was there), the gradient of the mean loss over the
-        microbatches: call the optimizer after it."""
-        if len(args) > 1:
-            raise TypeError(f"step takes one input tensor (the first stage's), got {len(args)}")
-        x = args[0] if args else None
+    ) -> torch.Tensor | Activation | None:
+        """One training step of this rank (torch's signature): `args`, the batch's tensors on
+        the first stage, are split into m microbatches each; the rank of the last stage returns
+        the batch's outputs and fills `losses` with each microbatch's loss. Gradients are left
+        in `.grad` (added to what was there), the gradient of the mean loss over the
+        microbatches: call the optimizer after it. Without a loss_fn: eval()."""
+        return self._step(args, target, losses, backward=self.loss_fn is not None)
+
+    def eval(
+        self,
+        *args: torch.Tensor,
+        target: torch.Tensor | None = None,
+        losses: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor | Activation | None:
+        """Forward only (torch's name): the forwards of step()'s order and no backward, under
+        `torch.no_grad()`, so nothing is held for a backward and no `.grad` changes. The last
+        stage returns the outputs, and with a loss_fn and a target fills `losses`."""
+        return self._step(args, target, losses, backward=False)
+
+    def _step(
+        self,
+        args: tuple[torch.Tensor, ...],
+        target: torch.Tensor | None,
+        losses: list[torch.Tensor] | None,
+        backward: bool,
+    ) -> torch.Tensor | Activation | None:
         stage, m = self.stage, self.n_microbatches
         order = [] if self.setup_problem else [a.at(stage.stage_index) for a in self.order()]
-        found = self._inspect(x, target, order)
+        found = self._inspect(args, target, losses, order, backward)
+        if not backward:  # the same forwards in the same order (replayed below, once)
+            order = [a for a in order if a.kind == FORWARD]
         who = "stage" if len(self.stages) == 1 else "rank"
-        check_on_every_stage(found, m, type(self).__name__, stage.group, stage.device, who)
-        if self._orders_unchecked:  # once: the orders of a schedule do not change
+        check_on_every_stage(
+            found, m, type(self).__name__, stage.group, stage.device, who, backward
+        )
+        if backward not in self._orders_checked:  # once: the orders of a schedule do not change
             longest = 3 * m * len(self.stages)  # every row as long: zeros pad (actions.py)
             codes = encode(order, stage.stage_index)
             check_orders_together(codes + [0] * (longest - len(codes)), stage.group, stage.device)
-            self._orders_unchecked = False
+            self._orders_checked.add(backward)
         data = StepData(
-            inputs=list(x.tensor_split(m)) if self.has_first_stage else [None] * m,
-            targets=list(target.tensor_split(m)) if self.has_last_stage else [None] * m,
+            backward,
+            inputs=list(zip(*(a.tensor_split(m) for a in args))) or [None] * m,
+            targets=[None] * m if target is None else list(target.tensor_split(m)),
         )
         for each in self.stages:
             each.start_step()
@@ -199,88 +241,122 @@ class PipelineSchedule(EventRecorder):
         self._note("step", "start")
         sends: list[Transfer] = []
         last_backward = {a.stage: a for a in order if a.kind in (BACKWARD, WEIGHT_GRAD)}
-        for action in order:
-            # This action's receive goes out in one batch with the previous action's sends.
-            received = self._receive_for(action, sends)
-            sends = self._run(action, data, received, last_backward[action.stage] == action)
-            self.peak_held = max(self.peak_held, sum(len(s.held) for s in self.stages))
+        with contextlib.nullcontext() if backward else torch.no_grad():
+            for action in order:
+                # This action's receives go out in one batch with the previous action's sends.
+                received = self._receive_for(action, sends)
+                sends = self._run(action, data, received, last_backward.get(action.stage) == action)
+                self.peak_held = max(self.peak_held, sum(len(s.held) for s in self.stages))
         self.mailbox.post(sends)
         self.mailbox.finish_sends()
         self._note("step", "end")
         if self.has_last_stage and losses is not None:
             losses.clear()
             losses.extend(data.losses)
-        return torch.cat(data.outputs) if self.has_last_stage else None
+        return _merged(data.outputs) if self.has_last_stage else None
 
-    def _receive_for(self, action: Action, sends: list[Transfer]) -> torch.Tensor | None:
-        """Post `sends` in one batch with the receive `action` needs, and wait for that receive.
-        An action that needs none (F on the first stage, B or I on the last, W) returns None,
-        and the sends go out alone."""
+    def _receive_for(self, action: Action, sends: list[Transfer]) -> Activation | None:
+        """Post `sends` in one batch with the receives `action` needs, and wait for them: an
+        activation's tensors for F on every stage but the first, the gradients of its
+        floating-point tensors for B or I on every stage but the last. An action that needs
+        none (F on the first stage, B or I on the last, W) returns None, and the sends go out
+        alone."""
         stage, i = self._by_index[action.stage], action.microbatch
         border = self._borders[stage.stage_index]
         s = stage.stage_index
         if action.kind == FORWARD and not stage.is_first:
-            if border.input_header is None:  # the first step: learn the shape first
+            if border.input_header is None:  # the first step: learn the shapes first
                 self.mailbox.post(sends)
                 sends = []
                 shape = self._receive(Header.buffer(stage.device), s - 1, SHAPE, 0, s)
-                border.input_header = Header.decode(self.mailbox.receive_now(shape))
-            buffer = border.input_header.empty(stage.device)
-            receive = self._receive(buffer, s - 1, ACTIVATION, i, s)
+                (codes,) = self.mailbox.receive_now([shape])
+                border.input_header = Header.decode(codes)
+            buffers = border.input_header.empty(stage.device)
+            receives = [self._receive(b, s - 1, ACTIVATION, i, s, k) for k, b in enumerate(buffers)]
         elif action.kind in (BACKWARD, INPUT_GRAD) and not stage.is_last:
-            buffer = torch.empty_like(stage.held[i].output)
-            receive = self._receive(buffer, s + 1, GRADIENT, i, s)
+            outputs = as_tuple(stage.held[i].output)
+            receives = [
+                self._receive(torch.empty_like(out), s + 1, GRADIENT, i, s, k)
+                for k, out in enumerate(outputs)
+                if carries_gradient(out.dtype)
+            ]
         else:
             self.mailbox.post(sends)
             return None
-        work = self.mailbox.post(sends, receive)
-        return self.mailbox.wait_receive(work, receive)
+        works = self.mailbox.post(sends, receives)
+        return self.mailbox.wait_receives(works, receives)
 
-    def _receive(self, buffer, peer: int, carries: int, i: int, me: int) -> Transfer:
-        tag = carries + 3 * (i + self.n_microbatches * me)
+    def _tag(self, carries: int, i: int, stage: int, k: int) -> tuple[int, str]:
+        """The tag of tensor k of what `carries` for microbatch i at `stage` (the receiver), and
+        its name for events and messages: "activation 3", "gradient 3 (tensor 1)"."""
+        tag = carries + 3 * (k + MAX_TENSORS * (i + self.n_microbatches * stage))
         what = "the shape" if carries == SHAPE else f"{('activation', 'gradient')[carries]} {i}"
+        return tag, what + (f" (tensor {k})" if k else "")
+
+    def _receive(self, buffer, peer: int, carries: int, i: int, me: int, k: int = 0) -> Transfer:
+        tag, what = self._tag(carries, i, me, k)
         return Transfer(buffer, peer, what, False, self.stage.rank_of(peer), tag)
 
-    def _send(self, tensor, peer: int, carries: int, i: int) -> Transfer:
-        tag = carries + 3 * (i + self.n_microbatches * peer)
-        what = "the shape" if carries == SHAPE else f"{('activation', 'gradient')[carries]} {i}"
+    def _send(self, tensor, peer: int, carries: int, i: int, k: int = 0) -> Transfer:
+        tag, what = self._tag(carries, i, peer, k)
         return Transfer(tensor, peer, what, True, self.stage.rank_of(peer), tag)
 
     def _run(
-        self, action: Action, data: StepData, received: torch.Tensor | None, last: bool
+        self, action: Action, data: StepData, received: Activation | None, last: bool
     ) -> list[Transfer]:
-        """Compute `action` at its stage; what it sends (an activation downstream, a gradient
+        """Compute `action` at its stage; what it sends (an activation downstream, gradients
         upstream), for the next action's batch."""
         stage, i, s = self._by_index[action.stage], action.microbatch, action.stage
         name = f"{i} {s}"
         self._note(EVENT_KIND[action.kind], f"start {name}")
         sends = []
         if action.kind == FORWARD:
-            output = stage.forward(i, data.inputs[i] if stage.is_first else received)
+            inputs = data.inputs[i] if stage.is_first else received
+            output = stage.forward(i, inputs, keep=data.backward)
             if stage.is_last:
-                loss = self.loss_fn(output, data.targets[i])
-                stage.keep_loss(i, loss / self.n_microbatches)  # this step's share of the mean
-                data.losses.append(loss.detach())
-                data.outputs.append(output.detach())
+                if self.loss_fn is not None and data.targets[i] is not None:
+                    loss = self.loss_fn(output, data.targets[i])
+                    if data.backward:
+                        stage.keep_loss(i, loss / self.n_microbatches)  # its share of the mean
+                    data.losses.append(loss.detach())
+                data.outputs.append(_detached(output))
             else:
-                activation = output.detach().contiguous()
-                border = self._borders[s]
-                if not border.header_sent:
-                    header = Header.of(activation).encode(stage.device)
-                    sends.append(self._send(header, s + 1, SHAPE, 0))
-                    border.header_sent = True
-                sends.append(self._send(activation, s + 1, ACTIVATION, i))
+                sends += self._activation_sends(output, s, i)
         elif action.kind == WEIGHT_GRAD:
             stage.backward_weight(i)
         else:
             if action.kind == BACKWARD:
-                input_grad = stage.backward(i, received, last)
+                input_grads = stage.backward(i, received, last)
             else:
-                input_grad = stage.backward_input(i, received)
+                input_grads = stage.backward_input(i, received)
             if not stage.is_first:
-                sends.append(self._send(input_grad, s - 1, GRADIENT, i))
+                entries = self._borders[s].input_header.entries
+                places = [k for k, (dtype, _) in enumerate(entries) if carries_gradient(dtype)]
+                sends += [
+                    self._send(grad, s - 1, GRADIENT, i, k)
+                    for k, grad in zip(places, input_grads, strict=True)
+                ]
         self._note(EVENT_KIND[action.kind], f"end {name}")
         return sends
+
+    def _activation_sends(self, output, s: int, i: int) -> list[Transfer]:
+        """Stage s's output for microbatch i, one transfer per tensor, to stage s + 1; before
+        the first, the header of their shapes, unless stage s + 1 was given an example."""
+        tensors = as_tuple(output)
+        if not all(isinstance(t, torch.Tensor) for t in tensors):
+            kinds = ", ".join(type(t).__name__ for t in tensors)
+            raise TypeError(
+                f"stage {s}'s forward returned ({kinds}): a stage hands the next one a tensor or "
+                "a tuple of tensors; make any other value a tensor (e.g. torch.tensor(n))"
+            )
+        activation = tuple(t.detach().contiguous() for t in tensors)
+        sends = []
+        border = self._borders[s]
+        if not border.header_sent:
+            header = Header.of(activation).encode(self.stage.device)
+            sends.append(self._send(header, s + 1, SHAPE, 0))
+            border.header_sent = True
+        return sends + [self._send(t, s + 1, ACTIVATION, i, k) for k, t in enumerate(activation)]
 
     def _stages_problem(self) -> str | None:
         """What is wrong with the stages this rank gave its schedule (None: nothing)."""
@@ -308,9 +384,14 @@ class PipelineSchedule(EventRecorder):
         return None
 
     def _inspect(
-        self, x: torch.Tensor | None, target: torch.Tensor | None, order: list[Action]
+        self,
+        args: tuple[torch.Tensor, ...],
+        target: torch.Tensor | None,
+        losses: list | None,
+        order: list[Action],
+        backward: bool,
     ) -> tuple[Problem, int, int] | tuple[Problem, int, int, str]:
-        """What this rank can see wrong with its own part of the step: its stages, its input,
+        """What this rank can see wrong with its own part of the step: its stages, its inputs,
         and its order (a learner's schedule may be wrong; then also why, for this rank's
         message)."""
         m = self.n_microbatches
@@ -326,23 +407,43 @@ class PipelineSchedule(EventRecorder):
         if problem is not None:
             return Problem.BAD_ORDER, 0, 0, problem
         if self.has_first_stage:
-            if x is None:
+            if not args:
                 return Problem.NO_INPUT, 0, 0
-            if x.shape[0] % m:
-                return Problem.INPUT_NOT_DIVISIBLE, x.shape[0], m
-            shape = (x.shape[0] // m, *x.shape[1:])
-            if self._first_microbatch_shape is None:
-                self._first_microbatch_shape = shape
-            elif shape != self._first_microbatch_shape:
-                return Problem.INPUT_SHAPE_CHANGED, shape[0], self._first_microbatch_shape[0]
-        elif x is not None:
+            if not all(isinstance(a, torch.Tensor) and a.dim() > 0 for a in args):
+                return Problem.INPUT_NOT_TENSORS, 0, 0
+            size = next((a.shape[0] for a in args if a.shape[0] % m), None)
+            if size is not None:
+                return Problem.INPUT_NOT_DIVISIBLE, size, m
+            shapes = tuple((a.shape[0] // m, *a.shape[1:]) for a in args)
+            if self._first_microbatch_shapes is None:
+                self._first_microbatch_shapes = shapes
+            elif shapes != self._first_microbatch_shapes:
+                first = self._first_microbatch_shapes
+                return Problem.INPUT_SHAPE_CHANGED, shapes[0][0], first[0][0]
+        elif args:
             return Problem.INPUT_NOT_ON_FIRST, 0, 0
         if self.has_last_stage:
-            if target is None:
+            if target is not None and self.loss_fn is None:
+                return Problem.TARGET_WITHOUT_LOSS_FN, 0, 0
+            if target is None and backward:
                 return Problem.NO_TARGET, 0, 0
-            if target.shape[0] % m:
+            if target is not None and target.shape[0] % m:
                 return Problem.TARGET_NOT_DIVISIBLE, target.shape[0], m
+            if losses is not None and target is None:
+                return Problem.NO_LOSSES_TO_FILL, 0, 0
         return Problem.NONE, 0, 0
+
+
+def _detached(output: torch.Tensor | Activation) -> torch.Tensor | Activation:
+    return tuple(t.detach() for t in output) if isinstance(output, tuple) else output.detach()
+
+
+def _merged(outputs: list[torch.Tensor | Activation]) -> torch.Tensor | Activation:
+    """The microbatches' outputs as the batch's, each tensor concatenated along dim 0 (torch's
+    default merge)."""
+    if isinstance(outputs[0], tuple):
+        return tuple(torch.cat(parts) for parts in zip(*outputs))
+    return torch.cat(outputs)
 
 
 class ScheduleGPipe(PipelineSchedule):

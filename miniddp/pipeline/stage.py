@@ -16,20 +16,23 @@ neighbours is refused on every rank, naming the rank and the fix, instead of a h
 
 A stage does these things for a schedule (schedule.py), in whatever order the schedule says:
 
-    forward(i, x)          run the slice on microbatch i's input; keep input and output
-    backward(i, g)         backpropagate g (the gradient of the loss with respect to the
-                           output, received from stage s+1; on the last stage, the loss itself)
+    forward(i, inputs)     run the slice on microbatch i's inputs; keep inputs and output
+    backward(i, g)         backpropagate g (the gradients of the loss with respect to the
+                           outputs, received from stage s+1; on the last stage, the loss itself)
                            through what forward(i) kept, accumulating the parameters' .grad;
-                           return the input's gradient, for stage s-1; drop what was kept
-    backward_input(i, g)   the same input gradient, and nothing else: .grad is not touched
+                           return the inputs' gradients, for stage s-1; drop what was kept
+    backward_input(i, g)   the same input gradients, and nothing else: .grad is not touched
     backward_weight(i)     later, the parameters' part of the same backward, then drop
 
 (the last two are the zero-bubble split, miniddp/pipeline/interleaved.py). What a stage keeps
 between forward and its backward is the memory a schedule is judged by: `peak_held` counts the
 microbatches whose activations were held at once during the last step.
 
-The input of every stage but the first is a fresh leaf (`detach().requires_grad_()`): autograd
-then stops at the stage's border, and `input.grad` after backward is what goes upstream.
+A stage's inputs and outputs are tuples of tensors (a lone tensor is a tuple of one), called as
+`submodule(*inputs)`. Every floating-point input of every stage but the first is a fresh leaf
+(`detach().requires_grad_()`): autograd then stops at the stage's border, and `input.grad` after
+backward is what goes upstream. An integer or bool input (a mask) is passed as it came, and no
+gradient goes back for it (p2p.py).
 
 Data parallelism inside a stage (DP x PP): a submodule wrapped in MiniDDP (or torch's DDP)
 decides at FORWARD time whether the coming backward all-reduces, and a pipeline runs the last
@@ -57,31 +60,63 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from miniddp.job.env import HOW_TO_LAUNCH
+from miniddp.job.env import HOW_TO_LAUNCH, size_and_rank_in
+from miniddp.pipeline.p2p import as_tuple, carries_gradient
 from miniddp.pipeline.step_checks import gather_rows
 from miniddp.placement import Stage, mark
+
+Activation = tuple[torch.Tensor, ...]  # what crosses a border (p2p.py)
+ONE_GROUP_EACH = (
+    'give each rank the group of its own pipeline, e.g. mesh["pp"].get_group(), '
+    "or group=None for a pipeline over the whole job"
+)
 
 
 @dataclass
 class Held:
-    """What forward(i) keeps for backward(i): the stage's input leaf, its output, on the last
-    stage the loss backward starts from; after backward_input, the gradient it started from."""
+    """What forward(i) keeps for backward(i): the stage's inputs (leaves where they carry a
+    gradient), its output as the submodule returned it, on the last stage the loss backward
+    starts from; after backward_input, the gradients it started from."""
 
-    input: torch.Tensor
-    output: torch.Tensor
+    inputs: Activation
+    output: torch.Tensor | Activation
     loss: torch.Tensor | None = None
-    output_grad: torch.Tensor | None = None
+    output_grads: Activation | None = None
 
-    def root(self, output_grad: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Where backward starts: the loss (its gradient 1), or the output and its gradient."""
-        return (self.loss, None) if self.loss is not None else (self.output, output_grad)
+    def root(self, output_grads: Activation | None) -> tuple[list[torch.Tensor], list | None]:
+        """Where backward starts: the loss (its gradient 1), or the outputs that carry a
+        gradient and theirs, less those that do not depend on anything that learns (a float
+        mask made without the parameters: its gradient, zeros, leads nowhere)."""
+        if self.loss is not None:
+            return [self.loss], None
+        pairs = [
+            (out, grad)
+            for out, grad in zip(_differentiable(as_tuple(self.output)), output_grads, strict=True)
+            if out.requires_grad
+        ]
+        return [out for out, _ in pairs], [grad for _, grad in pairs]
+
+    def differentiable_inputs(self) -> list[torch.Tensor]:
+        return _differentiable(self.inputs)
+
+    def input_grads(self, grads: list[torch.Tensor | None]) -> Activation:
+        """The gradient sent upstream for each input that carries one: zeros for an input the
+        stage did not use, as torch's pipelining sends."""
+        inputs = self.differentiable_inputs()
+        return tuple(
+            torch.zeros_like(x) if g is None else g for x, g in zip(inputs, grads, strict=True)
+        )
+
+
+def _differentiable(tensors: Activation) -> list[torch.Tensor]:
+    return [t for t in tensors if carries_gradient(t.dtype)]
 
 
 class PipelineStage:
     """`submodule` as stage `stage_index` of `num_stages`, on rank `stage_index % W` of
     `group`, W ranks (torch's `PipelineStage` arguments). `input_args`, an example of this
-    stage's input microbatch, fixes the shape of what it receives; without it, the previous
-    stage sends the shape once, with its first activation."""
+    stage's input microbatch (a tensor, or a tuple of them), fixes the shapes of what it
+    receives; without it, the previous stage sends them once, with its first activation."""
 
     def __init__(
         self,
@@ -90,7 +125,7 @@ class PipelineStage:
         num_stages: int,
         device: torch.device | str,
         group: dist.ProcessGroup | None = None,
-        input_args: torch.Tensor | None = None,
+        input_args: torch.Tensor | Activation | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
@@ -101,14 +136,14 @@ class PipelineStage:
         self.num_stages = num_stages
         self.device = torch.device(device)
         self.group = group
-        self.rank, self.group_size = dist.get_rank(group), dist.get_world_size(group)
+        self.group_size, self.rank = size_and_rank_in(group, "pipeline", ONE_GROUP_EACH)
         # Whether each stage built in this round (this one and its W - 1 peers) has an example.
         self.examples = _check_stages_agree(
             stage_index, num_stages, input_args is not None, group, self.device
         )
         self.is_first = stage_index == 0
         self.is_last = stage_index == num_stages - 1
-        self.input_example = input_args
+        self.input_example = None if input_args is None else as_tuple(input_args)
         self.data_parallel = hasattr(submodule, "no_sync")  # MiniDDP or torch's DDP inside
         self.held: dict[int, Held] = {}
         self.peak_held = 0
@@ -119,16 +154,22 @@ class PipelineStage:
         """The rank of the group that runs stage `stage_index`."""
         return stage_index % self.group_size
 
-    def forward(self, microbatch: int, x: torch.Tensor) -> torch.Tensor:
-        """Run the slice on microbatch `microbatch` and keep what its backward needs; returns
-        the output. With data parallelism inside, no forward arms the reduction (above)."""
-        if not self.is_first:
-            x = x.detach().requires_grad_()
+    def forward(
+        self, microbatch: int, inputs: Activation, keep: bool = True
+    ) -> torch.Tensor | Activation:
+        """Run the slice on microbatch `microbatch`'s inputs, `submodule(*inputs)`; returns the
+        output. `keep`: hold what its backward needs (not in a forward-only run). With data
+        parallelism inside, no forward arms the reduction (above)."""
+        if keep and not self.is_first:
+            inputs = tuple(
+                x.detach().requires_grad_() if carries_gradient(x.dtype) else x for x in inputs
+            )
         no_sync = self.submodule.no_sync() if self.data_parallel else contextlib.nullcontext()
         with no_sync:
-            output = self.submodule(x)
-        self.held[microbatch] = Held(x, output)
-        self.peak_held = max(self.peak_held, len(self.held))
+            output = self.submodule(*inputs)
+        if keep:
+            self.held[microbatch] = Held(inputs, output)
+            self.peak_held = max(self.peak_held, len(self.held))
         return output
 
     def keep_loss(self, microbatch: int, loss: torch.Tensor) -> None:
@@ -136,40 +177,44 @@ class PipelineStage:
         self.held[microbatch].loss = loss
 
     def backward(
-        self, microbatch: int, output_grad: torch.Tensor | None, last: bool = False
-    ) -> torch.Tensor | None:
-        """Backpropagate through what forward(microbatch) kept; the input's gradient, if any.
-        `last`: the step's last backward, the one that all-reduces under data parallelism."""
+        self, microbatch: int, output_grads: Activation | None, last: bool = False
+    ) -> Activation | None:
+        """Backpropagate through what forward(microbatch) kept; the gradients of the inputs that
+        carry one, for stage s-1 (None on the first stage). `last`: the step's last backward,
+        the one that all-reduces under data parallelism."""
         held = self.held.pop(microbatch)
         if last and self.data_parallel:
             _arm_reduction(self.submodule, held.output)
-        root, grad = held.root(output_grad)
-        torch.autograd.backward(root, grad_tensors=grad)  # from the loss: d loss / d loss = 1
-        return None if self.is_first else held.input.grad
-
-    def backward_input(
-        self, microbatch: int, output_grad: torch.Tensor | None
-    ) -> torch.Tensor | None:
-        """d loss / d input alone: `autograd.grad` with respect to the input leaf computes only
-        the gradients on the path to it, and `.grad` of no parameter; `retain_graph` keeps the
-        graph for backward_weight. The first stage has no input gradient: nothing runs."""
-        held = self.held[microbatch]
-        root, grad = held.root(output_grad)
-        held.output_grad = grad
+        roots, grads = held.root(output_grads)
+        if roots:
+            torch.autograd.backward(roots, grad_tensors=grads)  # from the loss: d loss/d loss = 1
         if self.is_first:
             return None
-        (input_grad,) = torch.autograd.grad(root, [held.input], grad, retain_graph=True)
-        return input_grad
+        return held.input_grads([x.grad for x in held.differentiable_inputs()])
+
+    def backward_input(self, microbatch: int, output_grads: Activation | None) -> Activation | None:
+        """d loss / d inputs alone: `autograd.grad` with respect to the input leaves computes
+        only the gradients on the path to them, and `.grad` of no parameter; `retain_graph`
+        keeps the graph for backward_weight. The first stage has no input gradient: nothing
+        runs."""
+        held = self.held[microbatch]
+        held.output_grads = output_grads
+        inputs = held.differentiable_inputs()
+        if self.is_first or not inputs:
+            return None if self.is_first else ()
+        roots, grads = held.root(output_grads)
+        found = torch.autograd.grad(roots, inputs, grads, retain_graph=True, allow_unused=True)
+        return held.input_grads(list(found))
 
     def backward_weight(self, microbatch: int) -> None:
-        """d loss / d parameters, into .grad, from the same root and gradient as backward_input:
-        `autograd.backward(..., inputs=parameters)` accumulates only the parameters' .grad,
-        then frees the graph and what forward kept."""
+        """d loss / d parameters, into .grad, from the same roots and gradients as
+        backward_input: `autograd.backward(..., inputs=parameters)` accumulates only the
+        parameters' .grad, then frees the graph and what forward kept."""
         held = self.held.pop(microbatch)
-        root, grad = held.root(held.output_grad)
+        roots, grads = held.root(held.output_grads)
         weights = [p for p in self.submodule.parameters() if p.requires_grad]
-        if weights:
-            torch.autograd.backward(root, grad_tensors=grad, inputs=weights)
+        if weights and roots:
+            torch.autograd.backward(roots, grad_tensors=grads, inputs=weights)
 
     def start_step(self) -> None:
         if self.held:
@@ -181,13 +226,13 @@ class PipelineStage:
         self.peak_held = 0
 
 
-def _arm_reduction(wrapper: nn.Module, output: torch.Tensor) -> None:
+def _arm_reduction(wrapper: nn.Module, output: torch.Tensor | Activation) -> None:
     """Make the coming backward through `output` all-reduce, as a synced forward would have;
     unless the user is accumulating over steps, inside the wrapper's own `no_sync()`."""
     if not wrapper.require_backward_grad_sync:
         return
     if isinstance(wrapper, DistributedDataParallel):  # torch's, armed as torch's pipelining does
-        wrapper.reducer.prepare_for_backward([output])
+        wrapper.reducer.prepare_for_backward(list(as_tuple(output)))
     else:
         wrapper.prepare_for_backward(output)
 

@@ -3,12 +3,17 @@
 Each stage sees only its part of a step: the first the batch, the last the target, a middle one
 nothing. A mistake seen by one stage alone would leave the others waiting for messages that
 never come, until the process group's timeout. So at the start of each step every stage states
-what it found, as five numbers, in one small all-reduce over the pipeline's group; then every
+what it found, as seven numbers, in one small all-reduce over the pipeline's group; then every
 stage raises the same error, naming the stage, the problem and the fix:
 
     code, a, b            a problem and its two numbers (0 = none)
     n_microbatches        the schedules must agree on m ...
-    schedule              ... and on the schedule, or their orders of sends would not match
+    schedule              ... and on the schedule, or their orders of sends would not match ...
+    backward              ... and on whether the step trains (step() with a loss_fn) or runs
+                          forward only (eval(), or no loss_fn): else one waits for gradients
+    grad off              a training step under torch.no_grad() would fail in autograd, on
+                          one stage, with the others left waiting: refused on all, saying
+                          to call eval() (torch's advice too)
 
 The price is one tiny collective per step (tens of microseconds on gloo). In the first step,
 one more gathers every stage's order and replays them on a logical clock (timeline.replay), so
@@ -38,12 +43,27 @@ class Problem(IntEnum):
     INPUT_NOT_ON_FIRST = 6
     BAD_ORDER = 7
     BAD_STAGES = 8
+    INPUT_NOT_TENSORS = 9
+    TARGET_WITHOUT_LOSS_FN = 10
+    NO_LOSSES_TO_FILL = 11
 
 
 def describe(problem: Problem, a: int, b: int) -> str:
     """The problem a stage found, and its fix."""
     return {
         Problem.NO_INPUT: "was given no input: call schedule.step(x) on the first stage",
+        Problem.INPUT_NOT_TENSORS: (
+            "was given an input that is not a tensor of at least one dimension: step(*args) "
+            "takes the batch's tensors, each split into microbatches along dim 0"
+        ),
+        Problem.TARGET_WITHOUT_LOSS_FN: (
+            "was given a target, but its schedule has no loss_fn (it runs forward only): build "
+            "it with loss_fn=... to compute losses, or leave target out"
+        ),
+        Problem.NO_LOSSES_TO_FILL: (
+            "was given a losses list but no target, so no loss is computed: pass "
+            "target=y too (with a schedule that has a loss_fn), or leave losses out"
+        ),
         Problem.INPUT_NOT_DIVISIBLE: (
             f"was given a batch of {a} samples, which n_microbatches={b} does not divide into "
             f"equal microbatches: give a batch whose size is a multiple of {b}, or an "
@@ -101,17 +121,27 @@ def check_on_every_stage(
     group: dist.ProcessGroup | None,
     device: torch.device,
     who: str = "stage",
+    backward: bool = True,
 ) -> None:
-    """Gather every rank's findings; raise the same ValueError on all of them if any is wrong.
-    `who`: how a rank is named, "stage" (one stage a rank) or "rank" (several)."""
+    """Gather every rank's findings; raise the same error on all of them if any is wrong.
+    `who`: how a rank is named, "stage" (one stage a rank) or "rank" (several); `backward`:
+    this rank's step trains (else it runs forward only)."""
     problem, a, b, *detail = found
-    mine = [int(problem), a, b, n_microbatches, schedule_id(schedule_name)]
+    grad_off = backward and not torch.is_grad_enabled()
+    mine = [int(problem), a, b, n_microbatches, schedule_id(schedule_name), backward, grad_off]
     rows = gather_rows(mine, "the pipeline step's check of its inputs", group, device)
     here = dist.get_rank(group)
+    without_grad = [str(rank) for rank, row in enumerate(rows) if row[6]]
+    if without_grad:
+        raise RuntimeError(
+            f"schedule.step() was called under torch.no_grad() (on {who} "
+            f"{', '.join(without_grad)}): step() trains, and its backward needs autograd; "
+            "call schedule.eval(...) instead for a forward-only run"
+        )
     lines = [
         f"{who} {rank} {describe(Problem(code), a, b)}"
         + (f" (here: {detail[0]})" if rank == here and detail else "")
-        for rank, (code, a, b, _, _) in enumerate(rows)
+        for rank, (code, a, b, *_) in enumerate(rows)
         if code != Problem.NONE
     ]
     counts = sorted({row[3] for row in rows})
@@ -120,6 +150,14 @@ def check_on_every_stage(
         lines.append(
             f"the stages' schedules have different n_microbatches ({per_stage}): "
             "build every stage's schedule with the same n_microbatches"
+        )
+    if len({row[5] for row in rows}) > 1:
+        trains = [str(rank) for rank, row in enumerate(rows) if row[5]]
+        forward = [str(rank) for rank, row in enumerate(rows) if not row[5]]
+        lines.append(
+            f"{who} {', '.join(trains)} called step() to train, {who} {', '.join(forward)} "
+            "runs forward only (eval(), or a schedule with loss_fn=None): call step() on "
+            "every stage, each schedule built with a loss_fn, or eval() on every stage"
         )
     if len({row[4] for row in rows}) > 1:
         lines.append(

@@ -100,6 +100,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from miniddp.collectives import all_gather_into_tensor, reduce_scatter_tensor
+from miniddp.job.env import size_and_rank_in
 from miniddp.job.faults import wait_for
 from miniddp.placement import TensorShard, mark
 
@@ -113,14 +114,11 @@ def group_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """W and this rank's place in the tensor-parallel group, or a clear error without one."""
     if not dist.is_initialized():
         raise RuntimeError(HOW_TO_LAUNCH)
-    rank = dist.get_rank(group)
-    if rank < 0:  # not a member: torch answers -1, and chunk(x, -1) would say nothing useful
-        raise ValueError(
-            f"rank {dist.get_rank()} is not in this tensor-parallel group (ranks "
-            f"{', '.join(map(str, dist.get_process_group_ranks(group)))}): give each rank its "
-            'own group, e.g. mesh["tp"] or mesh["tp"].get_group()'
-        )
-    return dist.get_world_size(group), rank
+    return size_and_rank_in(
+        group,
+        "tensor-parallel",
+        'give each rank its own group, e.g. mesh["tp"] or mesh["tp"].get_group()',
+    )
 
 
 def local_chunk(
