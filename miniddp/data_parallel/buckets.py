@@ -87,7 +87,7 @@ class Bucket:
         or dividing after the sum would differ in the last bit when W is not a power of two.
         A parameter with no gradient (unused in this backward) contributes zeros.
         """
-        if self.reduce_dtype is not None:
+        if self.reduce_dtype is not None:  # mixed precision: copied as is, divided after the sum
             self.divide_after_sum, divide_by = divide_by, 1
         param, view = self.params[position], self.views[position]
         grad = param.grad
