@@ -266,3 +266,66 @@ def memory_under_mixed_precision(spec: MpSpec, bucket_view: bool = False) -> dic
 def zero_against_plain(spec: MpSpec) -> dict:
     """ZeRO-1 and ZeRO-2 under mixed precision, and MiniDDP + AdamW under it."""
     return {kind: train_miniddp(spec, kind) for kind in ("plain", "zero1", "zero2")}
+
+
+def averaged_by_hand(compute: nn.Module) -> list[torch.Tensor]:
+    """Each parameter's bf16 gradient, summed over the ranks in fp32 and divided by W."""
+    averages = []
+    for p in compute.parameters():
+        every = [torch.empty_like(p.grad) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, p.grad)
+        averages.append(sum(g.float() for g in every) / len(every))
+    return averages
+
+
+class OneBranchUnused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.used, self.unused = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def with_an_unused_branch(static_graph: bool) -> dict:
+    """find_unused_parameters (or static_graph) finds the unused branch in the copies' graph:
+    the used branch gets the hand-written average, the unused one keeps .grad None."""
+    module = OneBranchUnused()
+    compute = copy.deepcopy(module).to(BF16)
+    options = {"static_graph": True} if static_graph else {"find_unused_parameters": True}
+    ddp = MiniDDP(module, mixed_precision=MixedPrecision(BF16), **options)
+    for step in range(2):  # static_graph's first backward only counts; the second trusts it
+        x = batch(MpSpec(widths=(4, 4)), step, 0)[0]
+        ddp(x).float().sum().backward()
+        compute(x.to(BF16)).float().sum().backward()
+        expected = averaged_by_hand(compute.used)
+        ours = [p.grad for p in module.used.parameters()]
+        for p in [*module.parameters(), *compute.parameters()]:
+            p.grad = None
+    return {
+        "ours": ours,
+        "expected": expected,
+        "unused": [p.grad for p in module.unused.parameters()],
+    }
+
+
+def joined_early() -> dict:
+    """Rank 1 has one batch, rank 0 two, under Join with a bf16 reduction: in the second step
+    rank 1's shadow buckets (bf16 zeros) meet rank 0's, which gets its own gradient over 2."""
+    module = OneBranchUnused().used
+    compute = copy.deepcopy(module).to(BF16)
+    ddp = MiniDDP(module, mixed_precision=MixedPrecision(BF16, reduce_dtype=BF16))
+    batches = 2 if dist.get_rank() == 0 else 1
+    with ddp.join():
+        for step in range(batches):
+            x = batch(MpSpec(widths=(4, 4)), step, 0)[0]
+            module.zero_grad()
+            ddp(x).float().sum().backward()
+    if dist.get_rank() == 1:
+        return {}
+    compute(x.to(BF16)).float().sum().backward()
+    return {
+        "ours": [p.grad for p in module.parameters()],
+        "expected": [(p.grad / 2).float() for p in compute.parameters()],
+    }

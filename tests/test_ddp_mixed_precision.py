@@ -181,3 +181,15 @@ def test_the_policy_is_frozen():
     with pytest.raises(AttributeError):
         policy.param_dtype = torch.float32  # type: ignore[misc]
     assert replace(policy, reduce_dtype=BF16).reduce_dtype is BF16
+
+
+@pytest.mark.parametrize("static_graph", [False, True], ids=["find_unused", "static_graph"])
+def test_an_unused_branch_is_found_in_the_copies_graph(pool2, static_graph):
+    for rank, result in enumerate(pool2.run(tasks.with_an_unused_branch, static_graph)):
+        assert_bitwise([result["ours"]], [result["expected"]], f"rank {rank} used branch")
+        assert result["unused"] == [None, None]
+
+
+def test_join_shadows_the_buckets_in_reduce_dtype(pool2):
+    result = pool2.run(tasks.joined_early)[0]
+    assert_bitwise([result["ours"]], [result["expected"]], "rank 0, alone in step 2")
