@@ -4,10 +4,16 @@ compute with.
     model = MiniDDP(module, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
 
 Why two copies. A bf16 matmul is faster than a fp32 one, and its activations take half the
-bytes. But the update must land in fp32: bf16 keeps 8 bits of mantissa, so a weight moves only
-in steps of 2^-8 (0.4%) of itself, and an update of lr·(something about 1), lr = 1e-4, rounds
-away to nothing. So the optimizer steps fp32 masters, and each forward computes with a fresh
-cast of them. torch's DDP calls this `mixed_precision=_MixedPrecision(...)`; these are its names.
+bytes. But the update must land in fp32: bf16 keeps 8 significant bits, so a weight of 0.1
+moves only in steps of 2^-11 (about 5e-4), and Adam's update of lr = 1e-4 is under half a step:
+it rounds away. So the optimizer steps fp32 masters, and each forward computes with a fresh
+cast of them. torch's DDP calls this `mixed_precision=_MixedPrecision(...)`, and these are its
+names and meanings, but for one default: reduce_dtype is float32 here, param_dtype in torch
+(a bf16 sum of W gradients rounds to 8 bits at each addition).
+
+torch's DDP does its reduction as a comm hook of its own, so it takes no other hook. Here the
+buckets themselves are in reduce_dtype, so a comm hook gets a bf16 or fp32 bucket like any
+other: ZeRO-2's reduce_scatter_hook (miniddp/sharding/zero2.py) runs under mixed precision.
 
 The life of one step, beside MiniDDP's own (ddp.py):
 
@@ -27,11 +33,11 @@ The life of one step, beside MiniDDP's own (ddp.py):
 
 Inside `no_sync()` the gradients accumulate in the masters' fp32 `.grad`, as fully_shard's
 (FSDP2's) do in reduce_dtype. torch's DDP instead casts the accumulated `.grad` down to bf16 at
-each forward (its reducer wants gradients in param_dtype), so every microbatch's addition
-rounds to 8 bits: k microbatches lose about log2(k) bits of the sum, and reduce_dtype=float32
-then carries bits already lost. The fp32 `.grad` costs nothing more: the optimizer steps an
-fp32 master and needs a `.grad` of its dtype, so it exists after the sync anyway (4Ψ bytes;
-miniddp/sharding/memory.py counts it).
+each forward (its backward would otherwise meet fp32 and bf16 gradients), so each microbatch's
+addition rounds to 8 bits (after k of them, a relative error up to k·2^-9), and
+reduce_dtype=float32 then carries bits already lost. The fp32 `.grad` costs nothing more: the
+optimizer steps an fp32 master and needs a `.grad` of its dtype, so it exists after the sync
+anyway (4Ψ bytes; miniddp/sharding/memory.py counts it).
 
 The buckets count their bytes in reduce_dtype (layout.py): with reduce_dtype=float32, the
 layout is fp32 DDP's; with bfloat16, a bucket of the same cap holds twice the elements, so
@@ -56,10 +62,10 @@ from torch.autograd import Variable
 from miniddp.data_parallel.autograd_graph import find_tensors, when_backward_reaches
 
 NO_LOSS_SCALING = (
-    "float16 needs loss scaling: its exponent has 5 bits (largest value 65504, smallest normal "
-    "6e-5), so small gradients underflow to zero unless the loss is scaled up first, which is "
-    "torch.amp.GradScaler's job, and MiniDDP has no loss scaler. bfloat16 has float32's 8-bit "
-    "exponent and needs none: use torch.bfloat16."
+    "float16 needs loss scaling: its exponent has 5 bits (largest value 65504; below 6e-5 "
+    "precision fades, below 6e-8 a value is 0), so small gradients underflow unless the loss "
+    "is scaled up first, which is torch.amp.GradScaler's job, and MiniDDP has no loss scaler. "
+    "bfloat16 has float32's 8-bit exponent and needs none: use torch.bfloat16."
 )
 
 
