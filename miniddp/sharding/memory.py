@@ -22,17 +22,19 @@ miniddp/data_parallel/mixed_precision.py) the masters, their gradients and Adam'
 fp32, and a bf16 copy of every parameter is added; the buckets are in reduce_dtype:
 
     DDP       4Ψ masters + 2Ψ copies + 4Ψ gradients + 4Ψ buckets (2Ψ in bf16, 0 as views) + 8Ψ
-    ZeRO-1    Adam states sharded:  8Ψ/W (the masters are the module's own parameters, which
-              every rank keeps whole: ZeRO-1's all-gather fills them after each step)
+    ZeRO-1    Adam states sharded:  8Ψ/W
     ZeRO-2    gradients sharded too: 4Ψ/W
+
+(ZeRO's paper shards the fp32 masters with the states, 12Ψ/W. Here the masters are the
+module's own parameters, which every rank keeps whole: ZeRO-1's all-gather refills them.)
 
 So MiniDDP's formula is not ZeRO's 16Ψ = 2Ψ fp16 parameters + 2Ψ fp16 gradients + 12Ψ fp32
 (master, momentum, variance). Its gradients are fp32 (4Ψ, not 2Ψ), because the optimizer steps
 the fp32 master and torch's optimizers take a `.grad` of the parameter's own dtype; because an
 average reduced in fp32 would lose its extra bits if cast back to bf16; and because no_sync
-accumulates in fp32. ZeRO's paper keeps the fp16 gradient only, the fp32 one existing for the
-moment of the update. Its bf16 gradients are transient here: each is moved into the master's
-fp32 `.grad` as soon as autograd leaves it, so none is held once backward ends.
+accumulates in fp32. ZeRO's paper counts the fp16 gradient only (an fp32 one, if any, lives
+for the update). MiniDDP's bf16 gradients are the transient ones: each is moved into its
+master's fp32 `.grad` as soon as autograd leaves it, so none is held once backward ends.
 
 And the 16Ψ vs 20Ψ question, answered once: chapter 08's 20Ψ is fp32 everything *with* the
 bucket (4 + 4 + 4 + 8); fp32 without it (gradient_as_bucket_view) is 16Ψ, the same number as
