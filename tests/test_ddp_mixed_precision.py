@@ -98,15 +98,15 @@ def test_buckets_count_their_bytes_in_reduce_dtype():
     assert {b.dtype for b in bf16} == {BF16} and {b.nbytes for b in bf16} == {8000}
 
 
-@pytest.mark.parametrize("stages", ["zero1", "zero2"])
-def test_zero_under_mixed_precision_is_bitwise_miniddp_with_adamw(pool2, stages):
+@pytest.mark.parametrize("stage", ["zero1", "zero2"])
+def test_zero_under_mixed_precision_is_bitwise_miniddp_with_adamw(pool2, stage):
     spec = MpSpec(steps=3, accumulation=2)
     for rank, result in enumerate(pool2.run(tasks.zero_against_plain, spec)):
-        plain, sharded = result["plain"], result[stages]
-        assert_bitwise(sharded["params"], plain["params"], f"rank {rank} {stages} masters")
+        plain, sharded = result["plain"], result[stage]
+        assert_bitwise(sharded["params"], plain["params"], f"rank {rank} {stage} masters")
         for step, (mine, theirs) in enumerate(zip(sharded["grads"], plain["grads"])):
             for index, (a, b) in enumerate(zip(mine, theirs)):
-                owned = stages == "zero1" or sharded["owned"]["mask"][index]
+                owned = stage == "zero1" or sharded["owned"]["mask"][index]
                 assert (a is not None) == owned, f"rank {rank}: gradient {index}, step {step}"
                 assert a is None or torch.equal(a, b), f"rank {rank}: gradient {index}"
 
