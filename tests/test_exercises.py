@@ -29,6 +29,7 @@ from tests.harness.idea_checks import (
     check_no_sync,
     check_overlap,
     check_torch_layout_at_default_caps,
+    check_torch_layout_from_rank_0s_order,
 )
 from tests.harness.pool import RankError, RankFailure
 from tests.harness.processes import child_env, run_in_own_session, tail
@@ -118,6 +119,14 @@ EQUAL_CAPS = """
         def __init__(self, module, *, bucket_cap_mb=None):
             super().__init__(module, bucket_cap_mb=bucket_cap_mb)
             self._layout.first_cap = self._layout.cap
+"""
+OWN_ORDER = """
+    from miniddp.steps import torch_layout
+
+    class TorchLayoutDDP(torch_layout.TorchLayoutDDP):
+        "torch's caps, but each rank rebuilds its buckets from its own gradients' order."
+        def _rebuild_buckets(self):
+            self._layout.rebuild(self._layout.ready_order)
 """
 NO_SYNC_THAT_SENDS = """
     import contextlib
@@ -222,6 +231,15 @@ def test_one_cap_for_every_bucket_fails_torch_layout_at_the_default_caps(rank_po
         check_torch_layout_at_default_caps(rank_pools, f"{path}:Mine")
 
 
+def test_a_rebuild_from_each_ranks_own_order_fails_torch_layout(rank_pools, tmp_path):
+    """Right on identical ranks, where every rank's order is rank 0's; where the twin layers
+    come ready in another order on rank 1, its buckets mix the twins' gradients."""
+    path = write_class(tmp_path, OWN_ORDER)
+    check_claims(rank_pools, f"{path}:TorchLayoutDDP", 3, FIXED_SPEC)  # torch's bits at W = 3
+    with pytest.raises(AssertionError, match=r"rank 1: .*rank 0's order.*chapter 03e"):
+        check_torch_layout_from_rank_0s_order(rank_pools, f"{path}:TorchLayoutDDP")
+
+
 def test_a_no_sync_that_still_sends_fails_the_no_sync_claim(rank_pools, tmp_path):
     path = write_class(tmp_path, NO_SYNC_THAT_SENDS)
     with pytest.raises(AssertionError, match="ran inside no_sync\\(\\) and sent \\d+ all-reduces"):
@@ -233,6 +251,8 @@ def test_the_rungs_pass_the_idea_checks_of_their_exercises(rank_pools):
         check_overlap(rank_pools, f"{rung.__module__}:{rung.__name__}")
     check_buckets(rank_pools, "miniddp.steps.buckets:BucketedDDP")
     check_torch_layout_at_default_caps(rank_pools, "miniddp.steps.torch_layout:TorchLayoutDDP")
+    for rung in LADDER[3:]:  # rung 4 (torch's layout) and every rung above it
+        check_torch_layout_from_rank_0s_order(rank_pools, f"{rung.__module__}:{rung.__name__}")
     check_no_sync(rank_pools, "miniddp.data_parallel.ddp:MiniDDP")
 
 

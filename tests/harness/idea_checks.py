@@ -13,7 +13,9 @@ buckets. So each idea that the numbers cannot see gets a check of its own, selec
                   carries exactly bucket i's gradients, end to end, and the first one leaves
                   before backward ends (a full bucket launches at once)
     torch-layout  besides torch's bits at any W on small models: a model over 1 MiB at
-                  bucket_cap_mb=None gets torch's two caps, a 1 MiB first bucket then 25 MiB
+                  bucket_cap_mb=None gets torch's two caps, a 1 MiB first bucket then 25 MiB;
+                  and where the ranks' gradients come ready in different orders, every rank
+                  rebuilds from rank 0's, as torch's DDP (and gets torch's bits)
     no-sync       besides one process's gradients: no all-reduce inside no_sync(), the
                   synced micro-step sends the usual count, and the decision is made at forward,
                   as torch's: a forward inside no_sync() with its backward outside sends
@@ -64,6 +66,16 @@ BUCKETS_SPEC = TrainSpec(
 # first bucket and a second one; three steps, so that the layout is rebuilt after the first.
 LARGE_SPEC = TrainSpec(
     model=ModelSpec(in_features=300, widths=(600, 600), out_features=300), steps=3
+)
+# Twin layers of one shape, run in the other order on odd ranks, so that their gradients come
+# ready in another order there. At this cap (60 bytes) the head fills one bucket and each twin
+# one more, of the same size: a rank that rebuilt from its own order would launch twins.0 where
+# rank 0 launches twins.1, and gloo, seeing two tensors of one size, would add the two.
+TWINS_SPEC = TrainSpec(
+    model=ModelSpec(seed=5, widths=(4,), twins=True),
+    bucket_cap_mb=5.8e-5,
+    accumulation=1,
+    steps=2,
 )
 # Several layers and a cap below one gradient: every gradient its own bucket, so a bucket
 # launched from one hook is still travelling when the next gradients arrive. Two steps: the
@@ -317,8 +329,15 @@ def check_buckets(rank_pools, implementation: str, world_size: int = 2) -> None:
                 )
 
 
+def check_torch_layout(rank_pools, implementation: str, world_size: int = 2) -> None:
+    """Exercise 5's idea, where small identical ranks cannot show it: torch's two default caps,
+    and the rebuild from rank 0's order."""
+    check_torch_layout_at_default_caps(rank_pools, implementation, world_size)
+    check_torch_layout_from_rank_0s_order(rank_pools, implementation, world_size)
+
+
 def check_torch_layout_at_default_caps(rank_pools, implementation: str, world_size: int = 2):
-    """Exercise 4's idea at bucket_cap_mb=None: torch's 1 MiB first bucket, then 25 MiB."""
+    """At bucket_cap_mb=None: torch's 1 MiB first bucket, then 25 MiB."""
     spec = dataclasses.replace(LARGE_SPEC, implementation=implementation)
     results = rank_pools(world_size).run(train_both, spec, timeout=120)
     for rank, result in enumerate(results):
@@ -327,14 +346,38 @@ def check_torch_layout_at_default_caps(rank_pools, implementation: str, world_si
             f"torch-layout, rank {rank}: on a 2.9 MB model at bucket_cap_mb=None the buckets "
             f"after the rebuild are {ours}, torch's are {theirs}. torch caps the first bucket "
             "at 1 MiB, so that the first all-reduce leaves early in backward, and every later "
-            "one at 25 MiB (exercise 4, chapter 03e): at the default, the two caps differ."
+            "one at 25 MiB (exercise 5, chapter 03e): at the default, the two caps differ."
         )
-        for step, (a, b) in enumerate(zip(result["ours"]["grads"], result["torch"]["grads"])):
-            for name, mine, torchs in zip(result["ours"]["names"], a, b):
-                assert torch.equal(mine, torchs), (
-                    f"torch-layout, rank {rank} step {step}: the gradient of '{name}' is not "
-                    "torch's bits on a 2.9 MB model at bucket_cap_mb=None"
-                )
+        _assert_torchs_bits(result, f"rank {rank}", "on a 2.9 MB model at bucket_cap_mb=None")
+
+
+def check_torch_layout_from_rank_0s_order(rank_pools, implementation: str, world_size: int = 2):
+    """Where each rank's gradients come ready in another order: every rank's buckets are
+    rebuilt from rank 0's order (torch's, on every rank), and the gradients are torch's bits."""
+    spec = dataclasses.replace(TWINS_SPEC, implementation=implementation)
+    results = rank_pools(world_size).run(train_both, spec, timeout=120)
+    rank_0s = results[0]["torch"]["layout"]
+    for rank, result in enumerate(results):
+        ours, theirs = result["ours"]["layout"], result["torch"]["layout"]
+        assert theirs == rank_0s, (rank, theirs, rank_0s)  # torch's rule
+        assert ours == theirs, (
+            f"torch-layout, rank {rank}: the twin layers' gradients come ready in another order "
+            f"on odd ranks, and your buckets after the rebuild are {ours}, but rank 0's order "
+            f"gives {theirs} (torch's layout, on every rank). Every rank rebuilds from rank 0's "
+            "order, broadcast to the others (exercise 5, chapter 03e): a rank that uses its own "
+            "launches other gradients where rank 0 launches these, and the all-reduce adds "
+            "the wrong gradients together."
+        )
+        _assert_torchs_bits(result, f"rank {rank}", "with the ranks' ready orders differing")
+
+
+def _assert_torchs_bits(result: dict, who: str, where: str) -> None:
+    for step, (a, b) in enumerate(zip(result["ours"]["grads"], result["torch"]["grads"])):
+        for name, mine, torchs in zip(result["ours"]["names"], a, b):
+            assert torch.equal(mine, torchs), (
+                f"torch-layout, {who} step {step}: the gradient of '{name}' is not torch's bits "
+                f"{where}"
+            )
 
 
 def split_forward_and_backward(spec: TrainSpec) -> dict[str, dict[str, int]]:
@@ -428,7 +471,7 @@ def check_ideas(rank_pools, implementation: str, claims: frozenset[str]) -> list
     checks = {
         "overlap": check_overlap,
         "buckets": check_buckets,
-        "torch-layout": check_torch_layout_at_default_caps,
+        "torch-layout": check_torch_layout,
         "no-sync": check_no_sync,
     }
     ran = []
