@@ -38,7 +38,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="stronger claims to check too, from miniddp.steps.CLAIMS: e.g. overlap (an "
         "all-reduce in flight while backward goes on), buckets (one "
         "all-reduce per bucket), torch-layout (torch's buckets, bitwise torch's DDP at any W), "
-        "no-sync, batchnorm, mixed-dtypes",
+        "no-sync, find-unused-parameters, comm-hook, gradient-as-bucket-view, batchnorm, "
+        "mixed-dtypes",
     )
     group.addoption(
         "--ring",

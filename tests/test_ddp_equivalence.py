@@ -233,9 +233,11 @@ def test_your_ddp_on_one_fixed_example(rank_pools, your_ddp, world_size):
 
 
 def test_your_ddp_carries_the_idea_it_claims(rank_pools, your_ddp):
-    """The exercises' ideas that gradients cannot show (tests/harness/idea_checks.py): with
-    `--ddp-claims buckets`, one all-reduce per bucket; torch-layout, torch's two default caps;
-    no-sync, nothing sent inside no_sync(). Without such a claim, nothing to check."""
+    """The exercises' ideas that gradients cannot show (tests/harness/idea_checks.py and
+    option_checks.py): with `--ddp-claims buckets`, one all-reduce per bucket; torch-layout,
+    torch's two default caps and the rebuild from rank 0's order; no-sync, nothing sent inside
+    no_sync(); find-unused-parameters, None where no rank used a parameter; comm-hook, the
+    registered hook called as torch calls it. Without such a claim, nothing to check."""
     implementation, claims = your_ddp
     check_ideas(rank_pools, implementation, claims)
 

@@ -13,6 +13,7 @@ tests/test_collectives.py) and ZeRO-1 (`--zero1`, tests/test_sharding.py).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
 import sys
@@ -21,7 +22,15 @@ from pathlib import Path
 
 import pytest
 
-from miniddp.steps import LADDER, BucketedDDP, NaiveDDP, OverlapDDP, TorchLayoutDDP
+from miniddp.steps import (
+    LADDER,
+    BucketedDDP,
+    CommHookDDP,
+    NaiveDDP,
+    OverlapDDP,
+    TorchLayoutDDP,
+    UnusedParametersDDP,
+)
 from tests.collective_tasks import Case
 from tests.harness.equivalence import FIXED_SPEC, check_claims
 from tests.harness.idea_checks import (
@@ -29,6 +38,12 @@ from tests.harness.idea_checks import (
     check_no_sync,
     check_overlap,
     check_torch_layout_at_default_caps,
+    check_torch_layout_from_rank_0s_order,
+)
+from tests.harness.option_checks import (
+    check_comm_hook,
+    check_gradient_as_bucket_view,
+    check_unused_parameters,
 )
 from tests.harness.pool import RankError, RankFailure
 from tests.harness.processes import child_env, run_in_own_session, tail
@@ -43,10 +58,12 @@ REPO = Path(__file__).resolve().parents[1]
 EXERCISES = REPO / "tutorials" / "exercises"
 # (exercise number, stub file, the rung it rebuilds)
 STUBS = [
-    (1, "naive.py", NaiveDDP),
-    (2, "overlap.py", OverlapDDP),
-    (3, "buckets.py", BucketedDDP),
-    (4, "torch_layout.py", TorchLayoutDDP),
+    (2, "naive.py", NaiveDDP),
+    (3, "overlap.py", OverlapDDP),
+    (4, "buckets.py", BucketedDDP),
+    (5, "torch_layout.py", TorchLayoutDDP),
+    (7, "unused.py", UnusedParametersDDP),
+    (8, "comm_hooks.py", CommHookDDP),
 ]
 
 
@@ -66,7 +83,7 @@ def test_a_stub_is_its_rung_with_the_idea_left_out(rank_pools, number, file, run
         check_claims(rank_pools, stub_path(file, rung), 2, FIXED_SPEC)
 
 
-@pytest.mark.parametrize("rung", [NaiveDDP, OverlapDDP, BucketedDDP, TorchLayoutDDP])
+@pytest.mark.parametrize("rung", [rung for _, _, rung in STUBS])
 def test_the_rung_passes_what_its_stub_fails(rank_pools, rung):
     check_claims(rank_pools, f"{rung.__module__}:{rung.__name__}", 2, FIXED_SPEC)
 
@@ -90,7 +107,7 @@ def test_the_learners_command_fails_on_a_stub_and_says_why(tmp_path):
     returncode, output = run_in_own_session(command, env, timeout=300)
     assert returncode == 1, f"expected failing tests (exit 1), got {returncode}:\n{tail(output)}"
     assert "1 failed" in output, tail(output)
-    todo = "NotImplementedError: TODO exercise 1 (tutorials/exercises/naive.py, chapter 02)"
+    todo = "NotImplementedError: TODO exercise 2 (tutorials/exercises/naive.py, chapter 02)"
     assert output.count(todo) == 1, tail(output)
     assert "tutorials/exercises/naive.py:" in output and "raised on ranks 0, 1" in output, output
     assert "tests/harness/pool.py" not in output, output  # no harness frames
@@ -118,6 +135,14 @@ EQUAL_CAPS = """
         def __init__(self, module, *, bucket_cap_mb=None):
             super().__init__(module, bucket_cap_mb=bucket_cap_mb)
             self._layout.first_cap = self._layout.cap
+"""
+OWN_ORDER = """
+    from miniddp.steps import torch_layout
+
+    class TorchLayoutDDP(torch_layout.TorchLayoutDDP):
+        "torch's caps, but each rank rebuilds its buckets from its own gradients' order."
+        def _rebuild_buckets(self):
+            self._layout.rebuild(self._layout.ready_order)
 """
 NO_SYNC_THAT_SENDS = """
     import contextlib
@@ -190,7 +215,7 @@ def test_a_hook_that_waits_for_its_all_reduce_fails_the_overlap_claim(
     path = write_class(tmp_path, BLOCKING_OVERLAP.replace("BLOCKING", BLOCKING_HOOKS[spelling]))
     if spelling == "dist.all_reduce(grad)":
         check_claims(rank_pools, f"{path}:Mine", 2, FIXED_SPEC)  # its numbers are right
-    with pytest.raises(AssertionError, match=r"idea of overlap \(exercise 2, chapter 02b\)"):
+    with pytest.raises(AssertionError, match=r"idea of overlap \(exercise 3, chapter 02b\)"):
         check_overlap(rank_pools, f"{path}:Mine")
 
 
@@ -222,10 +247,129 @@ def test_one_cap_for_every_bucket_fails_torch_layout_at_the_default_caps(rank_po
         check_torch_layout_at_default_caps(rank_pools, f"{path}:Mine")
 
 
+def test_a_rebuild_from_each_ranks_own_order_fails_torch_layout(rank_pools, tmp_path):
+    """Right on identical ranks, where every rank's order is rank 0's; where the twin layers
+    come ready in another order on rank 1, its buckets mix the twins' gradients."""
+    path = write_class(tmp_path, OWN_ORDER)
+    check_claims(rank_pools, f"{path}:TorchLayoutDDP", 2, FIXED_SPEC)  # its numbers are right
+    with pytest.raises(AssertionError, match=r"rank 1: .*rank 0's order.*chapter 03e"):
+        check_torch_layout_from_rank_0s_order(rank_pools, f"{path}:TorchLayoutDDP")
+
+
 def test_a_no_sync_that_still_sends_fails_the_no_sync_claim(rank_pools, tmp_path):
     path = write_class(tmp_path, NO_SYNC_THAT_SENDS)
     with pytest.raises(AssertionError, match="ran inside no_sync\\(\\) and sent \\d+ all-reduces"):
         check_no_sync(rank_pools, f"{path}:Mine")
+
+
+USAGE_NEVER_SHARED = {
+    "every parameter counted as used": "[True] * len(self._here)",
+    "only this rank's marks": "[bool(mark) for mark in self._here.tolist()]",
+}
+RUNG_6_WITHOUT_THE_USAGE_ALL_REDUCE = """
+    from miniddp.steps import unused
+
+    class Usage(unused.ParameterUsage):
+        "No all-reduce of the marks."
+        def on_any_rank(self, device):
+            used = USED
+            self.clear()
+            return used
+
+    class UnusedParametersDDP(unused.UnusedParametersDDP):
+        def __init__(self, module, **options):
+            super().__init__(module, **options)
+            self._usage = Usage(len(self.params))
+"""
+RUNG_6_WITHOUT_THE_GRAPH_WALK = """
+    from miniddp.steps import unused
+
+    class UnusedParametersDDP(unused.UnusedParametersDDP):
+        "Right numbers: what got no gradient is filled with zeros when backward ends."
+        def _start_reducing(self):
+            self._unused_in_forward = []
+            super()._start_reducing()
+"""
+
+
+@pytest.mark.parametrize("used", list(USAGE_NEVER_SHARED))
+def test_a_rung_6_that_never_all_reduces_usage_fails_the_unused_claim(rank_pools, tmp_path, used):
+    """Counted as used everywhere, a head no rank used gets zeros, not None; counted by this
+    rank alone, a head rank 0 used stays None on rank 1, not the average."""
+    source = RUNG_6_WITHOUT_THE_USAGE_ALL_REDUCE.replace("USED", USAGE_NEVER_SHARED[used])
+    path = write_class(tmp_path, source)
+    problem = "No rank used 'extra_head" if used.startswith("every") else "rank 0 did"
+    with pytest.raises(AssertionError, match=rf"{problem}.*exercise 7, chapter 05b"):
+        check_unused_parameters(rank_pools, f"{path}:UnusedParametersDDP")
+
+
+def test_a_rung_6_without_the_graph_walk_fails_the_unused_claim(rank_pools, tmp_path):
+    path = f"{write_class(tmp_path, RUNG_6_WITHOUT_THE_GRAPH_WALK)}:UnusedParametersDDP"
+    spec = dataclasses.replace(
+        FIXED_SPEC, model=dataclasses.replace(FIXED_SPEC.model, unused="all_ranks")
+    )
+    check_claims(rank_pools, path, 2, dataclasses.replace(spec, find_unused_parameters=True))
+    with pytest.raises(AssertionError, match=r"walk the autograd graph.*chapter 05b"):
+        check_unused_parameters(rank_pools, path)
+
+
+RUNG_7_THAT_SKIPS_ITS_IDEA = {
+    # takes the hook and never calls it: every bucket is gloo's all-reduce of the average
+    "hook ignored": (
+        "def register_comm_hook(self, state, hook):\n    pass",
+        r"called the registered hook 0 times, torch's DDP \d+ times",
+    ),
+    # calls the hook on a bucket already divided by W
+    "divided before the hook": (
+        "def register_comm_hook(self, state, hook):\n"
+        "    super().register_comm_hook(state, hook)\n"
+        "    self._divide_by = self.world_size",
+        "yours were divided by W, and the hook divides again",
+    ),
+    # the future's answer dropped: the bucket keeps what went in
+    "future's tensor dropped": (
+        "def _all_reduce(self, bucket):\n"
+        "    future = super()._all_reduce(bucket)\n"
+        "    future.wait()\n"
+        "    return dist.all_reduce(torch.zeros(1), async_op=True)",
+        "is the future's tensor",
+    ),
+}
+RUNG_7 = """
+import torch
+import torch.distributed as dist
+from miniddp.steps import comm_hooks
+
+class CommHookDDP(comm_hooks.CommHookDDP):
+    METHOD
+"""
+
+
+@pytest.mark.parametrize("skipped", list(RUNG_7_THAT_SKIPS_ITS_IDEA))
+def test_a_rung_7_that_skips_the_hooks_protocol_fails_the_comm_hook_claim(
+    rank_pools, tmp_path, skipped
+):
+    method, problem = RUNG_7_THAT_SKIPS_ITS_IDEA[skipped]
+    source = RUNG_7.replace("METHOD", textwrap.indent(method, "    ").strip())
+    path = write_class(tmp_path, source)
+    with pytest.raises(AssertionError, match=rf"{problem}.*exercise 8, chapter 05b"):
+        check_comm_hook(rank_pools, f"{path}:CommHookDDP")
+
+
+COPIES_IN_AND_OUT = """
+    from miniddp.steps import comm_hooks
+
+    class CommHookDDP(comm_hooks.CommHookDDP):
+        "Takes gradient_as_bucket_view and ignores it: .grad is copied in and out, as rung 6."
+        def __init__(self, module, *, gradient_as_bucket_view=False, **options):
+            super().__init__(module, **options)
+"""
+
+
+def test_gradients_copied_out_of_their_buckets_fail_the_bucket_view_claim(rank_pools, tmp_path):
+    path = write_class(tmp_path, COPIES_IN_AND_OUT)
+    with pytest.raises(AssertionError, match=r"share a storage.*exercise 8, chapter 05b"):
+        check_gradient_as_bucket_view(rank_pools, f"{path}:CommHookDDP")
 
 
 def test_the_rungs_pass_the_idea_checks_of_their_exercises(rank_pools):
@@ -233,7 +377,14 @@ def test_the_rungs_pass_the_idea_checks_of_their_exercises(rank_pools):
         check_overlap(rank_pools, f"{rung.__module__}:{rung.__name__}")
     check_buckets(rank_pools, "miniddp.steps.buckets:BucketedDDP")
     check_torch_layout_at_default_caps(rank_pools, "miniddp.steps.torch_layout:TorchLayoutDDP")
+    for rung in LADDER[3:]:  # rung 4 (torch's layout) and every rung above it
+        check_torch_layout_from_rank_0s_order(rank_pools, f"{rung.__module__}:{rung.__name__}")
     check_no_sync(rank_pools, "miniddp.data_parallel.ddp:MiniDDP")
+    for rung in LADDER[5:]:  # rung 6 (unused parameters) and every rung above it
+        check_unused_parameters(rank_pools, f"{rung.__module__}:{rung.__name__}")
+    for rung in LADDER[6:]:  # rung 7 (comm hooks) and MiniDDP
+        check_comm_hook(rank_pools, f"{rung.__module__}:{rung.__name__}")
+        check_gradient_as_bucket_view(rank_pools, f"{rung.__module__}:{rung.__name__}")
 
 
 @pytest.mark.parametrize(
@@ -302,7 +453,7 @@ def test_the_learners_error_is_shown_once_with_its_line(tmp_path):
     assert your_error_first({0: elsewhere}, path) is None  # not the learner's: the full report
 
 
-# What a learner might write for exercise 5: no_sync() sets a flag, each forward reads it (and
+# What a learner might write for exercise 6: no_sync() sets a flag, each forward reads it (and
 # refreshes the buffers only after a synced forward), the hook obeys what the forward decided.
 NO_SYNC_SOLVED = """
     import contextlib
@@ -344,14 +495,14 @@ NO_SYNC_CLAIMS = frozenset({"batchnorm", "mixed-dtypes", "torch-layout", "no-syn
 def test_the_no_sync_stub_fails_and_a_solution_passes_its_claims(rank_pools, tmp_path):
     stub = f"{EXERCISES / 'no_sync.py'}:NoSyncDDP"
     assert load_implementation(stub).claims == NO_SYNC_CLAIMS
-    with pytest.raises(RankError, match="NotImplementedError: TODO exercise 5 "):
+    with pytest.raises(RankError, match="NotImplementedError: TODO exercise 6 "):
         check_claims(rank_pools, stub, 2, FIXED_SPEC, NO_SYNC_CLAIMS)
     solved = f"{write_class(tmp_path, NO_SYNC_SOLVED)}:NoSyncDDP"
     check_claims(rank_pools, solved, 3, FIXED_SPEC, NO_SYNC_CLAIMS)  # torch's bits at W = 3
     check_no_sync(rank_pools, solved)
 
 
-# Exercises 6 and 7, checked where their references are: the ring by tests/test_collectives.py's
+# Exercises 1 and 9, checked where their references are: the ring by tests/test_collectives.py's
 # checks (`--ring`), ZeRO-1 by tests/test_sharding.py's against torch's (`--zero1`).
 RING_STUB = f"{EXERCISES / 'ring.py'}:all_reduce"
 ZERO1_STUB = f"{EXERCISES / 'zero1.py'}:ZeroRedundancyOptimizer"
@@ -360,7 +511,7 @@ FIXED_RING = Case("all_reduce", numel=10, dtype="float32", op="SUM", seed=1)
 
 def test_the_ring_stub_fails_with_its_todo_and_the_reference_passes(rank_pools):
     assert ring_option(RING_STUB) == RING_STUB  # its file and signature pass the up-front check
-    with pytest.raises(RankError, match="NotImplementedError: TODO exercise 6 "):
+    with pytest.raises(RankError, match="NotImplementedError: TODO exercise 1 "):
         check_ring_values(rank_pools, RING_STUB, 2, FIXED_RING)
     reference = "miniddp.collectives.ring:all_reduce"
     check_ring_values(rank_pools, reference, 3, FIXED_RING)
@@ -379,7 +530,7 @@ def test_a_reduce_then_broadcast_fails_the_rings_promise_naming_it(rank_pools):
 
 def test_the_zero1_stub_fails_with_its_todo_and_the_reference_passes(rank_pools):
     assert zero1_option(ZERO1_STUB) == ZERO1_STUB
-    with pytest.raises(RankError, match="NotImplementedError: TODO exercise 7 "):
+    with pytest.raises(RankError, match="NotImplementedError: TODO exercise 9 "):
         check_zero1_class(rank_pools, ZERO1_STUB, 2, ShardSpec(steps=2))
     check_zero1_class(rank_pools, "miniddp.sharding:ZeroRedundancyOptimizer", 3, ShardSpec())
 

@@ -93,7 +93,7 @@ def test_the_merge_is_attention_over_the_concatenated_keys():
 
 @ours_only
 def test_the_stub_fails_naming_the_exercise():
-    with pytest.raises(NotImplementedError, match="TODO exercise lse_merge"):
+    with pytest.raises(NotImplementedError, match="TODO exercise 12 "):
         check_merge(load_implementation(f"{STUB}:merge"))
 
 
@@ -136,4 +136,4 @@ def test_the_learners_command_fails_on_the_stub_and_says_why(tmp_path: Path):
     env = child_env(tmp_path, **{LEARNERS_MERGE: str(STUB)})
     returncode, output = run_in_own_session(command, env, 120)
     assert returncode == 1, tail(output)
-    assert "TODO exercise lse_merge" in output, tail(output)
+    assert "TODO exercise 12 " in output, tail(output)

@@ -430,7 +430,7 @@ def test_1f1b_with_fewer_microbatches_than_stages_is_gpipe_where_the_warmup_cove
 
 @ours_only
 def test_the_exercise_stub_fails_naming_its_todo(pool2):
-    with pytest.raises(RankError, match="TODO exercise gpipe"):
+    with pytest.raises(RankError, match="TODO exercise 11 "):
         pool2.run(train_stage, PipeSpec(steps=1), STUB)
 
 

@@ -326,7 +326,7 @@ def test_the_order_check_fails_a_deadlock_and_an_order_holding_too_much():
 
 
 def test_the_exercise_stub_fails_naming_its_todo():
-    with pytest.raises(NotImplementedError, match="TODO exercise interleaved"):
+    with pytest.raises(NotImplementedError, match="TODO exercise 11, step 2 "):
         load_implementation(EXERCISE)(0, 2, V, 4)
 
 

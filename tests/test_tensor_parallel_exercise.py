@@ -22,7 +22,7 @@ ANSWER = str(REPO / "miniddp" / "tensor_parallel" / "layers.py")
 
 
 def test_the_stub_fails_naming_the_exercise(pool2):
-    with pytest.raises(RankError, match="NotImplementedError: TODO exercise 5"):
+    with pytest.raises(RankError, match="NotImplementedError: TODO exercise 10 "):
         pool2.run(tasks.with_f_and_g, STUB, tasks.all_reduces_of_one_step, TPSpec())
 
 
@@ -42,4 +42,4 @@ def test_the_learners_command_fails_on_the_stub_and_says_why(tmp_path):
     env = child_env(tmp_path, **{tasks.LEARNERS_F_AND_G: STUB})
     returncode, output = run_in_own_session(command, env, 240)
     assert returncode == 1, tail(output)
-    assert "TODO exercise 5" in output, tail(output)
+    assert "TODO exercise 10 " in output, tail(output)

@@ -34,6 +34,9 @@ class ModelSpec:
     unused: str = "none"  # "none", "all_ranks" (a layer never used) or "some_ranks"
     batchnorm: bool = False
     dtype: str = "float32"  # "float32", "float64" or "mixed" (one float64 layer)
+    # Two layers of one shape side by side, summed: odd ranks run them in the other order, so
+    # their gradients come ready in another order there (autograd readies the later one first).
+    twins: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,8 @@ def comm_hooks() -> dict:
 
 class RandomNet(nn.Module):
     """An MLP with the awkward parts DDP must handle: frozen, tied and unused parameters,
-    BatchNorm buffers, and a float64 layer among float32 ones."""
+    BatchNorm buffers, a float64 layer among float32 ones, and twins whose gradients come ready
+    in an order that depends on the rank."""
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
@@ -96,19 +100,30 @@ class RandomNet(nn.Module):
             self.square = nn.Linear(width, width)
             self.tied_square = nn.Linear(width, width)
             self.tied_square.weight = self.square.weight
+        self.twins = (
+            nn.ModuleList(nn.Linear(width, width) for _ in range(2)) if spec.twins else None
+        )
         self.wide = nn.Linear(width, width).double() if spec.dtype == "mixed" else None
         self.head = nn.Linear(width, spec.out_features)
         self.extra_head = nn.Linear(width, spec.out_features) if spec.unused != "none" else None
         if spec.dtype == "float64":
             self.double()
 
-    def forward(self, x: torch.Tensor, use_extra: bool = False) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, use_extra: bool = False, twins_swapped: bool = False
+    ) -> torch.Tensor:
         for layer in self.hidden:
             x = torch.tanh(layer(x))
         if self.norm is not None:
             x = self.norm(x)
         if self.square is not None:
             x = torch.tanh(self.tied_square(torch.tanh(self.square(x))))
+        if self.twins is not None:
+            # The same sum either way (the same bits): only the order of computing changes.
+            outputs = {}
+            for index in (1, 0) if twins_swapped else (0, 1):
+                outputs[index] = self.twins[index](x)
+            x = torch.tanh(outputs[0] + outputs[1])
         if self.wide is not None:
             x = torch.tanh(self.wide(x.double())).to(x.dtype)
         out = self.head(x)
@@ -119,6 +134,10 @@ class RandomNet(nn.Module):
 
 def uses_extra(spec: ModelSpec, rank: int) -> bool:
     return spec.unused == "some_ranks" and rank % 2 == 0
+
+
+def swaps_twins(spec: ModelSpec, rank: int) -> bool:
+    return spec.twins and rank % 2 == 1
 
 
 def model_dtype(spec: ModelSpec) -> torch.dtype:
@@ -229,7 +248,11 @@ def _train(spec: TrainSpec, use_torch: bool) -> dict:
                 x, y = micro_batch(spec, rank, step, micro)
                 synced = micro == spec.accumulation - 1 or not spec.accumulate_with_no_sync
                 with contextlib.nullcontext() if synced else model.no_sync():
-                    out = model(x, use_extra=uses_extra(spec.model, rank))
+                    out = model(
+                        x,
+                        use_extra=uses_extra(spec.model, rank),
+                        twins_swapped=swaps_twins(spec.model, rank),
+                    )
                     loss = nn.functional.mse_loss(out, y) / spec.accumulation
                     loss.backward()
                 if synced and not use_torch:
@@ -246,9 +269,16 @@ def _train(spec: TrainSpec, use_torch: bool) -> dict:
     layout = bucket_layout(model, net)
     names = [name for name, _ in net.named_parameters()]
     buffers = [name for name, _ in net.named_buffers()]
-    return {"grads": grads, "states": states, "params": params, "layout": layout, "names": names,
-            "state_names": list(net.state_dict()), "buffer_names": buffers,
-            "all_reduces": getattr(model, "all_reduce_count", None)}  # fmt: skip
+    return {
+        "grads": grads,
+        "states": states,
+        "params": params,
+        "layout": layout,
+        "names": names,
+        "state_names": list(net.state_dict()),
+        "buffer_names": buffers,
+        "all_reduces": getattr(model, "all_reduce_count", None),
+    }
 
 
 def bucket_layout(model: nn.Module, net: nn.Module) -> list[list[str]]:

@@ -3,7 +3,8 @@
 The property checks (equivalence.py) look at gradients, and a DDP can get the gradients right
 without the idea an exercise teaches: one all-reduce per gradient is right, and it is rung 2, not
 buckets. So each idea that the numbers cannot see gets a check of its own, selected with
-`--ddp-claims`, and a failure names the idea and the chapter that teaches it:
+`--ddp-claims`, and a failure names the idea and the chapter that teaches it (those of rungs 6
+and 7, find-unused-parameters, comm-hook and gradient-as-bucket-view, are in option_checks.py):
 
     overlap       an all-reduce launched from a gradient's hook is still in flight (not waited
                   for) when a later gradient's hook runs: communication during backward
@@ -13,7 +14,9 @@ buckets. So each idea that the numbers cannot see gets a check of its own, selec
                   carries exactly bucket i's gradients, end to end, and the first one leaves
                   before backward ends (a full bucket launches at once)
     torch-layout  besides torch's bits at any W on small models: a model over 1 MiB at
-                  bucket_cap_mb=None gets torch's two caps, a 1 MiB first bucket then 25 MiB
+                  bucket_cap_mb=None gets torch's two caps, a 1 MiB first bucket then 25 MiB;
+                  and where the ranks' gradients come ready in different orders, every rank
+                  rebuilds from rank 0's, as torch's DDP (and gets torch's bits)
     no-sync       besides one process's gradients: no all-reduce inside no_sync(), the
                   synced micro-step sends the usual count, and the decision is made at forward,
                   as torch's: a forward inside no_sync() with its backward outside sends
@@ -47,6 +50,8 @@ from tests.workloads import (
     load_implementation,
     micro_batch,
     train_both,
+    uses_extra,
+    wrap,
 )
 
 # Claims that only an exercise's idea check tests (the others are miniddp.steps.CLAIMS).
@@ -64,6 +69,16 @@ BUCKETS_SPEC = TrainSpec(
 # first bucket and a second one; three steps, so that the layout is rebuilt after the first.
 LARGE_SPEC = TrainSpec(
     model=ModelSpec(in_features=300, widths=(600, 600), out_features=300), steps=3
+)
+# Twin layers of one shape, run in the other order on odd ranks, so that their gradients come
+# ready in another order there. At this cap (60 bytes) the head fills one bucket and each twin
+# one more, of the same size: a rank that rebuilt from its own order would launch twins.0 where
+# rank 0 launches twins.1, and gloo, seeing two tensors of one size, would add the two.
+TWINS_SPEC = TrainSpec(
+    model=ModelSpec(seed=5, widths=(4,), twins=True),
+    bucket_cap_mb=5.8e-5,
+    accumulation=1,
+    steps=2,
 )
 # Several layers and a cap below one gradient: every gradient its own bucket, so a bucket
 # launched from one hook is still travelling when the next gradients arrive. Two steps: the
@@ -191,18 +206,26 @@ def in_flight_across_a_later_gradient(timeline: list[tuple[str, int]]) -> bool:
     return False
 
 
+def launched_before_backward_ended(timeline: list[tuple[str, int]]) -> bool:
+    """Does the first all-reduce leave before the last gradient is ready?"""
+    kinds = [kind for kind, _ in timeline]
+    last_ready = len(kinds) - 1 - kinds[::-1].index("ready")
+    return "launch" in kinds and kinds.index("launch") < last_ready
+
+
 def train_recording_timeline(spec: TrainSpec) -> list[list[tuple[str, int]]]:
     """Runs on each rank: each synced step's timeline of launches, waits and ready gradients."""
     rank = dist.get_rank()
     net = RandomNet(spec.model)
-    model = load_implementation(spec.implementation)(net, bucket_cap_mb=spec.bucket_cap_mb)
+    model = wrap(net, spec, use_torch=False)
     optimizer = torch.optim.SGD(net.parameters(), lr=spec.lr)
     _, params = trainable(net)
     timelines = []
     for step in range(spec.steps):
         x, y = micro_batch(spec, rank, step, 0)
         with timeline_recorded(params) as timeline:
-            nn.functional.mse_loss(model(x), y).backward()
+            output = model(x, use_extra=uses_extra(spec.model, rank))
+            nn.functional.mse_loss(output, y).backward()
             model.finish_gradient_synchronization()
         timelines.append(timeline)
         optimizer.step()
@@ -211,7 +234,7 @@ def train_recording_timeline(spec: TrainSpec) -> list[list[tuple[str, int]]]:
 
 
 def check_overlap(rank_pools, implementation: str, world_size: int = 2) -> None:
-    """Exercise 2's idea: all-reduces travel while backward still computes (in the last step:
+    """Exercise 4's idea: all-reduces travel while backward still computes (in the last step:
     torch's layout sends the first step as one bucket)."""
     spec = dataclasses.replace(OVERLAP_SPEC, implementation=implementation)
     results = rank_pools(world_size).run(train_recording_timeline, spec, timeout=120)
@@ -220,15 +243,15 @@ def check_overlap(rank_pools, implementation: str, world_size: int = 2) -> None:
         assert in_flight_across_a_later_gradient(timeline), (
             f"overlap, rank {rank} step {step}: no all-reduce was still in flight when a "
             "later gradient became ready, so backward and communication never overlapped. "
-            "The idea of overlap (exercise 2, chapter 02b) is to launch each all-reduce "
+            "The idea of overlap (exercise 3, chapter 02b) is to launch each all-reduce "
             "from its gradient's hook with async_op=True and return at once, keeping the "
             "Work, and to wait for all of them only when backward has ended: "
             "dist.all_reduce(grad) or dist.all_reduce(grad, async_op=True).wait() inside "
-            f"the hook waits there. Timeline: {_short(timeline)}"
+            f"the hook waits there. Timeline: {short_timeline(timeline)}"
         )
 
 
-def _short(timeline: list[tuple[str, int]]) -> str:
+def short_timeline(timeline: list[tuple[str, int]]) -> str:
     return " ".join(f"{kind[0]}{index}" for kind, index in timeline[:40])
 
 
@@ -270,25 +293,23 @@ def train_recording_all_reduces(spec: TrainSpec) -> dict:
 
 
 def check_buckets(rank_pools, implementation: str, world_size: int = 2) -> None:
-    """Exercise 3's idea: one all-reduce per bucket of rung 3's layout, each carrying exactly its
+    """Exercise 4's idea: one all-reduce per bucket of rung 3's layout, each carrying exactly its
     bucket's gradients."""
     spec = dataclasses.replace(BUCKETS_SPEC, implementation=implementation)
     results = rank_pools(world_size).run(train_recording_all_reduces, spec, timeout=120)
     idea = (
-        "the idea of buckets (exercise 3, chapter 03) is one all-reduce per bucket: walk the "
+        "the idea of buckets (exercise 4, chapter 03) is one all-reduce per bucket: walk the "
         "gradients in reverse registration order, each (dtype, device) filling a flat tensor "
         "until it holds bucket_cap_mb, and all-reduce each flat tensor once"
     )
     timelines = rank_pools(world_size).run(train_recording_timeline, spec, timeout=120)
     for rank, steps in enumerate(timelines):
         for step, timeline in enumerate(steps):
-            first_launch = timeline.index(next(e for e in timeline if e[0] == "launch"))
-            last_ready = max(i for i, e in enumerate(timeline) if e[0] == "ready")
-            assert first_launch < last_ready, (
+            assert launched_before_backward_ended(timeline), (
                 f"buckets, rank {rank} step {step}: the first all-reduce left only after every "
                 "gradient was ready, at the end of backward: nothing overlapped. A bucket "
                 "launches as soon as it is full, from the hook that filled it (chapter 03), "
-                f"while backward goes on. Timeline: {_short(timeline)}"
+                f"while backward goes on. Timeline: {short_timeline(timeline)}"
             )
     for rank, result in enumerate(results):
         layout, names = result["layout"], result["names"]
@@ -317,8 +338,15 @@ def check_buckets(rank_pools, implementation: str, world_size: int = 2) -> None:
                 )
 
 
+def check_torch_layout(rank_pools, implementation: str, world_size: int = 2) -> None:
+    """Exercise 5's idea, where small identical ranks cannot show it: torch's two default caps,
+    and the rebuild from rank 0's order."""
+    check_torch_layout_at_default_caps(rank_pools, implementation, world_size)
+    check_torch_layout_from_rank_0s_order(rank_pools, implementation, world_size)
+
+
 def check_torch_layout_at_default_caps(rank_pools, implementation: str, world_size: int = 2):
-    """Exercise 4's idea at bucket_cap_mb=None: torch's 1 MiB first bucket, then 25 MiB."""
+    """At bucket_cap_mb=None: torch's 1 MiB first bucket, then 25 MiB."""
     spec = dataclasses.replace(LARGE_SPEC, implementation=implementation)
     results = rank_pools(world_size).run(train_both, spec, timeout=120)
     for rank, result in enumerate(results):
@@ -327,14 +355,38 @@ def check_torch_layout_at_default_caps(rank_pools, implementation: str, world_si
             f"torch-layout, rank {rank}: on a 2.9 MB model at bucket_cap_mb=None the buckets "
             f"after the rebuild are {ours}, torch's are {theirs}. torch caps the first bucket "
             "at 1 MiB, so that the first all-reduce leaves early in backward, and every later "
-            "one at 25 MiB (exercise 4, chapter 03e): at the default, the two caps differ."
+            "one at 25 MiB (exercise 5, chapter 03e): at the default, the two caps differ."
         )
-        for step, (a, b) in enumerate(zip(result["ours"]["grads"], result["torch"]["grads"])):
-            for name, mine, torchs in zip(result["ours"]["names"], a, b):
-                assert torch.equal(mine, torchs), (
-                    f"torch-layout, rank {rank} step {step}: the gradient of '{name}' is not "
-                    "torch's bits on a 2.9 MB model at bucket_cap_mb=None"
-                )
+        _assert_torchs_bits(result, f"rank {rank}", "on a 2.9 MB model at bucket_cap_mb=None")
+
+
+def check_torch_layout_from_rank_0s_order(rank_pools, implementation: str, world_size: int = 2):
+    """Where each rank's gradients come ready in another order: every rank's buckets are
+    rebuilt from rank 0's order (torch's, on every rank), and the gradients are torch's bits."""
+    spec = dataclasses.replace(TWINS_SPEC, implementation=implementation)
+    results = rank_pools(world_size).run(train_both, spec, timeout=120)
+    rank_0s = results[0]["torch"]["layout"]
+    for rank, result in enumerate(results):
+        ours, theirs = result["ours"]["layout"], result["torch"]["layout"]
+        assert theirs == rank_0s, (rank, theirs, rank_0s)  # torch's rule
+        assert ours == theirs, (
+            f"torch-layout, rank {rank}: the twin layers' gradients come ready in another order "
+            f"on odd ranks, and your buckets after the rebuild are {ours}, but rank 0's order "
+            f"gives {theirs} (torch's layout, on every rank). Every rank rebuilds from rank 0's "
+            "order, broadcast to the others (exercise 5, chapter 03e): a rank that uses its own "
+            "launches other gradients where rank 0 launches these, and the all-reduce adds "
+            "the wrong gradients together."
+        )
+        _assert_torchs_bits(result, f"rank {rank}", "with the ranks' ready orders differing")
+
+
+def _assert_torchs_bits(result: dict, who: str, where: str) -> None:
+    for step, (a, b) in enumerate(zip(result["ours"]["grads"], result["torch"]["grads"])):
+        for name, mine, torchs in zip(result["ours"]["names"], a, b):
+            assert torch.equal(mine, torchs), (
+                f"torch-layout, {who} step {step}: the gradient of '{name}' is not torch's bits "
+                f"{where}"
+            )
 
 
 def split_forward_and_backward(spec: TrainSpec) -> dict[str, dict[str, int]]:
@@ -425,11 +477,21 @@ def _named(layout: list[list[int]], names: list[str]) -> str:
 
 def check_ideas(rank_pools, implementation: str, claims: frozenset[str]) -> list[str]:
     """Run the idea check of every claim that has one; return the names of those run."""
+    # Those of rungs 6 and 7 build on this file's recorders, so they live one file over.
+    from tests.harness.option_checks import (
+        check_comm_hook,
+        check_gradient_as_bucket_view,
+        check_unused_parameters,
+    )
+
     checks = {
         "overlap": check_overlap,
         "buckets": check_buckets,
-        "torch-layout": check_torch_layout_at_default_caps,
+        "torch-layout": check_torch_layout,
         "no-sync": check_no_sync,
+        "find-unused-parameters": check_unused_parameters,
+        "comm-hook": check_comm_hook,
+        "gradient-as-bucket-view": check_gradient_as_bucket_view,
     }
     ran = []
     for claim, check in checks.items():

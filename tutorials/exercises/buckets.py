@@ -1,4 +1,4 @@
-"""Exercise 3 (chapter 03): BucketedDDP, gradients packed into a few flat buckets.
+"""Exercise 4 (chapter 03, rung 3): BucketedDDP, gradients packed into a few flat buckets.
 
 Rung 2 sent one message per gradient: P tensors paid P latencies. Here gradients are copied,
 scaled by 1/W, into flat buckets of about `bucket_cap_mb` MiB, and each full bucket goes out as
@@ -73,14 +73,14 @@ class Bucket:
         """Copy the gradient of parameter `position` into its slice, divided by `divide_by`
         (the world size).
 
-        TODO 2. The gradient's place is its slice, `self.views[position]`, scaled as in exercise 2;
+        TODO 2. The gradient's place is its slice, `self.views[position]`, scaled as in exercise 3;
         copying and scaling are one pass over the memory if done together. `write_back()` needs
         to know where each average goes back to (`self.sources`), and `is_full` how many slices
         are filled. A parameter with no gradient (`.grad` is None) must still fill its slice:
         with what, so that the other ranks' sum is right?
         """
         raise NotImplementedError(
-            "TODO exercise 3 (tutorials/exercises/buckets.py, chapter 03): copy the gradient "
+            "TODO exercise 4 (tutorials/exercises/buckets.py, chapter 03): copy the gradient "
             "into its bucket in Bucket.add"
         )
 
@@ -178,7 +178,7 @@ class BucketedDDP(nn.Module):
         whatever the order they filled in? (tutorials/mistakes/ready_order.py shows what goes
         wrong.)"""
         raise NotImplementedError(
-            "TODO exercise 3 (tutorials/exercises/buckets.py, chapter 03): launch the full "
+            "TODO exercise 4 (tutorials/exercises/buckets.py, chapter 03): launch the full "
             "buckets in index order in BucketedDDP._launch_full_buckets"
         )
 
@@ -195,7 +195,7 @@ class BucketedDDP(nn.Module):
         (`shared.no_gradient`).
         """
         raise NotImplementedError(
-            "TODO exercise 3 (tutorials/exercises/buckets.py, chapter 03): wait for each "
+            "TODO exercise 4 (tutorials/exercises/buckets.py, chapter 03): wait for each "
             "bucket and write it back in BucketedDDP._finish_backward"
         )
 

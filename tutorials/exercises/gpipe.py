@@ -1,4 +1,4 @@
-"""Exercise (chapter 14): GPipe's order, checked by the tests that hold miniddp's schedules.
+"""Exercise 11 (chapter 14): GPipe's order, checked by the tests that hold miniddp's schedules.
 
 A schedule is an order: for this stage, the list of actions Action("F", i) (the forward of
 microbatch i) and Action("B", i) (its backward), each exactly once. Everything else (receiving
@@ -33,16 +33,16 @@ class ScheduleGPipe(PipelineSchedule):
         # (the order of the backwards is the order .grad accumulates in: keep it 0 .. m-1 to
         # get one process's bits).
         raise NotImplementedError(
-            "TODO exercise gpipe (tutorials/exercises/gpipe.py, chapter 14): return "
+            "TODO exercise 11 (tutorials/exercises/gpipe.py, chapter 14): return "
             f"ScheduleGPipe's order of the {m} forwards and {m} backwards"
         )
 
 
-# Step 2 (chapter 14b): interleaved 1F1B. Rank r now holds v stages, r, r + W, .., and its
-# order names the stage of each action: Action("F", i, stage). Start from 1F1B's order above
-# (warm-up forwards, then one forward and one backward in turn, then the backwards left) and
-# turn it into interleaved 1F1B's: the k-th forward goes to local stage (k // W) % v, the k-th
-# backward to local stage v - 1 - (k // W) % v, and rank r warms up with (v - 1) W +
+# Exercise 11, step 2 (chapter 14b): interleaved 1F1B. Rank r now holds v stages, r, r + W,
+# .., and its order names the stage of each action: Action("F", i, stage). Start from 1F1B's
+# order above (warm-up forwards, then one forward and one backward in turn, then the backwards
+# left) and turn it into interleaved 1F1B's: the k-th forward goes to local stage (k // W) % v,
+# the k-th backward to local stage v - 1 - (k // W) % v, and rank r warms up with (v - 1) W +
 # 2 (W - 1 - r) forwards (take W | m). Then:
 #
 #     MINIDDP_PP_INTERLEAVED=tutorials/exercises/gpipe.py:interleaved_order \
@@ -57,7 +57,7 @@ class ScheduleGPipe(PipelineSchedule):
 def interleaved_order(rank: int, ranks: int, stages_per_rank: int, n_microbatches: int) -> list:
     """Rank `rank`'s interleaved 1F1B order: Action(kind, microbatch, stage) for its stages."""
     raise NotImplementedError(
-        "TODO exercise interleaved (tutorials/exercises/gpipe.py, chapter 14b): return "
+        "TODO exercise 11, step 2 (tutorials/exercises/gpipe.py, chapter 14b): return "
         f"rank {rank}'s interleaved 1F1B order of {stages_per_rank} stages x "
         f"{n_microbatches} microbatches"
     )

@@ -1,4 +1,4 @@
-"""Exercise (chapter 15b): the log-sum-exp merge of two partial attentions.
+"""Exercise 12 (chapter 15b): the log-sum-exp merge of two partial attentions.
 
 Ring attention (miniddp/context_parallel/ring.py) never sees all the keys at once: at each step
 a rank attends its queries to one block of keys, and must fold that block's result into what it
@@ -33,6 +33,6 @@ def merge(
     # TODO: lse of the union, from lse_a and lse_b without leaving log space; then out as the
     # two partial outputs, each weighted by its block's share of the union's sum of exp(s_j).
     raise NotImplementedError(
-        "TODO exercise lse_merge (tutorials/exercises/lse_merge.py, chapter 15b): return the "
+        "TODO exercise 12 (tutorials/exercises/lse_merge.py, chapter 15b): return the "
         "merged (out, lse) of two partial attentions"
     )

@@ -1,4 +1,4 @@
-"""Exercise 1 (chapter 02): NaiveDDP, one blocking all-reduce per gradient, after backward.
+"""Exercise 2 (chapter 02, rung 1): NaiveDDP, one blocking all-reduce per gradient, after backward.
 
 Fill in the two TODOs, then check your class with the same property tests the ladder passes:
 
@@ -67,6 +67,6 @@ class NaiveDDP(nn.Module):
         parameter (`shared.no_gradient`). And `dist.all_reduce` works in place.
         """
         raise NotImplementedError(
-            "TODO exercise 1 (tutorials/exercises/naive.py, chapter 02): average every "
+            "TODO exercise 2 (tutorials/exercises/naive.py, chapter 02): average every "
             "gradient over the ranks in NaiveDDP.finish_gradient_synchronization"
         )

@@ -1,4 +1,4 @@
-"""Exercise 5 (chapter 05): no_sync(), accumulation without an all-reduce per micro-step.
+"""Exercise 6 (chapter 05, rung 5): no_sync(), accumulation without an all-reduce per micro-step.
 
 k micro-steps of accumulation under DDP would pay k rounds of all-reduces when only the sum of
 the k gradients is needed. `no_sync()` lets the first k-1 backwards accumulate in `.grad` on
@@ -11,7 +11,7 @@ rung 4 (torch's layout), given; the TODOs are only about no_sync. Fill them in, 
 The claim trains with k micro-steps, two inside `no_sync()`, against one process and torch's DDP
 doing the same (bit for bit), and counts your all-reduces: none inside `no_sync()`.
 Stuck? Chapter 05 (tutorials/05_no_sync.py) explains the idea, and where the forward must be.
-Only once your own attempt passes, compare it with MiniDDP's, miniddp/data_parallel/ddp.py.
+Only once your own attempt passes, compare it with rung 5, miniddp/steps/no_sync.py.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class NoSyncDDP(TorchLayoutDDP):
         before. torch decides per forward, not per backward: chapter 05's pitfall shows what
         follows from that, and which of the two your flag should be read in."""
         raise NotImplementedError(
-            "TODO exercise 5 (tutorials/exercises/no_sync.py, chapter 05): let backwards "
+            "TODO exercise 6 (tutorials/exercises/no_sync.py, chapter 05): let backwards "
             "inside NoSyncDDP.no_sync accumulate without an all-reduce"
         )
         yield

@@ -1,4 +1,4 @@
-"""Exercise 2 (chapter 02b): OverlapDDP, each gradient's all-reduce launched from its hook.
+"""Exercise 3 (chapter 02b, rung 2): OverlapDDP, each gradient's all-reduce launched from its hook.
 
 Rung 1 sent nothing until backward was over. Here a hook on every parameter launches that
 gradient's all-reduce the moment autograd has accumulated it into `.grad`, without waiting, and
@@ -43,7 +43,7 @@ class OverlapDDP(nn.Module):
         self.world_size = dist.get_world_size()
         self.param_names, self.params = shared.trainable_parameters(module, "OverlapDDP")
         self._in_flight: list[tuple[int, dist.Work]] = []  # this backward's launches, in order
-        # Given (exercise 1 did it by hand): every replica starts from rank 0's weights.
+        # Given (exercise 2 did it by hand): every replica starts from rank 0's weights.
         shared.broadcast_from_rank0([*module.parameters(), *module.buffers()])
         for index, param in enumerate(self.params):
             # Autograd calls the hook with the parameter, right after adding into param.grad.
@@ -69,7 +69,7 @@ class OverlapDDP(nn.Module):
         holds its gradient?
         """
         raise NotImplementedError(
-            "TODO exercise 2 (tutorials/exercises/overlap.py, chapter 02b): launch this "
+            "TODO exercise 3 (tutorials/exercises/overlap.py, chapter 02b): launch this "
             "gradient's all-reduce in OverlapDDP._on_gradient_ready"
         )
 
@@ -82,6 +82,6 @@ class OverlapDDP(nn.Module):
         the ranks may no longer agree: this rung refuses it (`shared.no_gradient(names)`).
         """
         raise NotImplementedError(
-            "TODO exercise 2 (tutorials/exercises/overlap.py, chapter 02b): wait for every "
+            "TODO exercise 3 (tutorials/exercises/overlap.py, chapter 02b): wait for every "
             "all-reduce in OverlapDDP._finish_backward"
         )

@@ -1,4 +1,4 @@
-"""Exercise 6 (chapter 01): the ring all-reduce, from sends and receives.
+"""Exercise 1 (chapter 01): the ring all-reduce, from sends and receives.
 
 Fill in the TODO, then check your function with the same tests miniddp's own ring passes:
 
@@ -45,7 +45,7 @@ def all_reduce(peers: Peers, flat: torch.Tensor, op: ReduceOp.RedOpType) -> None
     buffer you receive into must not be one you are still sending from or folding into.
     """
     raise NotImplementedError(
-        "TODO exercise 6 (tutorials/exercises/ring.py, chapter 01): write the ring all-reduce "
+        "TODO exercise 1 (tutorials/exercises/ring.py, chapter 01): write the ring all-reduce "
         "(reduce-scatter, then all-gather, one chunk to the right neighbour per step)"
     )
 

@@ -1,4 +1,4 @@
-"""Exercise 5 (chapter 13): Megatron's f and g, the only two places tensor parallelism talks.
+"""Exercise 10 (chapter 13): Megatron's f and g, the only two places tensor parallelism talks.
 
 Fill in the three TODOs, then check them with the same tests miniddp.tensor_parallel passes
 (outputs, gradient shards and parameters against one process and torch's own tensor
@@ -43,7 +43,7 @@ class CopyToTensorParallel(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         # TODO 1: return the sum of `grad` over the ranks of ctx.group, and None for the group
         # (hint: dist.all_reduce works in place on dense memory: grad.contiguous() first).
-        raise NotImplementedError("TODO exercise 5 (f's backward): sum the gradient over ranks")
+        raise NotImplementedError("TODO exercise 10 (f's backward): sum the gradient over ranks")
 
 
 class ReduceFromTensorParallel(torch.autograd.Function):
@@ -53,12 +53,12 @@ class ReduceFromTensorParallel(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         # TODO 2: return the sum of x over the ranks of `group`, without writing into x (the op
         # that made x may need it for its own backward: all-reduce a copy).
-        raise NotImplementedError("TODO exercise 5 (g's forward): sum the partial outputs")
+        raise NotImplementedError("TODO exercise 10 (g's forward): sum the partial outputs")
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         # TODO 3: what does a sum pass back to each of its terms?
-        raise NotImplementedError("TODO exercise 5 (g's backward): the gradient of a sum")
+        raise NotImplementedError("TODO exercise 10 (g's backward): the gradient of a sum")
 
 
 def copy_to_tensor_parallel(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

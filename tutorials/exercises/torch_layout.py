@@ -1,11 +1,11 @@
-"""Exercise 4 (chapter 03e): TorchLayoutDDP, torch's bucket layout, for torch's bits at any W.
+"""Exercise 5 (chapter 03e, rung 4): TorchLayoutDDP, torch's bucket layout, torch's bits at any W.
 
 Rung 3 guessed that gradients arrive in reverse registration order. torch's DDP guesses nothing:
 iteration 0 reduces one bucket per dtype (given below) while noting the order in which gradients
 really become ready (given too); before the next forward it rebuilds the buckets once from rank
 0's order, with a small first bucket. With 3 or more ranks gloo's sum depends on where each
 gradient sits in its bucket, so only this exact layout gives torch's exact bits. The rest is
-exercise 3's solution, given. Fill in the TODOs, then check, with the stronger claim:
+exercise 4's solution, given. Fill in the TODOs, then check, with the stronger claim:
 
     python -m pytest tests/test_ddp_equivalence.py -x \
         --ddp tutorials/exercises/torch_layout.py:TorchLayoutDDP --ddp-claims torch-layout
@@ -209,7 +209,7 @@ class TorchLayoutDDP(nn.Module):
         from an order and makes sure it happens once.
         """
         raise NotImplementedError(
-            "TODO exercise 4 (tutorials/exercises/torch_layout.py, chapter 03e): rebuild the "
+            "TODO exercise 5 (tutorials/exercises/torch_layout.py, chapter 03e): rebuild the "
             "buckets from rank 0's gradient order in TorchLayoutDDP._rebuild_buckets"
         )
 

@@ -1,4 +1,4 @@
-"""Exercise 7 (chapter 08): ZeRO-1, each rank keeping the optimizer state of its share only.
+"""Exercise 9 (chapter 08): ZeRO-1, each rank keeping the optimizer state of its share only.
 
 Fill in the TODOs, then check your class against torch's own ZeroRedundancyOptimizer:
 
@@ -63,7 +63,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         the rank that owns it to all the others. Every rank must make the same collectives in
         the same order, whoever owns what."""
         raise NotImplementedError(
-            "TODO exercise 7 (tutorials/exercises/zero1.py, chapter 08): step this rank's "
+            "TODO exercise 9 (tutorials/exercises/zero1.py, chapter 08): step this rank's "
             "partition, then send each updated parameter from its owner to every rank"
         )
 
