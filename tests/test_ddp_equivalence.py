@@ -29,7 +29,7 @@ from tests.harness.equivalence import (
     check_replicas_identical,
     train_specs,
 )
-from tests.harness.idea_checks import check_ideas
+from tests.harness.option_checks import check_ideas
 from tests.harness.properties import property_settings
 from tests.workloads import (
     ModelSpec,

@@ -473,29 +473,3 @@ def check_no_sync(rank_pools, implementation: str, world_size: int = 2) -> None:
 
 def _named(layout: list[list[int]], names: list[str]) -> str:
     return "; ".join("[" + ", ".join(names[i] for i in bucket) + "]" for bucket in layout)
-
-
-def check_ideas(rank_pools, implementation: str, claims: frozenset[str]) -> list[str]:
-    """Run the idea check of every claim that has one; return the names of those run."""
-    # Those of rungs 6 and 7 build on this file's recorders, so they live one file over.
-    from tests.harness.option_checks import (
-        check_comm_hook,
-        check_gradient_as_bucket_view,
-        check_unused_parameters,
-    )
-
-    checks = {
-        "overlap": check_overlap,
-        "buckets": check_buckets,
-        "torch-layout": check_torch_layout,
-        "no-sync": check_no_sync,
-        "find-unused-parameters": check_unused_parameters,
-        "comm-hook": check_comm_hook,
-        "gradient-as-bucket-view": check_gradient_as_bucket_view,
-    }
-    ran = []
-    for claim, check in checks.items():
-        if claim in claims:
-            check(rank_pools, implementation)
-            ran.append(claim)
-    return ran

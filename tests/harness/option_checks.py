@@ -1,5 +1,6 @@
 """The idea checks of the two rungs that add torch's options, selected with `--ddp-claims` as
-those of tests/harness/idea_checks.py, and named there in `check_ideas`:
+those of tests/harness/idea_checks.py; and, at the end, `check_ideas`, which runs every claim's
+check (both files'):
 
     find-unused-parameters  with find_unused_parameters=True and a head that no rank, or only
                   rank 0, uses: a parameter no rank used keeps .grad None, as torch's (zeros
@@ -31,6 +32,10 @@ from torch import nn
 
 from tests.harness.equivalence import describe, same
 from tests.harness.idea_checks import (
+    check_buckets,
+    check_no_sync,
+    check_overlap,
+    check_torch_layout,
     launched_before_backward_ended,
     short_timeline,
     train_recording_timeline,
@@ -231,3 +236,22 @@ def check_gradient_as_bucket_view(rank_pools, implementation: str, world_size: i
                     f"gradient-as-bucket-view, rank {rank}: "
                     f"{describe('gradient', step, name, mine, theirs)}, not torch's bits"
                 )
+
+
+def check_ideas(rank_pools, implementation: str, claims: frozenset[str]) -> list[str]:
+    """Run the idea check of every claim that has one; return the names of those run."""
+    checks = {
+        "overlap": check_overlap,
+        "buckets": check_buckets,
+        "torch-layout": check_torch_layout,
+        "no-sync": check_no_sync,
+        "find-unused-parameters": check_unused_parameters,
+        "comm-hook": check_comm_hook,
+        "gradient-as-bucket-view": check_gradient_as_bucket_view,
+    }
+    ran = []
+    for claim, check in checks.items():
+        if claim in claims:
+            check(rank_pools, implementation)
+            ran.append(claim)
+    return ran
