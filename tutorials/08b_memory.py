@@ -1,0 +1,264 @@
+"""Chapter 08b: the memory of a real step. Chapter 12's GPT, every byte one rank holds.
+
+    torchrun --nproc_per_node=2 tutorials/08b_memory.py [--plot DIR]
+
+Chapter 08 counted a toy MLP's parameters, gradients, buckets and optimizer state. A real step
+holds one thing more, and at chapter 12's size it is the largest: the activations, what the
+forward leaves behind for the backward. This chapter trains chapter 12's GPT, at its settings,
+under DDP and the three ZeRO stages, and counts every term on one rank against its formula:
+
+    1. the model's states     parameters, gradients, buckets, Adam: 20Ψ under DDP, fp32
+    2. the activations        what autograd saves, block by block, op by op; Korthikanti's count
+    3. checkpointing          per block and attention only: the bytes saved, the FLOPs and time
+                              paid, the gradients unchanged
+    4. the whole step         every term per layout, side by side (the figure)
+
+The library: miniddp/observe/activation_memory.py measures, miniddp/models/gpt_activations.py
+derives the formula term by term, miniddp/sharding/memory.py counts the model's states.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from char_corpus import Windows, load_corpus
+from common import add_plot_option, end_chapter, fmt_bytes, say, say_prose, section
+from gpt_settings import Settings
+from torch.utils.flop_counter import FlopCounterMode
+
+from miniddp import MiniDDP, ZeroRedundancyOptimizer, fully_shard
+from miniddp.figures.memory import step_memory
+from miniddp.job.env import init_distributed
+from miniddp.models.gpt import GPT, GPTConfig, next_character_loss, parameter_groups
+from miniddp.models.gpt_activations import (
+    Checkpointing,
+    activation_bytes,
+    block_bytes,
+    block_layers,
+    checkpoint_blocks,
+    korthikanti_bytes,
+    recompute_flops,
+)
+from miniddp.observe.activation_memory import SavedActivations
+from miniddp.sharding import Formula, ddp_buckets, measure_memory, reduce_scatter_hook
+
+SETTINGS = Settings()  # chapter 12's: batch 16 a rank, context 64, width 128, 4 layers, 4 heads
+STEPS = 2  # the first makes Adam's state and counts FLOPs; the second is measured and timed
+LAYOUTS = ("ddp", "zero1", "zero2", "zero3")
+NAMES = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
+STATES = ("parameters", "gradients", "buckets", "optimizer_state")
+CHECKPOINTED = (Checkpointing.BLOCK, Checkpointing.ATTENTION)
+
+
+def wrap(layout: str, model: GPT) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model under `layout`, and its AdamW (chapter 12's groups: decay on the matrices)."""
+    if layout == "zero3":
+        for block in model.blocks:
+            fully_shard(block)  # the blocks first, then the root: FSDP2's usage
+        module = fully_shard(model)  # its parameters are now the shards: the optimizer's
+        groups = parameter_groups(model, SETTINGS.weight_decay)
+        return module, torch.optim.AdamW(groups, lr=SETTINGS.lr)
+    module = MiniDDP(model)
+    groups = parameter_groups(model, SETTINGS.weight_decay)
+    if layout == "ddp":
+        return module, torch.optim.AdamW(groups, lr=SETTINGS.lr)
+    optimizer = ZeroRedundancyOptimizer(groups, torch.optim.AdamW, lr=SETTINGS.lr)
+    if layout == "zero2":
+        module.register_comm_hook(optimizer, reduce_scatter_hook)
+    return module, optimizer
+
+
+def train(config: GPTConfig, windows: Windows, layout: str, checkpointing: Checkpointing) -> dict:
+    """STEPS steps of chapter 12's GPT under `layout`: in the first the backward's FLOPs; in the
+    second the activations held after the forward, the model's states before the optimizer
+    step and the backward's time; every step's gradients on this rank (ZeRO-2: those it owns)."""
+    torch.manual_seed(SETTINGS.seed)
+    model = checkpoint_blocks(GPT(config), checkpointing)
+    module, optimizer = wrap(layout, model)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    run: dict = {"gradients": []}
+    for step in range(STEPS):
+        torch.manual_seed(1000 * step + rank)  # the same dropout masks in every run
+        batch = windows[[(step * world + rank) * SETTINGS.batch + i for i in range(SETTINGS.batch)]]
+        with SavedActivations(model, block_layers(model)) as held:
+            loss = next_character_loss(module, batch)
+        counter = FlopCounterMode(display=False) if step == 0 else None
+        started = time.perf_counter()
+        with counter or nullcontext():
+            loss.backward()
+        if step == 1:
+            run["backward_s"] = time.perf_counter() - started
+            run["activations"] = held.by_layer
+            run["memory"] = measure_memory(model.parameters(), optimizer, ddp_buckets(module))
+        if counter is not None:
+            run["backward_flops"] = counter.get_total_flops()
+        run["gradients"].append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+        optimizer.step()
+        optimizer.zero_grad()
+    mine = list(model.parameters())
+    if layout in ("zero1", "zero2"):
+        mine = [p for p in mine if optimizer.owner_of(p) == rank]
+    run["owned"], run["owned_tensors"] = sum(p.numel() for p in mine), len(mine)
+    return run
+
+
+def formula(layout: str, run: dict, psi: int, world: int):
+    return Formula(layout, psi, run["owned_tensors"], world).expected(run["owned"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Chapter 08b: the memory of a real step.")
+    add_plot_option(parser)
+    args = parser.parse_args()
+    env = init_distributed()
+    world = env.world_size
+    corpus = load_corpus()
+    config = SETTINGS.model(len(corpus.vocabulary))
+    windows = Windows(corpus.train, config.context)
+    psi = sum(p.numel() for p in GPT(config).parameters())
+    s, b, h, a = config.context, SETTINGS.batch, config.width, config.heads
+    runs = {layout: train(config, windows, layout, Checkpointing.NONE) for layout in LAYOUTS}
+    checks: dict[str, bool] = {}
+    say_prose(f"""\
+        Chapter 08b: chapter 12's GPT on {world} ranks, Ψ = {psi:,} fp32 elements (the tied
+        embedding once), AdamW; per rank a batch of b = {b} windows of s = {s} characters,
+        width h = {h}, a = {a} heads, {config.layers} blocks, dropout {config.dropout}.""")
+
+    section("1. The model's states")
+    say_prose("""\
+        As in chapter 08, counted from the storages on rank 0, before the optimizer step:
+        parameters 4Ψ, gradients 4Ψ, MiniDDP's buckets 4Ψ, AdamW's two moments 8Ψ and a
+        4-byte step per tensor. This is the accounting of fp32 everything, 20Ψ a rank under
+        DDP; ZeRO shards Adam's state (1), then the gradients (2), then the parameters (3).""")
+    say(f"  {'':<8}" + "".join(f"{k.replace('_', ' '):>17}" for k in STATES) + f"{'total':>11}")
+    for layout, run in runs.items():
+        expected = formula(layout, run, psi, world)
+        cells = "".join(f"{fmt_bytes(getattr(run['memory'], k)):>17}" for k in STATES)
+        say(f"  {NAMES[layout]:<8}{cells}{fmt_bytes(run['memory'].total):>11}")
+        checks[f"{layout}: the model's states are the formula's"] = run["memory"] == expected
+    say("  (each equal to chapter 08's formula, to the byte)")
+
+    section("2. The activations")
+    blocks = runs["ddp"]["activations"]
+    fp32_block = blocks["blocks.0"]
+    say_prose(f"""\
+        What autograd saves between forward and backward, counted by its saved-tensor hooks
+        (miniddp.observe.activation_memory): each storage once, the parameters a Linear saves
+        left out. Every block keeps the same, {fmt_bytes(fp32_block)}: with s·b·h =
+        {s * b * h:,} and a·s²·b = {a * s * s * b:,},
+
+            72sbh + 12as²b + 16sb = {72 * s * b * h + 12 * a * s * s * b + 16 * s * b:,} bytes
+
+        Term by term (miniddp/models/gpt_activations.py derives each from the saved tensors):
+        each LayerNorm's input and mean and 1/std, the next Linear's input (the norm's output),
+        q and k scaled and v (3·4sbh), the softmax, its dropout mask and the dropped
+        probabilities (3·4as²b), the projection's input and its dropout mask, then the MLP's
+        4sbh, 16sbh before GELU, 16sbh after it, and its mask. Outside the blocks (the
+        embedding's ids and mask, the final norm, the head, the loss's log-softmax over the
+        vocabulary): {fmt_bytes(blocks["other"])}. Per layer, on rank 0:""")
+    expected = activation_bytes(config, b)
+    for layer, measured in blocks.items():
+        say(f"  {layer:<10} {measured:>12,} bytes   formula {expected[layer]:>12,}")
+    for layout, run in runs.items():
+        checks[f"{layout}: activations are the formula's"] = run["activations"] == expected
+    bf16 = block_bytes(config, b, torch.bfloat16)
+    ours16 = 42 * s * b * h + 12 * a * s * s * b + 8 * s * b
+    theirs = korthikanti_bytes(config, b, torch.bfloat16)
+    say_prose(f"""\
+        The same under every layout: sharding splits the model, not the batch's activations
+        (ZeRO-3's gathered parameters, saved by autograd, are freed after each forward).
+        Korthikanti et al. count s·b·h·(34 + 5as/h) bytes a layer at 16 bits,
+        {fmt_bytes(theirs)} here. This block in bf16 keeps 42sbh + 12as²b + 8sb =
+        {fmt_bytes(bf16)}: the CPU's dropout keeps its masks in the input's dtype, not as
+        1-byte booleans, and its attention with dropout runs in fp32 even for bf16 inputs. In
+        fp32 their count gives 66sbh + 9as²b (their masks stay 1 byte), ours 72sbh + 12as²b.
+        Without dropout the flash kernel runs instead and keeps no s x s tensor at all:
+        {fmt_bytes(block_bytes(GPTConfig(config.vocab_size, dropout=0.0), b))} a block.""")
+    checks["the bf16 block is 42sbh + 12as²b + 8sb"] = bf16 == ours16
+
+    section("3. Checkpointing: bytes for FLOPs")
+    say_prose("""\
+        torch.utils.checkpoint(use_reentrant=False) keeps only a region's inputs, then runs the
+        region's forward again in backward, from the same generator state, so that dropout
+        draws the same masks. Per block (the whole block's forward) or selective (attention
+        only, where the s² terms live), under MiniDDP:""")
+    plain = runs["ddp"]
+    trade = {each: train(config, windows, "ddp", each) for each in CHECKPOINTED}
+    trade = {Checkpointing.NONE: plain, **trade}
+    header = ("a block keeps", "formula", "recomputed", "formula", "backward")
+    say(f"  {'':<10}" + "".join(f"{cell:>14}" for cell in header))
+    for each, run in trade.items():
+        extra = run["backward_flops"] - plain["backward_flops"]
+        cells = (
+            fmt_bytes(run["activations"]["blocks.0"]),
+            fmt_bytes(block_bytes(config, b, checkpointing=each)),
+            f"{extra / 1e9:.2f} GFLOP",
+            f"{recompute_flops(config, b, each) / 1e9:.2f} GFLOP",
+            f"{run['backward_s'] * 1e3:.0f} ms",
+        )
+        say(f"  {each.value:<10}" + "".join(f"{cell:>14}" for cell in cells))
+        checks[f"{each.value}: activations are the formula's"] = run["activations"] == (
+            activation_bytes(config, b, checkpointing=each)
+        )
+        checks[f"{each.value}: FLOPs recomputed are the formula's"] = extra == recompute_flops(
+            config, b, each
+        )
+        checks[f"{each.value}: the gradients are the plain run's bits"] = all(
+            torch.equal(x, y)
+            for mine, theirs in zip(run["gradients"], plain["gradients"])
+            for x, y in zip(mine, theirs)
+        )
+    say_prose(f"""\
+        Per block, checkpointing keeps its input, e·sbh = {fmt_bytes(4 * s * b * h)}, and pays
+        a whole forward again (24sbh² + 4bs²h FLOPs: about a third more compute for the step).
+        Attention only keeps 13e·sbh + 4e·sb and drops every s² term; it pays 8sbh² + 4bs²h.
+        (The backward times are one measurement on a shared CPU: an illustration, not a
+        claim.) miniddp.fully_shard cannot run a checkpointed region again yet: it puts the
+        shards back after a unit's forward, and the recompute would find them.""")
+
+    section("4. The whole step")
+    terms = {}
+    for layout, run in runs.items():
+        terms[NAMES[layout]] = {
+            each.value: {
+                **{k.replace("_", " "): getattr(run["memory"], k) for k in STATES},
+                "activations": sum(trade[each]["activations"].values()),
+            }
+            for each in Checkpointing
+        }
+    for layout, variants in terms.items():
+        cells = "  ".join(f"{v}: {fmt_bytes(sum(t.values())):>9}" for v, t in variants.items())
+        say(f"  {layout:<8}{cells}")
+    say_prose("""\
+        The sum of what one rank holds at some point of the step, by checkpointing (none,
+        block, attention): the activations are at their peak at the end of the forward, the
+        gradients once backward has freed most of them, so the true peak lies between the
+        largest term and the sum. At this size the activations outweigh the whole model: ZeRO
+        shrinks the smaller part, checkpointing the larger.""")
+    if args.plot and env.rank == 0:
+        args.plot.mkdir(parents=True, exist_ok=True)
+        title = (
+            f"One step's memory on rank 0: chapter 12's GPT, fp32, AdamW, W = {world}, b = {b}, "
+            f"s = {s}\nbars: activation checkpointing none, per block, attention only"
+        )
+        path = step_memory(terms, args.plot / "08b_memory.png", title)
+        say(f"wrote {path}")
+
+    section("Checks")
+    failed = [claim for claim, held in checks.items() if not held]
+    say(f"  {len(checks) - len(failed)} of {len(checks)} claims hold")
+    assert not failed, f"failed: {failed}"
+    dist.barrier()  # every rank has passed its own checks
+    say(
+        f"Verified on {world} ranks: every byte of the step where its formula says, the "
+        "activations per block included, and checkpointing trains bit for bit the same."
+    )
+    end_chapter()
+
+
+if __name__ == "__main__":
+    main()
