@@ -28,6 +28,7 @@ import sys
 import miniddp.checkpoint as checkpoint
 from miniddp.data_parallel.buckets import BucketInfo
 from miniddp.data_parallel.ddp import MiniDDP
+from miniddp.data_parallel.mixed_precision import MixedPrecision
 from miniddp.data_parallel.sampler import DistributedSampler
 from miniddp.job import faults
 from miniddp.job.env import DistEnv, cleanup, init_distributed
@@ -42,6 +43,7 @@ __all__ = [
     "DistributedSampler",
     "Event",
     "MiniDDP",
+    "MixedPrecision",
     "ZeroRedundancyOptimizer",
     "checkpoint",
     "cleanup",

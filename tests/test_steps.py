@@ -103,6 +103,10 @@ PRODUCTION_EXTRAS = {
         *("_small_runs", "_runs_of_small_gradients"),
     ],
     "launch_during_backward": ["launch_during_backward"],
+    "mixed precision: fp32 masters, bf16 copies, buckets in reduce_dtype": [
+        *("mixed_precision", "MixedPrecision", "ComputeCopies", "_copies", "_leaves"),
+        *("reduce_dtype", "divide_after_sum", "in_flight"),
+    ],
     "comm hooks over this project's own all-reduces": ["all_reduce_hook", "collectives"],
 }
 EXTRAS = {name for names in PRODUCTION_EXTRAS.values() for name in names}

@@ -37,6 +37,11 @@ class Bucket:
 
     Each parameter owns a fixed slice of `flat` (`views[i]`, shaped like the parameter), so one
     all-reduce of `flat` averages every gradient in it at once.
+
+    Under mixed precision (mixed_precision.py) `flat` is in `reduce_dtype`, each gradient is
+    cast on its way in, and the sum is divided by W after it arrives (in `wait`), where torch's
+    DDP would multiply each gradient by 1/W first: torch's DDP mixed precision and fully_shard
+    both divide after the sum, and at W = 3 the two orders differ in the last bit.
     """
 
     small_gradient_numel = 16_384  # see _copy_small_gradients
@@ -47,13 +52,16 @@ class Bucket:
         param_indices: Sequence[int],
         params: Sequence[torch.Tensor],
         gradient_as_bucket_view: bool = False,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         self.index = index
         self.param_indices = list(param_indices)
         self.params = [params[i] for i in self.param_indices]
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.reduce_dtype = reduce_dtype  # mixed precision's; None: the parameters' own dtype
         total = sum(p.numel() for p in self.params)
-        self.flat = torch.zeros(total, dtype=self.params[0].dtype, device=self.params[0].device)
+        dtype = reduce_dtype or self.params[0].dtype
+        self.flat = torch.zeros(total, dtype=dtype, device=self.params[0].device)
         self.views = [
             piece.view_as(p)
             for piece, p in zip(self.flat.split([p.numel() for p in self.params]), self.params)
@@ -69,6 +77,7 @@ class Bucket:
         # the in-flight all-reduce: the Work torch returned, or the future a comm hook did
         self.pending: dist.Work | torch.futures.Future | None = None
         self._small: list[tuple[int, torch.Tensor]] = []  # see _copy_small_gradients
+        self.divide_after_sum = 1  # mixed precision: W, set by add()
 
     def add(self, position: int, divide_by: int) -> None:
         """Copy the gradient of parameter `position` into its slice, divided by `divide_by`
@@ -78,6 +87,8 @@ class Bucket:
         or dividing after the sum would differ in the last bit when W is not a power of two.
         A parameter with no gradient (unused in this backward) contributes zeros.
         """
+        if self.reduce_dtype is not None:
+            self.divide_after_sum, divide_by = divide_by, 1
         param, view = self.params[position], self.views[position]
         grad = param.grad
         if grad is None:
@@ -147,6 +158,8 @@ class Bucket:
         result = result[0] if isinstance(result, list) else result
         if isinstance(result, torch.Tensor) and result.data_ptr() != self.flat.data_ptr():
             self.flat.copy_(result)  # a comm hook may answer in a tensor of its own
+        if self.divide_after_sum != 1:
+            self.flat.div_(self.divide_after_sum)
         self.pending = None
 
     def write_back(self, used: Sequence[bool] | None = None) -> None:
@@ -162,7 +175,10 @@ class Bucket:
                 averaged.append(view)
                 into.append(grad)
             else:
-                self.params[position].grad = view if self.gradient_as_bucket_view else view.clone()
+                param = self.params[position]
+                param.grad = (
+                    view if self.gradient_as_bucket_view else view.to(param.dtype, copy=True)
+                )
         self._copy_all(averaged, into)
 
     @staticmethod

@@ -17,11 +17,13 @@ So gradients are averaged by the time `loss.backward()` returns, bit for bit as 
 DistributedDataParallel: the layout, the 1/W scaling and the launch order follow torch's rules
 (miniddp/data_parallel/layout.py, miniddp/data_parallel/buckets.py).
 
-Two options change that life, and each is an object MiniDDP holds rather than code spread
+Three options change that life, and each is an object MiniDDP holds rather than code spread
 through it: under Join (uneven inputs), a rank out of batches runs `join_hook()`'s object
 (ShadowsTraining, at the end of this file), which answers every collective a training rank's
 forward and backward issue; with static_graph, a `StaticGraph` (static_graph.py) counts each
-parameter's hooks in the first backward and says when a gradient is ready in the later ones.
+parameter's hooks in the first backward and says when a gradient is ready in the later ones;
+with mixed_precision, `ComputeCopies` (mixed_precision.py) puts bf16 copies of the fp32 masters
+in the module for forward and backward, and hands each gradient to its master.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from miniddp.data_parallel.autograd_graph import (
 from miniddp.data_parallel.buckets import Bucket, BucketInfo
 from miniddp.data_parallel.comm_hooks import CommHook, GradBucket
 from miniddp.data_parallel.layout import BucketLayout, initial_layout
+from miniddp.data_parallel.mixed_precision import ComputeCopies, MixedPrecision
 from miniddp.data_parallel.static_graph import GRAPH_CHANGED, StaticGraph
 from miniddp.job.env import HOW_TO_LAUNCH
 from miniddp.job.faults import wait_for
@@ -90,6 +93,7 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
+        mixed_precision: MixedPrecision | None = None,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)  # nn.Module's __init__ does not call it (torch's DDP does this)
@@ -107,8 +111,19 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         check_wrappable(module, named)
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
+        self.mixed_precision = mixed_precision
+        self._copies = (
+            ComputeCopies(module, mixed_precision, self.params) if mixed_precision else None
+        )
+        # The autograd graph's leaves: the parameters, or under mixed precision their copies.
+        self._leaves = self._copies.trainable_copies if self._copies else self.params
+        reduce_dtype = mixed_precision.reduce_dtype if mixed_precision else None  # the buckets'
         self._layout = BucketLayout(
-            self.params, bucket_cap_mb, find_unused_parameters, gradient_as_bucket_view
+            self.params,
+            bucket_cap_mb,
+            find_unused_parameters,
+            gradient_as_bucket_view,
+            reduce_dtype,
         )
         # Settings that shape the sequence of collectives must agree too, or ranks would issue
         # different all-reduces and gloo would abort or hang instead of explaining.
@@ -118,6 +133,7 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
             "broadcast_buffers": broadcast_buffers,
             "find_unused_parameters": find_unused_parameters,
             "static_graph": static_graph,
+            "mixed_precision": mixed_precision,
         }
         verify_same_model_on_every_rank(named, settings, process_group)
         # Every replica starts from rank 0's weights and buffers, whatever seed each rank used.
@@ -134,7 +150,10 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         self._require_backward_grad_sync = True  # False inside no_sync()
         self._require_forward_param_sync = True  # buffers are refreshed after a synced forward
         self._reset_backward(Phase.LOCAL)
-        self._hooks = hook_every_parameter(module, self.params, self._on_gradient_ready)
+        on_ready = self._on_gradient_ready
+        if self._copies is not None:  # each copy's gradient goes to its master, then on_ready
+            on_ready = self._copies.fold_then(on_ready)
+        self._hooks = hook_every_parameter(module, self._leaves, on_ready)
         if static_graph:
             self._set_static_graph()
 
@@ -148,7 +167,11 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
             self._rebuild_buckets()
         self._sync_buffers(training=True)
         self._note("forward", "start")
+        if self._copies is not None:
+            inputs, kwargs = self._copies.before_forward(inputs, kwargs)
         output = self.module(*inputs, **kwargs)
+        if self._copies is not None:
+            self._copies.after_forward(output)  # the masters back now, or when backward ends
         # Whether this forward's backward synchronizes is decided now, at forward time: that is
         # why the forward must run inside `no_sync()` for accumulation to skip communication.
         synced = torch.is_grad_enabled() and self._require_backward_grad_sync
@@ -157,7 +180,7 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         if not synced and self._observed and torch.is_grad_enabled():
             self._note_when_backward_starts(output)
         if synced and self.find_unused_parameters:
-            self._unused_in_forward = parameters_not_reached(output, self.params)
+            self._unused_in_forward = parameters_not_reached(output, self._leaves)
         if synced:
             # Queue the end-of-backward callback when backward reaches this output: it then belongs
             # to the outermost backward, even if a checkpointed block runs an inner one first.
@@ -178,7 +201,7 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
             )
         self._phase = Phase.ARMED
         if self.find_unused_parameters:
-            self._unused_in_forward = parameters_not_reached(output, self.params)
+            self._unused_in_forward = parameters_not_reached(output, self._leaves)
         when_backward_reaches(output, self._start_reducing)
 
     @property
@@ -451,7 +474,7 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
             self.find_unused_parameters = False
             layout = self._layout
             layout.has_rebuilt = False
-            layout.build(initial_layout(self.params, layout.first_cap, layout.cap, False))
+            layout.build(initial_layout(layout.in_flight, layout.first_cap, layout.cap, False))
         self._static_graph = StaticGraph(self.param_names)
 
     def _static_graph_first_backward_ends(self) -> bool:
@@ -540,7 +563,10 @@ class ShadowsTraining(JoinHook):
         first_static = ddp._static_graph_first_backward_ends()
         # Fresh zero buckets, so that this rank's own gradients (which may live in the real
         # buckets, with gradient_as_bucket_view) stay as they are.
-        shadows = [Bucket(b.index, b.param_indices, ddp.params) for b in ddp._layout.buckets]
+        shadows = [
+            Bucket(b.index, b.param_indices, ddp.params, reduce_dtype=b.reduce_dtype)
+            for b in ddp._layout.buckets
+        ]
         for shadow in shadows:
             shadow.launch(ddp._all_reduce)
         for shadow in shadows:

@@ -14,6 +14,10 @@ bit-for-bit torch's (with 3+ ranks gloo's sum depends on each gradient's offset 
 - the first bucket of each (dtype, device) may have a smaller cap (1 MiB by default) so the
   gradients that are ready first start travelling early.
 
+Under mixed precision every gradient travels in `reduce_dtype`, and the caps weigh it so: a
+bf16 bucket of 25 MiB holds twice the elements of a fp32 one, so there are about half as many
+buckets (mixed_precision.py).
+
 And the layout's life (`BucketLayout`): one bucket per dtype until a backward pass has shown in
 which order gradients really arrive, then one rebuild from that order.
 """
@@ -93,18 +97,34 @@ class BucketLayout:
         bucket_cap_mb: float | None,
         find_unused_parameters: bool,
         gradient_as_bucket_view: bool,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
+        if gradient_as_bucket_view and any(p.dtype != (reduce_dtype or p.dtype) for p in params):
+            raise ValueError(
+                f"gradient_as_bucket_view makes each .grad a view of its bucket, so the bucket "
+                f"must be in the parameters' dtype, and reduce_dtype={reduce_dtype} is not. Use "
+                "MixedPrecision(reduce_dtype=<the parameters' dtype>), or "
+                "gradient_as_bucket_view=False."
+            )
         self.params = params
         self.first_cap, self.cap = bucket_caps(bucket_cap_mb)
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.reduce_dtype = reduce_dtype
+        # What the caps weigh: each gradient as it travels. Under mixed precision, a stand-in
+        # of its shape in reduce_dtype (on the meta device: a shape and a dtype, no memory).
+        self.in_flight = params
+        if reduce_dtype is not None:
+            meta = [torch.empty_like(p, dtype=reduce_dtype, device="meta") for p in params]
+            self.in_flight = meta
         # With unused parameters the graph may change every iteration: no order worth recording.
         self.has_rebuilt = find_unused_parameters
         self.ready_order: list[int] = []  # gradient arrival order in the first synced backward
-        self.build(initial_layout(params, self.first_cap, self.cap, find_unused_parameters))
+        caps = (self.first_cap, self.cap)
+        self.build(initial_layout(self.in_flight, *caps, find_unused_parameters))
 
     def build(self, groups: list[list[int]]) -> None:
         self.buckets = [
-            Bucket(i, indices, self.params, self.gradient_as_bucket_view)
+            Bucket(i, indices, self.params, self.gradient_as_bucket_view, self.reduce_dtype)
             for i, indices in enumerate(groups)
         ]
         # Where each parameter's gradient goes: (its bucket, its position in it).
@@ -125,7 +145,7 @@ class BucketLayout:
 
     def rebuild(self, ready_order: list[int]) -> None:
         """Rebuild from an observed order (rank 0's, so every rank gets the same buckets)."""
-        self.build(assign_buckets(self.params, ready_order, self.first_cap, self.cap))
+        self.build(assign_buckets(self.in_flight, ready_order, self.first_cap, self.cap))
         self.has_rebuilt = True
         self.ready_order = []
 

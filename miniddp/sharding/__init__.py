@@ -17,7 +17,13 @@ from miniddp.sharding.full_state import (
     load_full_state_dict,
 )
 from miniddp.sharding.fully_shard import fully_shard
-from miniddp.sharding.memory import Formula, MemoryPerRank, ddp_buckets, measure_memory
+from miniddp.sharding.memory import (
+    Formula,
+    MemoryPerRank,
+    ddp_buckets,
+    ddp_compute_copies,
+    measure_memory,
+)
 from miniddp.sharding.zero import ZeroRedundancyOptimizer, partition
 from miniddp.sharding.zero2 import reduce_scatter_hook
 
@@ -27,6 +33,7 @@ __all__ = [
     "ZeroRedundancyOptimizer",
     "clip_grad_norm_",
     "ddp_buckets",
+    "ddp_compute_copies",
     "full_optimizer_state_dict",
     "full_state_dict",
     "fully_shard",
