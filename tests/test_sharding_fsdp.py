@@ -1,9 +1,10 @@
 """ZeRO-3 (miniddp/sharding/fully_shard.py) against torch's fully_shard (FSDP2) and MiniDDP, all
 training with AdamW: the full parameters after every step.
 
-Bitwise at W = 2, where every sum has two terms (a + b = b + a) and scaling by 1/2 is exact.
-Within 1e-5 at W = 3 and 4: our ring reduce-scatter adds the ranks' gradients in another order
-than gloo does, so the last bits may differ, and Adam carries them on.
+Bitwise at W = 2, where every sum has two terms (a + b = b + a) and halving is exact.
+Within 1e-5 at W = 3 and 4: our ring adds chunk c's terms in gloo's order for chunk c, but we
+cut parameters flat where torch cuts rows, so an element may fall in another chunk and be added
+in another order; the last bits may differ, and Adam carries them on.
 """
 
 from __future__ import annotations

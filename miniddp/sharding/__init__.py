@@ -1,12 +1,13 @@
 """Beyond DDP: shard what every rank would otherwise keep W copies of, on MiniDDP's collectives.
 
-memory.py        where a rank's bytes go, counted from storages, and the formulas
-zero.py          ZeRO-1: each rank keeps and steps only its partition's optimizer state
-zero2.py         ZeRO-2: a comm hook that reduce-scatters each bucket onto the owners
-fully_shard.py   ZeRO-3: each rank keeps 1/W of every parameter, gathered around its module
-units.py         fully_shard's units by number, and the mistakes it refuses at the call
-full_state.py    a fully sharded model's and optimizer's full state, out and back in
-clipping.py      clip_grad_norm_ over the ranks: the true norm under every stage
+memory.py           where a rank's bytes go, counted from storages, and the formulas
+zero.py             ZeRO-1: each rank keeps and steps only its partition's optimizer state
+zero2.py            ZeRO-2: a comm hook that reduce-scatters each bucket onto the owners
+fully_shard.py      ZeRO-3: each rank keeps 1/W of every parameter, gathered around its module
+mixed_precision.py  fully_shard's MixedPrecisionPolicy: bf16 compute, fp32 masters
+units.py            fully_shard's units by number, and the mistakes it refuses at the call
+full_state.py       a fully sharded model's and optimizer's full state, out and back in
+clipping.py         clip_grad_norm_ over the ranks: the true norm under every stage
 """
 
 from miniddp.sharding.clipping import clip_grad_norm_
@@ -24,12 +25,14 @@ from miniddp.sharding.memory import (
     ddp_compute_copies,
     measure_memory,
 )
+from miniddp.sharding.mixed_precision import MixedPrecisionPolicy
 from miniddp.sharding.zero import ZeroRedundancyOptimizer, partition
 from miniddp.sharding.zero2 import reduce_scatter_hook
 
 __all__ = [
     "Formula",
     "MemoryPerRank",
+    "MixedPrecisionPolicy",
     "ZeroRedundancyOptimizer",
     "clip_grad_norm_",
     "ddp_buckets",

@@ -37,7 +37,7 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         for key, (unit, index) in _sharded_keys(module).items():
             if id(unit) not in gathered:
-                gathered[id(unit)] = unit.gather()  # one all-gather per unit, as its forward
+                gathered[id(unit)] = unit.gather_masters()  # one all-gather per unit
             state[key] = gathered[id(unit)][index]
     return state
 

@@ -13,8 +13,12 @@ The life of a sharded module's parameters in one step, on MiniDDP's ring collect
                       only their now-empty tensors
     before backward   when the first gradient reaches the module's output, all-gather again
                       into those same tensors
-    after backward    reduce-scatter the full gradients, each multiplied by 1/W as DDP does, so
-                      that rank r keeps the average of shard r; free the full parameters
+    after backward    reduce-scatter the full gradients with ReduceOp.AVG (a sum, then one
+                      division by W, as torch's FSDP2 on gloo), so that rank r keeps the average
+                      of shard r; free the full parameters
+
+With `mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)` the shards stay fp32 and the
+rest is bf16: mixed_precision.py says where each dtype lives.
 
 Without gradient sync (`set_requires_gradient_sync(False)`), each backward adds the module's
 full gradients into a buffer it keeps, as FSDP2 does: accumulation costs no communication, but
@@ -33,14 +37,19 @@ DDP's all-reduce; and before each all-gather, 8 bytes to every other rank, the u
 unit skipped on one rank (a branch in the forward) would pair two units' gathers, which gloo
 answers by aborting the process, or, when the sizes match, by mixing their parameters.
 
-Bitwise: with two ranks the sums are a + b = b + a, and the result equals torch's fully_shard
-and DDP bit for bit; with more, ring and gloo add in different orders.
+Bitwise torch's fully_shard at W = 2, where every sum is a + b = b + a. With more ranks, the
+ring adds chunk c's terms in an order set by c, as gloo's does, but torch cuts a parameter by
+rows where we cut it flat, so an element may sit in another chunk, summed in another order:
+within rounding. Unless the sum is exact, as bf16 gradients reduced in fp32 are (their 8-bit
+mantissas fit in fp32's 24): then bit for bit at any W, because we divide once, after the sum,
+as gloo's AVG does. DDP multiplies each gradient by 1/W before its sum instead: the same bits
+at W = 2 (1/2 is exact), within rounding at W >= 3.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import torch
@@ -54,6 +63,7 @@ from miniddp.job.env import HOW_TO_LAUNCH
 from miniddp.job.faults import wait_for
 from miniddp.placement import DataShard, carry_over, mark
 from miniddp.same_model import verify_same_model_on_every_rank
+from miniddp.sharding.mixed_precision import MixedPrecisionPolicy, refuse_a_child_in_another_dtype
 from miniddp.sharding.units import (
     check_every_rank_gathers,
     next_number,
@@ -74,6 +84,7 @@ class ShardedParameters:
     shards: list[nn.Parameter]
     group: dist.ProcessGroup | None
     reshard_after_forward: bool
+    policy: MixedPrecisionPolicy
     originals: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)  # unsharded
     gathered: bool = False  # between the unit's forward pre-hook and its forward hook
     full: list[torch.Tensor] = field(default_factory=list)  # the latest forward's, unsharded
@@ -84,13 +95,22 @@ class ShardedParameters:
     def world_size(self) -> int:
         return dist.get_world_size(self.group)
 
-    def gather(self) -> list[torch.Tensor]:
-        """All-gather every shard; one full tensor per parameter (one collective for all)."""
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.policy.compute_dtype(self.shards[0].dtype)
+
+    @property
+    def gradient_dtype(self) -> torch.dtype:
+        return self.policy.gradient_dtype(self.shards[0].dtype)
+
+    def gather(self, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """All-gather every shard; one full tensor per parameter (one collective for all), in
+        `dtype`: by default the compute dtype (mixed_precision.py)."""
         check_every_rank_gathers(self)
         world, length = self.world_size, sum(s.numel() for s in self.shards)
-        like = self.shards[0]
-        gathered = torch.empty(world * length, dtype=like.dtype, device=like.device)
-        mine = torch.cat([s.detach() for s in self.shards])
+        dtype, device = dtype or self.compute_dtype, self.shards[0].device
+        gathered = torch.empty(world * length, dtype=dtype, device=device)
+        mine = torch.cat([s.detach().to(dtype) for s in self.shards])  # cast before the gather
         work = collectives.all_gather_into_tensor(gathered, mine, self.group, async_op=True)
         wait_for(
             work.get_future(), f"all-gather of {self.name} ({gathered.nbytes:,} bytes)", self.group
@@ -102,21 +122,31 @@ class ShardedParameters:
             offset += shard.numel()
         return full
 
+    def gather_masters(self) -> list[torch.Tensor]:
+        """The full parameters in their masters' dtypes, for a state dict: gathered in the
+        widest of those dtypes, so that casting each back is exact."""
+        widest = functools.reduce(torch.promote_types, (s.dtype for s in self.shards))
+        return [t.to(s.dtype) for t, s in zip(self.gather(widest), self.shards)]
+
     def reduce_scatter(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Rank r gets the average over ranks of chunk r of every gradient."""
+        """Rank r gets the average over ranks of chunk r of every gradient, in its shard's
+        dtype. The gradients are in gradient_dtype already (see _Unshard.backward)."""
         world, length = self.world_size, sum(s.numel() for s in self.shards)
         pieces = torch.zeros(world, length, dtype=grads[0].dtype, device=grads[0].device)
         offset = 0
         for grad, shard in zip(grads, self.shards):
             padded = pieces.new_zeros(world * shard.numel())
-            torch.mul(grad.reshape(-1), 1.0 / world, out=padded[: grad.numel()])
+            padded[: grad.numel()] = grad.reshape(-1)
             pieces[:, offset : offset + shard.numel()] = padded.view(world, shard.numel())
             offset += shard.numel()
         mine = pieces.new_empty(length)
-        work = collectives.reduce_scatter_tensor(mine, pieces, group=self.group, async_op=True)
+        work = collectives.reduce_scatter_tensor(
+            mine, pieces, op=dist.ReduceOp.AVG, group=self.group, async_op=True
+        )
         what = f"reduce-scatter of {self.name}'s gradients ({pieces.nbytes:,} bytes)"
         wait_for(work.get_future(), what, self.group)
-        return list(mine.split([s.numel() for s in self.shards]))
+        reduced = mine.split([s.numel() for s in self.shards])
+        return [piece.to(shard.dtype) for piece, shard in zip(reduced, self.shards)]
 
     def unshard(self, piece: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         """One tensor cut like a shard (an optimizer state, say), gathered to `shape`."""
@@ -173,6 +203,7 @@ class _Unshard(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         state: ShardedParameters = ctx.state
         state.free(list(ctx.saved_tensors))
+        grads = tuple(g.to(state.gradient_dtype) for g in grads)  # FSDP2 accumulates in it too
         if state.accumulated is not None:
             grads = tuple(g + held for g, held in zip(grads, state.accumulated))
         if not state.requires_gradient_sync:
@@ -186,6 +217,7 @@ class FullyShardedModule:
     """Mixed into a module's class by fully_shard, as FSDP2 does, for the methods below."""
 
     _sharded: ShardedParameters | None
+    _mp_policy: MixedPrecisionPolicy  # even a unit with no parameters casts inputs and outputs
 
     def set_requires_gradient_sync(self, requires: bool, *, recurse: bool = True) -> None:
         """False: backward keeps full gradients locally, summed, with no communication; the
@@ -201,13 +233,20 @@ def fully_shard(
     *,
     process_group: dist.ProcessGroup | None = None,
     reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
 ) -> nn.Module:
     """Shard `module`'s parameters that no fully_shard'ed submodule already manages; returns
-    `module`, whose class gains `set_requires_gradient_sync`."""
+    `module`, whose class gains `set_requires_gradient_sync`. `mp_policy`: see
+    mixed_precision.py (None: compute in the parameters' own dtype)."""
     if not dist.is_initialized():
         raise RuntimeError(f"fully_shard needs a process group. {HOW_TO_LAUNCH}")
     if isinstance(module, FullyShardedModule):
         raise ValueError(f"{type(module).__name__} is already fully sharded")
+    policy = MixedPrecisionPolicy() if mp_policy is None else mp_policy
+    if not isinstance(policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"mp_policy must be a miniddp.sharding.MixedPrecisionPolicy; got {type(policy)}"
+        )
     places: dict[int, list[tuple[nn.Module, str]]] = {}
     params: dict[int, torch.Tensor] = {}
     for owner in _own_modules(module):
@@ -217,10 +256,11 @@ def fully_shard(
                 params[id(param)] = param
     refuse_what_would_shard_wrongly(module, params, places)
     dtypes = {str(p.dtype) for p in params.values()}
-    if len(dtypes) > 1:
+    if len(dtypes) > 1 and policy.param_dtype is None:
         raise ValueError(
             f"fully_shard gathers a module's parameters in one flat tensor, so they need one "
-            f"dtype; got {sorted(dtypes)}. Call fully_shard on the submodules of each dtype first."
+            f"dtype; got {sorted(dtypes)}. Call fully_shard on the submodules of each dtype first, "
+            "or give an mp_policy with a param_dtype, which they are all gathered in."
         )
     # Every rank must shard the same shapes, or the collectives below would not match: a clear
     # error on every rank instead of a hang.
@@ -228,7 +268,7 @@ def fully_shard(
         (f"{type(where[0][0]).__name__}.{where[0][1]}", params[key])
         for key, where in places.items()
     ]
-    settings = {"reshard_after_forward": reshard_after_forward}
+    settings = {"reshard_after_forward": reshard_after_forward, "mp_policy": str(policy)}
     verify_same_model_on_every_rank(named, settings, process_group)
     source = dist.get_global_rank(process_group or dist.group.WORLD, 0)
     world, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
@@ -257,7 +297,9 @@ def fully_shard(
         shards=shards,
         group=process_group,
         reshard_after_forward=reshard_after_forward,
+        policy=policy,
     )
+    _refuse_children_in_another_dtype(module, sharded if shards else None)
     sharded.originals.update(dict.fromkeys(params.values()))
     register(sharded)
     for original, shard in zip(params.values(), shards, strict=True):
@@ -265,10 +307,11 @@ def fully_shard(
         mark(shard, data=DataShard(process_group))  # then: a piece per rank of the group
     sharded.place(shards)
     module._sharded = sharded if shards else None
-    module.register_forward_pre_hook(_before_forward)
+    module._mp_policy = policy
+    module.register_forward_pre_hook(_before_forward, with_kwargs=True)
     module.register_forward_hook(_after_forward)
     for owner in dict.fromkeys(o for p in places.values() for o, _ in p if o is not module):
-        owner.register_forward_pre_hook(partial(refuse_outside_its_unit, sharded))
+        owner.register_forward_pre_hook(functools.partial(refuse_outside_its_unit, sharded))
     cls = type(module)
     module.__class__ = type(f"FullyShard{cls.__name__}", (FullyShardedModule, cls), {})
     return module
@@ -283,19 +326,32 @@ def _own_modules(module: nn.Module) -> list[nn.Module]:
     return found
 
 
-def _before_forward(module: nn.Module, args: Any) -> None:
-    state: ShardedParameters | None = module._sharded
-    if state is None:
-        return
-    state.full = list(_Unshard.apply(state, *state.shards))
-    state.place(state.full)
-    state.gathered = True
+def _refuse_children_in_another_dtype(module: nn.Module, unit: ShardedParameters | None) -> None:
+    """Every fully_shard'ed child directly under `module` must compute in its dtype, or convert
+    at its edges (mixed_precision.refuse_a_child_in_another_dtype says why)."""
+    children = [c for owner in _own_modules(module) for c in owner.children()]
+    for child in dict.fromkeys(c for c in children if isinstance(c, FullyShardedModule)):
+        if unit is not None and child._sharded is not None:
+            refuse_a_child_in_another_dtype(unit, child._sharded)
 
 
-def _after_forward(module: nn.Module, args: Any, output: Any) -> None:
+def _before_forward(module: nn.Module, args: Any, kwargs: dict) -> tuple[Any, dict] | None:
     state: ShardedParameters | None = module._sharded
-    if state is None:
-        return
+    if state is not None:
+        state.full = list(_Unshard.apply(state, *state.shards))
+        state.place(state.full)
+        state.gathered = True
+    return module._mp_policy.cast_inputs(args, kwargs)
+
+
+def _after_forward(module: nn.Module, args: Any, output: Any) -> Any:
+    state: ShardedParameters | None = module._sharded
+    if state is not None:
+        _free_or_wait_for_backward(state, output)
+    return module._mp_policy.cast_output(output)
+
+
+def _free_or_wait_for_backward(state: ShardedParameters, output: Any) -> None:
     state.place(state.shards)
     state.gathered = False
     full = state.full  # this call's: a module called twice has one set per call
