@@ -12,6 +12,8 @@ under DDP and the three ZeRO stages, and counts every term on one rank against i
     3. checkpointing          per block and attention only: the bytes saved, the FLOPs and time
                               paid, the gradients unchanged
     4. the whole step         every term per layout, side by side (the figure)
+    5. mixed precision        bf16 compute with fp32 masters under each layout; what a bf16
+                              reduction costs in accuracy; 16Ψ or 20Ψ, answered
 
 The library: miniddp/observe/activation_memory.py measures, miniddp/models/gpt_activations.py
 derives the formula term by term, miniddp/sharding/memory.py counts the model's states.
@@ -30,7 +32,7 @@ from common import add_plot_option, end_chapter, fmt_bytes, say, say_prose, sect
 from gpt_settings import Settings
 from torch.utils.flop_counter import FlopCounterMode
 
-from miniddp import MiniDDP, ZeroRedundancyOptimizer, fully_shard
+from miniddp import MiniDDP, MixedPrecision, ZeroRedundancyOptimizer, fully_shard
 from miniddp.figures.memory import step_memory
 from miniddp.job.env import init_distributed
 from miniddp.models.gpt import GPT, GPTConfig, next_character_loss, parameter_groups
@@ -44,25 +46,40 @@ from miniddp.models.gpt_activations import (
     recompute_flops,
 )
 from miniddp.observe.activation_memory import SavedActivations
-from miniddp.sharding import Formula, ddp_buckets, measure_memory, reduce_scatter_hook
+from miniddp.sharding import (
+    Formula,
+    MixedPrecisionPolicy,
+    ddp_buckets,
+    ddp_compute_copies,
+    measure_memory,
+    reduce_scatter_hook,
+)
 
 SETTINGS = Settings()  # chapter 12's: batch 16 a rank, context 64, width 128, 4 layers, 4 heads
-STEPS = 2  # the first makes Adam's state and counts FLOPs; the second is measured and timed
+# bf16 matmuls run several times slower than fp32 on a CPU without bf16 units: section 5 reads
+# a smaller batch. The model's states do not depend on it; the activations scale with it.
+MIXED_BATCH = 4
 LAYOUTS = ("ddp", "zero1", "zero2", "zero3")
 NAMES = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
 STATES = ("parameters", "gradients", "buckets", "optimizer_state")
 CHECKPOINTED = (Checkpointing.BLOCK, Checkpointing.ATTENTION)
+BF16 = MixedPrecision(torch.bfloat16)  # bf16 copies to compute with, fp32 masters and buckets
+BF16_REDUCE = MixedPrecision(torch.bfloat16, reduce_dtype=torch.bfloat16)
 
 
-def wrap(layout: str, model: GPT) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """The model under `layout`, and its AdamW (chapter 12's groups: decay on the matrices)."""
+def wrap(
+    layout: str, model: GPT, mixed: MixedPrecision | None
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model under `layout` (in `mixed` precision, if given), and its AdamW (chapter 12's
+    groups: decay on the matrices)."""
     if layout == "zero3":
+        policy = mixed and MixedPrecisionPolicy(mixed.param_dtype, mixed.reduce_dtype)
         for block in model.blocks:
-            fully_shard(block)  # the blocks first, then the root: FSDP2's usage
-        module = fully_shard(model)  # its parameters are now the shards: the optimizer's
+            fully_shard(block, mp_policy=policy)  # the blocks first, then the root: FSDP2's
+        module = fully_shard(model, mp_policy=policy)  # its parameters are now the shards
         groups = parameter_groups(model, SETTINGS.weight_decay)
         return module, torch.optim.AdamW(groups, lr=SETTINGS.lr)
-    module = MiniDDP(model)
+    module = MiniDDP(model, mixed_precision=mixed)
     groups = parameter_groups(model, SETTINGS.weight_decay)
     if layout == "ddp":
         return module, torch.optim.AdamW(groups, lr=SETTINGS.lr)
@@ -72,32 +89,43 @@ def wrap(layout: str, model: GPT) -> tuple[torch.nn.Module, torch.optim.Optimize
     return module, optimizer
 
 
-def train(config: GPTConfig, windows: Windows, layout: str, checkpointing: Checkpointing) -> dict:
-    """STEPS steps of chapter 12's GPT under `layout`: in the first the backward's FLOPs; in the
-    second the activations held after the forward, the model's states before the optimizer
-    step and the backward's time; every step's gradients on this rank (ZeRO-2: those it owns)."""
+def train(
+    config: GPTConfig,
+    windows: Windows,
+    layout: str,
+    checkpointing: Checkpointing = Checkpointing.NONE,
+    mixed: MixedPrecision | None = None,
+    count_flops: bool = False,
+    batch: int = SETTINGS.batch,
+) -> dict:
+    """One step of chapter 12's GPT under `layout`, `batch` windows a rank: the activations held
+    after the forward, the backward's time, the model's states after the optimizer step (the
+    gradients not yet zeroed: every term at once). With `count_flops`, a first step before it
+    counts the backward's FLOPs (the counter slows every op it sees, so it is not timed). Every
+    step's gradients on this rank (under ZeRO-2, those it owns)."""
     torch.manual_seed(SETTINGS.seed)
     model = checkpoint_blocks(GPT(config), checkpointing)
-    module, optimizer = wrap(layout, model)
+    module, optimizer = wrap(layout, model, mixed)
     rank, world = dist.get_rank(), dist.get_world_size()
     run: dict = {"gradients": []}
-    for step in range(STEPS):
+    steps = 1 + count_flops
+    for step in range(steps):
         torch.manual_seed(1000 * step + rank)  # the same dropout masks in every run
-        batch = windows[[(step * world + rank) * SETTINGS.batch + i for i in range(SETTINGS.batch)]]
+        windows_of_rank = windows[[(step * world + rank) * batch + i for i in range(batch)]]
         with SavedActivations(model, block_layers(model)) as held:
-            loss = next_character_loss(module, batch)
-        counter = FlopCounterMode(display=False) if step == 0 else None
+            loss = next_character_loss(module, windows_of_rank)
+        counter = FlopCounterMode(display=False) if step < steps - 1 else nullcontext()
         started = time.perf_counter()
-        with counter or nullcontext():
+        with counter:
             loss.backward()
-        if step == 1:
-            run["backward_s"] = time.perf_counter() - started
-            run["activations"] = held.by_layer
-            run["memory"] = measure_memory(model.parameters(), optimizer, ddp_buckets(module))
-        if counter is not None:
+        run["backward_s"] = time.perf_counter() - started
+        if isinstance(counter, FlopCounterMode):
             run["backward_flops"] = counter.get_total_flops()
         run["gradients"].append([p.grad.clone() for p in model.parameters() if p.grad is not None])
         optimizer.step()
+        run["activations"] = held.by_layer
+        copies = ddp_compute_copies(module)
+        run["memory"] = measure_memory(model.parameters(), optimizer, ddp_buckets(module), copies)
         optimizer.zero_grad()
     mine = list(model.parameters())
     if layout in ("zero1", "zero2"):
@@ -106,8 +134,14 @@ def train(config: GPTConfig, windows: Windows, layout: str, checkpointing: Check
     return run
 
 
-def formula(layout: str, run: dict, psi: int, world: int):
-    return Formula(layout, psi, run["owned_tensors"], world).expected(run["owned"])
+def formula(layout: str, run: dict, psi: int, world: int, mixed: MixedPrecision | None = None):
+    """Chapter 08's formula for this rank. Under fully_shard's policy the states are fp32
+    ZeRO-3's: its bf16 parameters exist only while a unit computes, freed after."""
+    dtypes = {}
+    if mixed is not None and layout != "zero3":
+        dtypes = {"param_dtype": mixed.param_dtype, "reduce_dtype": mixed.reduce_dtype}
+    expected = Formula(layout, psi, run["owned_tensors"], world, **dtypes)
+    return expected.expected(run["owned"])
 
 
 def main() -> None:
@@ -121,7 +155,9 @@ def main() -> None:
     windows = Windows(corpus.train, config.context)
     psi = sum(p.numel() for p in GPT(config).parameters())
     s, b, h, a = config.context, SETTINGS.batch, config.width, config.heads
-    runs = {layout: train(config, windows, layout, Checkpointing.NONE) for layout in LAYOUTS}
+    runs = {
+        layout: train(config, windows, layout, count_flops=layout == "ddp") for layout in LAYOUTS
+    }
     checks: dict[str, bool] = {}
     say_prose(f"""\
         Chapter 08b: chapter 12's GPT on {world} ranks, Ψ = {psi:,} fp32 elements (the tied
@@ -130,7 +166,8 @@ def main() -> None:
 
     section("1. The model's states")
     say_prose("""\
-        As in chapter 08, counted from the storages on rank 0, before the optimizer step:
+        As in chapter 08, counted from the storages on rank 0, after the optimizer step (the
+        gradients not yet zeroed, so every term is there at once):
         parameters 4Ψ, gradients 4Ψ, MiniDDP's buckets 4Ψ, AdamW's two moments 8Ψ and a
         4-byte step per tensor. This is the accounting of fp32 everything, 20Ψ a rank under
         DDP; ZeRO shards Adam's state (1), then the gradients (2), then the parameters (3).""")
@@ -187,7 +224,7 @@ def main() -> None:
         draws the same masks. Per block (the whole block's forward) or selective (attention
         only, where the s² terms live), under MiniDDP:""")
     plain = runs["ddp"]
-    trade = {each: train(config, windows, "ddp", each) for each in CHECKPOINTED}
+    trade = {each: train(config, windows, "ddp", each, count_flops=True) for each in CHECKPOINTED}
     trade = {Checkpointing.NONE: plain, **trade}
     header = ("a block keeps", "formula", "recomputed", "formula", "backward")
     say(f"  {'':<10}" + "".join(f"{cell:>14}" for cell in header))
@@ -248,14 +285,86 @@ def main() -> None:
         path = step_memory(terms, args.plot / "08b_memory.png", title)
         say(f"wrote {path}")
 
+    section("5. Mixed precision: bf16 compute, fp32 masters")
+    say_prose(f"""\
+        Each layout again, computing in bf16: MiniDDP(mixed_precision=MixedPrecision(bf16))
+        keeps fp32 masters and a bf16 copy of each for forward and backward, its buckets in
+        fp32; fully_shard(mp_policy=MixedPrecisionPolicy(bf16, fp32)) gathers bf16 parameters
+        for each unit's forward and backward and keeps fp32 shards. bf16 matmuls run several
+        times slower than fp32 on this CPU, so the batch is b = {MIXED_BATCH} windows a rank
+        here. Rank 0, after the step:""")
+    mixed_runs = {
+        layout: train(config, windows, layout, mixed=BF16, batch=MIXED_BATCH) for layout in LAYOUTS
+    }
+    kinds = (*STATES, "compute_copies")
+    say(f"  {'':<8}" + "".join(f"{k.replace('_', ' '):>16}" for k in kinds) + f"{'total':>10}")
+    for layout, run in mixed_runs.items():
+        cells = "".join(f"{fmt_bytes(getattr(run['memory'], k)):>16}" for k in kinds)
+        say(f"  {NAMES[layout]:<8}{cells}{fmt_bytes(run['memory'].total):>10}")
+        expected = formula(layout, run, psi, world, BF16)
+        checks[f"bf16 {layout}: the model's states are the formula's"] = run["memory"] == expected
+        checks[f"bf16 {layout}: activations are the bf16 formula's"] = run["activations"] == (
+            activation_bytes(config, MIXED_BATCH, torch.bfloat16)
+        )
+    bf16_block = mixed_runs["ddp"]["activations"]["blocks.0"]
+    say_prose(f"""\
+        The model's states do not shrink: masters, gradients and Adam stay fp32, and the copies
+        add 2Ψ (ZeRO-3's are transient). The activations do: {fmt_bytes(bf16_block)} a block at
+        b = {MIXED_BATCH}, the bf16 formula of section 2 to the byte, against fp32's
+        {fmt_bytes(fp32_block * MIXED_BATCH // b)} (not half: the CPU's attention with dropout
+        computes in fp32 even for bf16).
+
+        The reduction may run in bf16 too: MixedPrecision(bf16, reduce_dtype=bf16) halves the
+        buckets and the bytes on the wire. Its cost: the averaged gradients against the fp32
+        reduction's, from the same bf16 copies and the same local gradients:""")
+    low = train(config, windows, "ddp", mixed=BF16_REDUCE, batch=MIXED_BATCH)
+    low_expected = formula("ddp", low, psi, world, BF16_REDUCE)
+    checks["bf16 reduction: the model's states are the formula's"] = low["memory"] == low_expected
+
+    pairs = zip(low["gradients"][0], mixed_runs["ddp"]["gradients"][0], strict=True)
+    pairs = [(x.double(), y.double()) for x, y in pairs]
+    error = sum((x - y).pow(2).sum() for x, y in pairs).sqrt()
+    reduce_error = (error / sum(y.pow(2).sum() for _, y in pairs).sqrt()).item()
+    say(
+        f"  buckets {fmt_bytes(low['memory'].buckets)} instead of "
+        f"{fmt_bytes(mixed_runs['ddp']['memory'].buckets)}; the gradients' error "
+        f"{reduce_error:.1e} of their norm (bf16 keeps 8 bits: 2^-8 = {2**-8:.1e})"
+    )
+    checks["a bf16 reduction rounds, within bf16's 2^-8"] = 0 < reduce_error < 2**-8
+    ddp_mixed = mixed_runs["ddp"]["memory"]
+    per_element = {
+        "fp32 (chapter 08)": runs["ddp"]["memory"].total / psi,
+        "bf16 with fp32 buckets": ddp_mixed.total / psi,
+        "bf16 with bf16 buckets": low["memory"].total / psi,
+    }
+    say_prose(
+        """\
+        16Ψ or 20Ψ? Bytes per parameter under DDP, measured (a 4-byte step per tensor aside): """
+        + "; ".join(f"{k} {v:.2f}Ψ" for k, v in per_element.items())
+        + """.
+        Chapter 08's 20Ψ is fp32 everything with DDP's bucket (4 + 4 + 4 + 8); without the
+        bucket (gradient_as_bucket_view) it is 16Ψ. The ZeRO paper's 16Ψ is another sum: 2Ψ
+        of 16-bit weights, 2Ψ of 16-bit gradients and 12Ψ of fp32 master, momentum and
+        variance, no bucket. MiniDDP's mixed precision keeps its gradients in fp32 (the
+        optimizer steps the fp32 master, and an fp32 average cast back to bf16 would lose its
+        bits), so it holds 2 + 4 + 4 + 8 = 18Ψ and a bucket: 22Ψ with fp32 buckets, 20Ψ with
+        bf16 ones. Mixed precision buys speed and smaller activations; sharding (ZeRO) is what
+        shrinks the model's states."""
+    )
+    checks["fp32 DDP is 20Ψ and mixed DDP 22Ψ, plus the steps"] = (
+        round(per_element["fp32 (chapter 08)"]) == 20
+        and round(per_element["bf16 with fp32 buckets"]) == 22
+    )
+
     section("Checks")
     failed = [claim for claim, held in checks.items() if not held]
     say(f"  {len(checks) - len(failed)} of {len(checks)} claims hold")
     assert not failed, f"failed: {failed}"
     dist.barrier()  # every rank has passed its own checks
     say(
-        f"Verified on {world} ranks: every byte of the step where its formula says, the "
-        "activations per block included, and checkpointing trains bit for bit the same."
+        f"Verified on {world} ranks: every byte of the step where its formula says, in fp32 and "
+        "in bf16 with fp32 masters, the activations per block included; checkpointing trains "
+        "bit for bit the same."
     )
     end_chapter()
 

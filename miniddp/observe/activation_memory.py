@@ -14,7 +14,9 @@ saved tensor is seen, and counted:
                            after it (its storage resized to 0) is held by the graph for nothing
     parameters left out    a Linear saves its weight (weight.t(), a view): the model's own
                            memory, counted by miniddp.sharding.measure_memory, not here. So are
-                           the storages of `model.parameters()`, views of them included
+                           the storages of `model.parameters()`, views of them included, read
+                           at the `with` and again as the model's forward begins: under mixed
+                           precision the parameters are then the bf16 compute copies
     per layer              each tensor goes to the innermost of `layers` whose forward was
                            running when it was saved (one per transformer block, say), and to
                            "other" outside all of them: the embedding, the head, the loss
@@ -58,9 +60,9 @@ class SavedActivations:
     def __enter__(self) -> SavedActivations:
         if self._hooks is not None:
             raise RuntimeError("SavedActivations is already measuring: one `with` at a time")
-        storages = (p.untyped_storage() for p in self.model.parameters())
-        self._parameters = {id(storage): storage for storage in storages}
-        self._owner, self._storages, self._running = {}, {}, []
+        self._parameters, self._owner, self._storages, self._running = {}, {}, {}, []
+        self._note_parameters()
+        self._handles.append(self.model.register_forward_pre_hook(self._note_parameters))
         for name, layer in self.layers.items():
             self._handles += [
                 layer.register_forward_pre_hook(lambda *_, name=name: self._enter(name)),
@@ -87,6 +89,11 @@ class SavedActivations:
             totals[self._owner[key]] += storage.nbytes()  # now: freed storages count 0
         self.by_layer = totals
         self._storages, self._owner, self._parameters = {}, {}, {}  # hold nothing past here
+
+    def _note_parameters(self, *_: Any) -> None:
+        for parameter in self.model.parameters():
+            storage = parameter.untyped_storage()
+            self._parameters[id(storage)] = storage
 
     def _enter(self, layer: str) -> None:
         self._running.append(layer)
