@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from miniddp import MiniDDP, fully_shard
+from miniddp import MiniDDP, MixedPrecision, fully_shard
 from miniddp.models.gpt import GPT, GPTConfig, next_character_loss
 from miniddp.models.gpt_activations import Checkpointing, block_layers, checkpoint_blocks
 from miniddp.observe.activation_memory import SavedActivations
@@ -21,13 +21,16 @@ STEPS = 2
 def wrap(kind: str, model: GPT) -> torch.nn.Module:
     if kind == "ddp":
         return MiniDDP(model)
+    if kind == "ddp-bf16":  # fp32 masters, bf16 copies in the module for forward and backward
+        return MiniDDP(model, mixed_precision=MixedPrecision(torch.bfloat16))
     for block in model.blocks:  # the blocks first, then the root: FSDP2's usage
         fully_shard(block)
     return fully_shard(model)
 
 
 def train(kind: str, checkpointing: Checkpointing) -> dict:
-    """kind "ddp" (MiniDDP) or "fsdp" (fully_shard); STEPS SGD steps. Every step's gradients
+    """kind "ddp" (MiniDDP), "ddp-bf16" (its mixed precision) or "fsdp" (fully_shard); STEPS
+    SGD steps. Every step's gradients
     as this rank holds them (full, or its shards), and the first forward's saved bytes."""
     torch.manual_seed(0)
     model = checkpoint_blocks(GPT(CONFIG), checkpointing)  # before sharding: torchtitan's order
