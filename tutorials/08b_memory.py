@@ -24,6 +24,8 @@ from __future__ import annotations
 import argparse
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -144,48 +146,52 @@ def formula(layout: str, run: dict, psi: int, world: int, mixed: MixedPrecision 
     return expected.expected(run["owned"])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description="Chapter 08b: the memory of a real step.")
-    add_plot_option(parser)
-    args = parser.parse_args()
-    env = init_distributed()
-    world = env.world_size
-    corpus = load_corpus()
-    config = SETTINGS.model(len(corpus.vocabulary))
-    windows = Windows(corpus.train, config.context)
-    psi = sum(p.numel() for p in GPT(config).parameters())
-    s, b, h, a = config.context, SETTINGS.batch, config.width, config.heads
-    runs = {
-        layout: train(config, windows, layout, count_flops=layout == "ddp") for layout in LAYOUTS
-    }
-    checks: dict[str, bool] = {}
-    say_prose(f"""\
-        Chapter 08b: chapter 12's GPT on {world} ranks, Ψ = {psi:,} fp32 elements (the tied
-        embedding once), AdamW; per rank a batch of b = {b} windows of s = {s} characters,
-        width h = {h}, a = {a} heads, {config.layers} blocks, dropout {config.dropout}.""")
+@dataclass(frozen=True)
+class Setup:
+    """What every section reads: the model's settings, the text, and the sizes named s, b, h, a."""
 
+    config: GPTConfig
+    windows: Windows
+    psi: int  # parameter elements, the tied embedding once
+    world: int
+
+    @property
+    def sizes(self) -> tuple[int, int, int, int]:
+        """(s, b, h, a): context, windows a rank, width, heads."""
+        c = self.config
+        return c.context, SETTINGS.batch, c.width, c.heads
+
+
+def section_states(setup: Setup, checks: dict[str, bool]) -> dict[str, dict]:
     section("1. The model's states")
     say_prose("""\
         As in chapter 08, counted from the storages on rank 0, after the optimizer step (the
-        gradients not yet zeroed, so every term is there at once):
-        parameters 4Ψ, gradients 4Ψ, MiniDDP's buckets 4Ψ, AdamW's two moments 8Ψ and a
-        4-byte step per tensor. This is the accounting of fp32 everything, 20Ψ a rank under
-        DDP; ZeRO shards Adam's state (1), then the gradients (2), then the parameters (3).""")
+        gradients not yet zeroed, so every term is there at once): parameters 4Ψ, gradients
+        4Ψ, MiniDDP's buckets 4Ψ, AdamW's two moments 8Ψ and a 4-byte step per tensor. This is
+        the accounting of fp32 everything, 20Ψ a rank under DDP; ZeRO shards Adam's state (1),
+        then the gradients (2), then the parameters (3).""")
+    runs = {
+        layout: train(setup.config, setup.windows, layout, count_flops=layout == "ddp")
+        for layout in LAYOUTS
+    }
     say(f"  {'':<8}" + "".join(f"{k.replace('_', ' '):>17}" for k in STATES) + f"{'total':>11}")
     for layout, run in runs.items():
-        expected = formula(layout, run, psi, world)
+        expected = formula(layout, run, setup.psi, setup.world)
         cells = "".join(f"{fmt_bytes(getattr(run['memory'], k)):>17}" for k in STATES)
         say(f"  {NAMES[layout]:<8}{cells}{fmt_bytes(run['memory'].total):>11}")
         checks[f"{layout}: the model's states are the formula's"] = run["memory"] == expected
     say("  (each equal to chapter 08's formula, to the byte)")
+    return runs
 
+
+def section_activations(setup: Setup, runs: dict[str, dict], checks: dict[str, bool]) -> None:
     section("2. The activations")
+    config, (s, b, h, a) = setup.config, setup.sizes
     blocks = runs["ddp"]["activations"]
-    fp32_block = blocks["blocks.0"]
     say_prose(f"""\
         What autograd saves between forward and backward, counted by its saved-tensor hooks
         (miniddp.observe.activation_memory): each storage once, the parameters a Linear saves
-        left out. Every block keeps the same, {fmt_bytes(fp32_block)}: with s·b·h =
+        left out. Every block keeps the same, {fmt_bytes(blocks["blocks.0"])}: with s·b·h =
         {s * b * h:,} and a·s²·b = {a * s * s * b:,},
 
             72sbh + 12as²b + 16sb = {72 * s * b * h + 12 * a * s * s * b + 16 * s * b:,} bytes
@@ -202,30 +208,34 @@ def main() -> None:
         say(f"  {layer:<10} {measured:>12,} bytes   formula {expected[layer]:>12,}")
     for layout, run in runs.items():
         checks[f"{layout}: activations are the formula's"] = run["activations"] == expected
-    bf16 = block_bytes(config, b, torch.bfloat16)
-    ours16 = 42 * s * b * h + 12 * a * s * s * b + 8 * s * b
-    theirs = korthikanti_bytes(config, b, torch.bfloat16)
+    no_dropout = GPTConfig(config.vocab_size, dropout=0.0)
     say_prose(f"""\
         The same under every layout: sharding splits the model, not the batch's activations
         (ZeRO-3's gathered parameters, saved by autograd, are freed after each forward).
         Korthikanti et al. count s·b·h·(34 + 5as/h) bytes a layer at 16 bits,
-        {fmt_bytes(theirs)} here. This block in bf16 keeps 42sbh + 12as²b + 8sb =
-        {fmt_bytes(bf16)}: the CPU's dropout keeps its masks in the input's dtype, not as
-        1-byte booleans, and its attention with dropout runs in fp32 even for bf16 inputs. In
-        fp32 their count gives 66sbh + 9as²b (their masks stay 1 byte), ours 72sbh + 12as²b.
-        Without dropout the flash kernel runs instead and keeps no s x s tensor at all:
-        {fmt_bytes(block_bytes(GPTConfig(config.vocab_size, dropout=0.0), b))} a block.""")
-    checks["the bf16 block is 42sbh + 12as²b + 8sb"] = bf16 == ours16
+        {fmt_bytes(korthikanti_bytes(config, b, torch.bfloat16))} here. This block in bf16
+        keeps 42sbh + 12as²b + 8sb = {fmt_bytes(block_bytes(config, b, torch.bfloat16))}
+        (section 5 measures it): the CPU's dropout keeps its masks in the input's dtype, not
+        as 1-byte booleans, and its attention with dropout runs in fp32 even for bf16 inputs.
+        In fp32 their count gives 66sbh + 9as²b (their masks stay 1 byte), ours 72sbh +
+        12as²b. Without dropout the flash kernel runs instead and keeps no s x s tensor at
+        all: {fmt_bytes(block_bytes(no_dropout, b))} a block.""")
 
+
+def section_checkpointing(
+    setup: Setup, runs: dict[str, dict], checks: dict[str, bool]
+) -> dict[Checkpointing, dict]:
     section("3. Checkpointing: bytes for FLOPs")
+    config, (s, b, h, _) = setup.config, setup.sizes
     say_prose("""\
         torch.utils.checkpoint(use_reentrant=False) keeps only a region's inputs, then runs the
         region's forward again in backward, from the same generator state, so that dropout
         draws the same masks. Per block (the whole block's forward) or selective (attention
         only, where the s² terms live), under MiniDDP:""")
     plain = runs["ddp"]
-    trade = {each: train(config, windows, "ddp", each, count_flops=True) for each in CHECKPOINTED}
-    trade = {Checkpointing.NONE: plain, **trade}
+    trade = {Checkpointing.NONE: plain}
+    for each in CHECKPOINTED:
+        trade[each] = train(config, setup.windows, "ddp", each, count_flops=True)
     header = ("a block keeps", "formula", "recomputed", "formula", "backward")
     say(f"  {'':<10}" + "".join(f"{cell:>14}" for cell in header))
     for each, run in trade.items():
@@ -238,16 +248,14 @@ def main() -> None:
             f"{run['backward_s'] * 1e3:.0f} ms",
         )
         say(f"  {each.value:<10}" + "".join(f"{cell:>14}" for cell in cells))
-        checks[f"{each.value}: activations are the formula's"] = run["activations"] == (
-            activation_bytes(config, b, checkpointing=each)
-        )
-        checks[f"{each.value}: FLOPs recomputed are the formula's"] = extra == recompute_flops(
-            config, b, each
-        )
+        expected = activation_bytes(config, b, checkpointing=each)
+        checks[f"{each.value}: activations are the formula's"] = run["activations"] == expected
+        flops = recompute_flops(config, b, each)
+        checks[f"{each.value}: FLOPs recomputed are the formula's"] = extra == flops
         checks[f"{each.value}: the gradients are the plain run's bits"] = all(
             torch.equal(x, y)
-            for mine, theirs in zip(run["gradients"], plain["gradients"])
-            for x, y in zip(mine, theirs)
+            for mine, theirs in zip(run["gradients"], plain["gradients"], strict=True)
+            for x, y in zip(mine, theirs, strict=True)
         )
     say_prose(f"""\
         Per block, checkpointing keeps its input, e·sbh = {fmt_bytes(4 * s * b * h)}, and pays
@@ -256,7 +264,12 @@ def main() -> None:
         (The backward times are one measurement on a shared CPU: an illustration, not a
         claim.) miniddp.fully_shard cannot run a checkpointed region again yet: it puts the
         shards back after a unit's forward, and the recompute would find them.""")
+    return trade
 
+
+def section_whole_step(
+    setup: Setup, runs: dict[str, dict], trade: dict[Checkpointing, dict], plot: Path | None
+) -> None:
     section("4. The whole step")
     terms = {}
     for layout, run in runs.items():
@@ -276,15 +289,17 @@ def main() -> None:
         gradients once backward has freed most of them, so the true peak lies between the
         largest term and the sum. At this size the activations outweigh the whole model: ZeRO
         shrinks the smaller part, checkpointing the larger.""")
-    if args.plot and env.rank == 0:
-        args.plot.mkdir(parents=True, exist_ok=True)
+    if plot is not None and dist.get_rank() == 0:
+        plot.mkdir(parents=True, exist_ok=True)
+        s, b, _, _ = setup.sizes
         title = (
-            f"One step's memory on rank 0: chapter 12's GPT, fp32, AdamW, W = {world}, b = {b}, "
-            f"s = {s}\nbars: activation checkpointing none, per block, attention only"
+            f"One step's memory on rank 0: chapter 12's GPT, fp32, AdamW, W = {setup.world}, "
+            f"b = {b}, s = {s}\nbars: activation checkpointing none, per block, attention only"
         )
-        path = step_memory(terms, args.plot / "08b_memory.png", title)
-        say(f"wrote {path}")
+        say(f"wrote {step_memory(terms, plot / '08b_memory.png', title)}")
 
+
+def section_mixed_precision(setup: Setup, runs: dict[str, dict], checks: dict[str, bool]) -> None:
     section("5. Mixed precision: bf16 compute, fp32 masters")
     say_prose(f"""\
         Each layout again, computing in bf16: MiniDDP(mixed_precision=MixedPrecision(bf16))
@@ -294,31 +309,33 @@ def main() -> None:
         times slower than fp32 on this CPU, so the batch is b = {MIXED_BATCH} windows a rank
         here. Rank 0, after the step:""")
     mixed_runs = {
-        layout: train(config, windows, layout, mixed=BF16, batch=MIXED_BATCH) for layout in LAYOUTS
+        layout: train(setup.config, setup.windows, layout, mixed=BF16, batch=MIXED_BATCH)
+        for layout in LAYOUTS
     }
     kinds = (*STATES, "compute_copies")
     say(f"  {'':<8}" + "".join(f"{k.replace('_', ' '):>16}" for k in kinds) + f"{'total':>10}")
     for layout, run in mixed_runs.items():
         cells = "".join(f"{fmt_bytes(getattr(run['memory'], k)):>16}" for k in kinds)
         say(f"  {NAMES[layout]:<8}{cells}{fmt_bytes(run['memory'].total):>10}")
-        expected = formula(layout, run, psi, world, BF16)
+        expected = formula(layout, run, setup.psi, setup.world, BF16)
         checks[f"bf16 {layout}: the model's states are the formula's"] = run["memory"] == expected
         checks[f"bf16 {layout}: activations are the bf16 formula's"] = run["activations"] == (
-            activation_bytes(config, MIXED_BATCH, torch.bfloat16)
+            activation_bytes(setup.config, MIXED_BATCH, torch.bfloat16)
         )
     bf16_block = mixed_runs["ddp"]["activations"]["blocks.0"]
+    fp32_block = block_bytes(setup.config, MIXED_BATCH)  # section 2's formula, measured there
     say_prose(f"""\
         The model's states do not shrink: masters, gradients and Adam stay fp32, and the copies
         add 2Ψ (ZeRO-3's are transient). The activations do: {fmt_bytes(bf16_block)} a block at
         b = {MIXED_BATCH}, the bf16 formula of section 2 to the byte, against fp32's
-        {fmt_bytes(fp32_block * MIXED_BATCH // b)} (not half: the CPU's attention with dropout
-        computes in fp32 even for bf16).
+        {fmt_bytes(fp32_block)} (not half: the CPU's attention with dropout computes in fp32
+        even for bf16).
 
         The reduction may run in bf16 too: MixedPrecision(bf16, reduce_dtype=bf16) halves the
         buckets and the bytes on the wire. Its cost: the averaged gradients against the fp32
         reduction's, from the same bf16 copies and the same local gradients:""")
-    low = train(config, windows, "ddp", mixed=BF16_REDUCE, batch=MIXED_BATCH)
-    low_expected = formula("ddp", low, psi, world, BF16_REDUCE)
+    low = train(setup.config, setup.windows, "ddp", mixed=BF16_REDUCE, batch=MIXED_BATCH)
+    low_expected = formula("ddp", low, setup.psi, setup.world, BF16_REDUCE)
     checks["bf16 reduction: the model's states are the formula's"] = low["memory"] == low_expected
 
     pairs = zip(low["gradients"][0], mixed_runs["ddp"]["gradients"][0], strict=True)
@@ -333,9 +350,9 @@ def main() -> None:
     checks["a bf16 reduction rounds, within bf16's 2^-8"] = 0 < reduce_error < 2**-8
     ddp_mixed = mixed_runs["ddp"]["memory"]
     per_element = {
-        "fp32 (chapter 08)": runs["ddp"]["memory"].total / psi,
-        "bf16 with fp32 buckets": ddp_mixed.total / psi,
-        "bf16 with bf16 buckets": low["memory"].total / psi,
+        "fp32 (chapter 08)": runs["ddp"]["memory"].total / setup.psi,
+        "bf16 with fp32 buckets": ddp_mixed.total / setup.psi,
+        "bf16 with bf16 buckets": low["memory"].total / setup.psi,
     }
     say_prose(
         """\
@@ -355,6 +372,28 @@ def main() -> None:
         round(per_element["fp32 (chapter 08)"]) == 20
         and round(per_element["bf16 with fp32 buckets"]) == 22
     )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Chapter 08b: the memory of a real step.")
+    add_plot_option(parser)
+    args = parser.parse_args()
+    world = init_distributed().world_size
+    corpus = load_corpus()
+    config = SETTINGS.model(len(corpus.vocabulary))
+    windows = Windows(corpus.train, config.context)
+    setup = Setup(config, windows, sum(p.numel() for p in GPT(config).parameters()), world)
+    s, b, h, a = setup.sizes
+    say_prose(f"""\
+        Chapter 08b: chapter 12's GPT on {world} ranks, Ψ = {setup.psi:,} fp32 elements (the
+        tied embedding once), AdamW; per rank a batch of b = {b} windows of s = {s} characters,
+        width h = {h}, a = {a} heads, {config.layers} blocks, dropout {config.dropout}.""")
+    checks: dict[str, bool] = {}
+    runs = section_states(setup, checks)
+    section_activations(setup, runs, checks)
+    trade = section_checkpointing(setup, runs, checks)
+    section_whole_step(setup, runs, trade, args.plot)
+    section_mixed_precision(setup, runs, checks)
 
     section("Checks")
     failed = [claim for claim, held in checks.items() if not held]
