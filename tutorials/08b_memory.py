@@ -231,7 +231,8 @@ def section_checkpointing(
         torch.utils.checkpoint(use_reentrant=False) keeps only a region's inputs, then runs the
         region's forward again in backward, from the same generator state, so that dropout
         draws the same masks. Per block (the whole block's forward) or selective (attention
-        only, where the s² terms live), under MiniDDP:""")
+        only, where the s² terms live), under MiniDDP; the bytes a block, the FLOPs recomputed
+        and the time for the whole backward:""")
     plain = runs["ddp"]
     trade = {Checkpointing.NONE: plain}
     for each in CHECKPOINTED:
