@@ -6,7 +6,7 @@ DDP keeps W identical copies of everything. This chapter counts the copies on on
 tensors' storages, then removes them one kind at a time, each stage on MiniDDP's own collectives
 (chapter 01) and each checked against plain DDP training:
 
-    1. the memory problem   DDP + AdamW against 4Ψ + 4Ψ + 4Ψ + 8Ψ bytes
+    1. the memory problem   DDP + AdamW against 4Ψ + 4Ψ + 4Ψ + 8Ψ = 20Ψ bytes: fp32 everything
     2. ZeRO-1               the optimizer state sharded
     3. ZeRO-2               the averaged gradients sharded too
     4. ZeRO-3               the parameters themselves: miniddp.fully_shard
@@ -160,7 +160,10 @@ def main() -> None:
         Every rank of DDP holds the parameters (4 bytes an element), their gradients (4), the
         buckets the gradients travel in (4; 0 with gradient_as_bucket_view, where .grad is a
         view into its bucket) and AdamW's two running averages (8): 20 bytes an element, the
-        same on every rank. Counted from the storages on rank 0, before the optimizer step:""")
+        same on every rank. That is 20Ψ, fp32 everything; the ZeRO paper counts 16Ψ, mixed
+        precision's: 16-bit weights and gradients (2 + 2) beside fp32 masters and moments (12),
+        and no buckets. Chapter 08b adds the activations, at chapter 12's size the largest
+        term. Counted from the storages on rank 0, before the optimizer step:""")
     )
     exact = {"ddp": say_memory("ddp", RUNS["ddp"], psi, world)}
     view = train("ddp", bucket_view=True)["memory"]

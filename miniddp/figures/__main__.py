@@ -12,6 +12,8 @@ Where the data comes from:
 - 00: one process trains the same model on one big batch and on micro-batches.
 - 02, 06: drawn from the rules they picture (DistributedSampler's shards; chapter 06's
   checkpoint, crash and resume steps), no run needed.
+- 08b: chapter 08b itself, under torchrun on 2 ranks with `--plot`: one step's memory on rank 0,
+  every term measured, per layout and checkpointing.
 - 05, 08, 13: chapter 05's no_sync timeline (2 gloo ranks), and two drawn from formulas and
   layouts: memory per rank per sharding stage, the tensor-parallel column/row split.
 - 14: a job of 4 gloo ranks runs GPipe and 1F1B on stages of fixed cost (figures/pipeline.py);
@@ -52,10 +54,13 @@ REPO = Path(__file__).resolve().parents[2]
 CHAPTER_04 = REPO / "tutorials" / "04_overlap.py"
 CHAPTER_04_TIMEOUT_S = 300
 CHAPTER_04_FIGURES = ("04_timelines.png", "04_sweep.png")
+CHAPTER_08B = REPO / "tutorials" / "08b_memory.py"
+CHAPTER_08B_TIMEOUT_S = 300
 CHAPTER_12 = REPO / "tutorials" / "12_train_gpt.py"
 CHAPTER_12_TIMEOUT_S = 900
 # the default set
-FIGURE_SETS = ("00", "01", "02", "03", "04", "05", "06", "08", "13", "14", "14b", "15", "15b")
+FIGURE_SETS = ("00", "01", "02", "03", "04", "05", "06", "08", "08b", "13", "14", "14b")
+FIGURE_SETS += ("15", "15b")
 ON_REQUEST = ("12",)  # a whole training run: only with --only 12
 
 
@@ -86,24 +91,29 @@ def run_chapter_04(out: Path, iters: int) -> None:
         )
 
 
-def run_chapter_12(out: Path) -> Path:
-    """Chapter 12's default run under torchrun on 2 ranks, with --plot; its checkpoints in a
-    temporary folder. Like chapter 04, it checks its own claims: here, the picture."""
-    figure = out / "12_loss.png"
+def run_chapter(chapter: Path, figure: Path, timeout: float, *args: str) -> Path:
+    """`chapter`'s default run under torchrun on 2 ranks, with --plot into `figure`'s folder.
+    Like chapter 04, it checks its own claims: here, the picture."""
     figure.unlink(missing_ok=True)
-    with tempfile.TemporaryDirectory() as checkpoints:
-        command = [
-            *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"),
-            *(str(CHAPTER_12), "--plot", str(out), "--checkpoint-dir", checkpoints),
-        ]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-        done = subprocess.run(
-            command, env=env, capture_output=True, text=True, timeout=CHAPTER_12_TIMEOUT_S
-        )
+    command = [
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"),
+        *(str(chapter), "--plot", str(figure.parent), *args),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0 or not figure.exists():
         output = (done.stdout + done.stderr)[-4000:]
-        raise RuntimeError(f"chapter 12 failed (exit {done.returncode}):\n{output}")
+        raise RuntimeError(f"{chapter.name} failed (exit {done.returncode}):\n{output}")
     return figure
+
+
+def run_chapter_12(out: Path) -> Path:
+    """Chapter 12's default run, its checkpoints in a temporary folder."""
+    with tempfile.TemporaryDirectory() as checkpoints:
+        figure = out / "12_loss.png"
+        return run_chapter(
+            CHAPTER_12, figure, CHAPTER_12_TIMEOUT_S, "--checkpoint-dir", checkpoints
+        )
 
 
 def figure_sets(text: str) -> set[str]:
@@ -163,6 +173,9 @@ def main(argv: list[str] | None = None) -> None:
             )
     if "08" in chosen:
         written.append(memory.memory_per_rank(args.out / "08_memory.png"))
+    if "08b" in chosen:
+        figure = args.out / "08b_memory.png"
+        written.append(run_chapter(CHAPTER_08B, figure, CHAPTER_08B_TIMEOUT_S))
     if "04" in chosen:
         run_chapter_04(args.out, args.iters)
         written += [args.out / name for name in CHAPTER_04_FIGURES]

@@ -1,9 +1,11 @@
-"""Chapter 08's figure: the memory each rank holds under DDP and the three ZeRO stages.
+"""Chapter 08's figure: the memory each rank holds under DDP and the three ZeRO stages; and
+chapter 08b's, the same layouts' whole step, activations included, as one rank measured it.
 
-Drawn from `miniddp.sharding.memory.Formula`, which chapter 08 checks byte for byte against
-the storages a rank really holds; so the bars are the measurement, at a size worth drawing: a
-1-billion-parameter model, fp32 with AdamW (4 bytes of parameter, 4 of gradient, 4 of DDP's
-bucket copy and 8 of Adam's two moments per parameter), on 2, 4 and 8 ranks.
+Chapter 08's is drawn from `miniddp.sharding.memory.Formula`, which chapter 08 checks byte for
+byte against the storages a rank really holds; so the bars are the measurement, at a size worth
+drawing: a 1-billion-parameter model, fp32 with AdamW (4 bytes of parameter, 4 of gradient, 4
+of DDP's bucket copy and 8 of Adam's two moments per parameter), on 2, 4 and 8 ranks. Chapter
+08b's is the chapter's own measurement, handed over as bytes per term.
 """
 
 from __future__ import annotations
@@ -45,6 +47,42 @@ def memory_per_rank(path: Path) -> Path:
         "Memory per rank, 1B parameters, fp32 AdamW: DDP keeps 20 bytes per parameter;\n"
         "ZeRO shards Adam's state (1), then the gradients (2), then the parameters (3)"
     )
+    axes.legend(loc="upper right", fontsize=8)
+    figure.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(figure)
+    return path
+
+
+def step_memory(
+    bars: dict[str, dict[str, dict[str, int]]], path: Path, title: str, unit: int = 2**20
+) -> Path:
+    """Chapter 08b's figure: per layout (DDP, ZeRO-1, ...), one stacked bar per activation
+    checkpointing, each term's bytes measured on one rank. `bars[layout][checkpointing][term]`;
+    every bar lists the same terms, drawn bottom to top in that order."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(10, 4.6))
+    first = next(iter(next(iter(bars.values())).values()))
+    colours = dict(zip(first, ("#4c72b0", "#dd8452", "#8c8c8c", "#55a868", "#c44e52", "#8172b3")))
+    per_layout = len(next(iter(bars.values())))
+    width = 0.8 / per_layout
+    for l_index, variants in enumerate(bars.values()):
+        for v_index, (variant, terms) in enumerate(variants.items()):
+            x = l_index + (v_index - (per_layout - 1) / 2) * width
+            bottom = 0.0
+            for term, nbytes in terms.items():
+                label = term if (l_index, v_index) == (0, 0) else None
+                height = nbytes / unit
+                axes.bar(x, height, width * 0.9, bottom=bottom, color=colours[term], label=label)
+                bottom += height
+            axes.text(x, bottom, f"{variant}\n{bottom:.0f}", ha="center", va="bottom", fontsize=7)
+    axes.set_xticks(range(len(bars)), list(bars))
+    axes.set_ylabel("MiB on rank 0" if unit == 2**20 else f"units of {unit:,} bytes")
+    axes.set_ylim(0, axes.get_ylim()[1] * 1.15)
+    axes.set_title(title, fontsize=10)
     axes.legend(loc="upper right", fontsize=8)
     figure.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(figure)
