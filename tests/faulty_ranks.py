@@ -34,6 +34,9 @@ MID_TRAINING_FAULTS = ("exit", "stall", "slow", "raise")
 CHECKPOINT_FAULTS = ("save-alone", "load-alone", "killed-while-saving")
 # ZeRO-1's state consolidated on one rank alone, at FAULT_STEP (MiniDDP layer only).
 CONSOLIDATE_ALONE = "consolidate-alone"
+# fully_shard layer only: at FAULT_STEP the victim joins the check before unit 2's prefetched
+# all-gather, then dies instead of issuing the gather: the others are left waiting on it.
+EXIT_DURING_PREFETCH = "exit-during-prefetched-gather"
 
 
 @dataclass(frozen=True)
@@ -130,7 +133,8 @@ def worker(args: argparse.Namespace) -> None:
     excepthook = sys.excepthook  # torch's own, installed by init_process_group
     victim = args.rank == args.victim
     steps = STEPS - 1 if victim and args.fault.startswith("fewer-steps") else STEPS
-    step = _miniddp_step(args, report) if args.layer == "miniddp" else _all_reduce_step
+    steps_of = {"miniddp": _miniddp_step, "fully_shard": _fully_shard_step}
+    step = steps_of[args.layer](args, report) if args.layer in steps_of else _all_reduce_step
     try:
         for number in range(steps):
             if victim and number == FAULT_STEP and args.fault in MID_TRAINING_FAULTS:
@@ -231,6 +235,44 @@ def _miniddp_step(args: argparse.Namespace, report: Callable[..., None]) -> Call
             with torch.no_grad():
                 for param in model.parameters():
                     param -= 0.1 * param.grad
+
+    return step
+
+
+def _fully_shard_step(
+    args: argparse.Namespace, report: Callable[..., None]
+) -> Callable[[int], None]:
+    """Three fully_shard units in a chain, stepped by hand with SGD (see _miniddp_step)."""
+    import torch
+    from torch import nn
+
+    from miniddp import fully_shard
+    from miniddp.sharding.sharded_parameters import ShardedParameters
+    from miniddp.sharding.units import check_every_rank_gathers
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 1))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    start_gather = ShardedParameters.start_gather
+
+    def die_after_the_check(unit: ShardedParameters, dtype=None):
+        check_every_rank_gathers(unit)  # every rank agrees to gather it...
+        report("fault")
+        os._exit(1)  # ...and this one never sends its shard
+
+    def step(number: int) -> None:
+        if number == FAULT_STEP and args.fault == EXIT_DURING_PREFETCH and args.rank == args.victim:
+            unit_2 = model[1]._sharded
+            ShardedParameters.start_gather = lambda unit, dtype=None: (
+                die_after_the_check(unit) if unit is unit_2 else start_gather(unit, dtype)
+            )
+        model(torch.randn(4, 8)).square().mean().backward()
+        with torch.no_grad():
+            for param in model.parameters():
+                param -= 0.1 * param.grad
+                param.grad = None
 
     return step
 

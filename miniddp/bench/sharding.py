@@ -11,6 +11,9 @@ Runs on 4 ranks (relaunched under torchrun) and forms groups of the first 1, 2 a
               all-reduce, then the parameters again) and for ZeRO-3; padding is the difference
     time      on the 2-rank group: each of ours against torch's nearest design, interleaved and
               paired as in `bench step` (median of per-iteration ratios, 95% interval)
+    prefetch  with --link: on the 2-rank group, ZeRO-3 with fully_shard's prefetch on against
+              off over the simulated link, paired, and each one's exposed communication against
+              the alpha-beta model's (miniddp/bench/prefetch.py)
 
 The model is an MLP of fp32 Linear layers, trained with AdamW.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -33,9 +37,11 @@ from miniddp.bench.paired import (
     paired_ratio_interval,
     rotated,
 )
+from miniddp.bench.prefetch import report_prefetch, shard_bytes_per_unit, time_prefetch
 from miniddp.collectives import traffic
 from miniddp.data_parallel.comm_hooks import all_reduce_hook
 from miniddp.job.env import cleanup, init_distributed
+from miniddp.observe.link import ENVIRONMENT_VARIABLE, EXAMPLE, BadLink, Link
 from miniddp.sharding import Formula, ddp_buckets, measure_memory, reduce_scatter_hook
 
 STAGES = ("ddp", "zero1", "zero2", "zero3")
@@ -199,7 +205,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--depth", type=positive, default=4, help="Linear layers (default 4)")
     parser.add_argument("--batch", type=positive, default=32, help="samples per rank (default 32)")
     add_iters_and_json(parser, 20, "timed steps (0 skips)", least=0)
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--link",
+        type=Link.parse,
+        default=argparse.SUPPRESS,
+        help=f"a simulated link for the prefetch section, e.g. {EXAMPLE} (default: "
+        f"${ENVIRONMENT_VARIABLE}, else none: no prefetch section)",
+    )
+    parser.add_argument(
+        "--prefetch-iters",
+        type=whole_number(at_least=1),
+        default=20,
+        help="paired steps of the prefetch section (default 20)",
+    )
+    args = parser.parse_args(argv)
+    if "link" not in args:
+        try:
+            args.link = Link.parse(os.environ.get(ENVIRONMENT_VARIABLE))
+        except BadLink as error:
+            parser.error(f"${ENVIRONMENT_VARIABLE} (the default of --link): {error}")
+    return args
 
 
 def main(argv: list[str]) -> None:
@@ -216,10 +241,16 @@ def main(argv: list[str]) -> None:
     times = (
         time_designs(args, timing_group) if timing_group and env.rank < 2 and args.iters else None
     )
+    prefetch = None
+    if timing_group and env.rank < 2 and args.link:
+        prefetch = time_prefetch(lambda: build_model(args.width, args.depth), args, timing_group)
     if env.is_main:
         order = lambda r: (r["world_size"], STAGES.index(r["stage"]), r["rank"])  # noqa: E731
         everyone = sorted((r for rows in gathered for r in rows), key=order)
         summary = report(everyone, times)
+        if prefetch:
+            units, shard = args.depth, shard_bytes_per_unit(build_model(args.width, 1), 2)
+            summary["prefetch"] = report_prefetch(prefetch, args.link, units, shard, 2)
         if args.json:
             with open(args.json, "w") as file:
                 json.dump(summary, file, indent=2)

@@ -246,9 +246,11 @@ def active_link() -> Link | None:  # the link simulated_link installed, if any
 
 
 @contextmanager
-def simulated_link(link: Link | None) -> Iterator[Link | None]:
+def simulated_link(link: Link | None, also: tuple[Any, ...] = ()) -> Iterator[Link | None]:
     """Inside the block, this process's torch.distributed collectives cross `link` (None: the
-    bare machine, nothing changes). Every rank should enter it, with the same link."""
+    bare machine, nothing changes). Every rank should enter it, with the same link. `also`:
+    modules whose collectives of the same names and arguments cross it too, on the same queue
+    (`miniddp.collectives`, whose ring fully_shard gathers and reduce-scatters on)."""
     if link is None:
         yield None
         return
@@ -256,14 +258,19 @@ def simulated_link(link: Link | None) -> Iterator[Link | None]:
         raise RuntimeError("a simulated link is already installed; leave its block first")
     queue, deliveries = LinkQueue(link), _Deliveries()
     atexit.register(deliveries.stop)
-    originals = {name: getattr(dist, name) for name in _COLLECTIVES}
-    for name, original in originals.items():
-        setattr(dist, name, _delayed(original, *_COLLECTIVES[name], queue, deliveries))
+    originals = {
+        (module, name): getattr(module, name)
+        for module in (dist, *also)
+        for name in _COLLECTIVES
+        if hasattr(module, name)
+    }
+    for (module, name), original in originals.items():
+        setattr(module, name, _delayed(original, *_COLLECTIVES[name], queue, deliveries))
     try:
         yield link
     finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
+        for (module, name), original in originals.items():
+            setattr(module, name, original)
         deliveries.stop()
         atexit.unregister(deliveries.stop)
 

@@ -1,13 +1,15 @@
 """Beyond DDP: shard what every rank would otherwise keep W copies of, on MiniDDP's collectives.
 
-memory.py           where a rank's bytes go, counted from storages, and the formulas
-zero.py             ZeRO-1: each rank keeps and steps only its partition's optimizer state
-zero2.py            ZeRO-2: a comm hook that reduce-scatters each bucket onto the owners
-fully_shard.py      ZeRO-3: each rank keeps 1/W of every parameter, gathered around its module
-mixed_precision.py  fully_shard's MixedPrecisionPolicy: bf16 compute, fp32 masters
-units.py            fully_shard's units by number, and the mistakes it refuses at the call
-full_state.py       a fully sharded model's and optimizer's full state, out and back in
-clipping.py         clip_grad_norm_ over the ranks: the true norm under every stage
+memory.py              where a rank's bytes go, counted from storages, and the formulas
+zero.py                ZeRO-1: each rank keeps and steps only its partition's optimizer state
+zero2.py               ZeRO-2: a comm hook that reduce-scatters each bucket onto the owners
+fully_shard.py         ZeRO-3: each rank keeps 1/W of every parameter, gathered around its module
+sharded_parameters.py  one fully_shard unit: its shards, and the collectives that move them
+prefetch.py            fully_shard's overlap: the next unit's gather, the last reduce-scatter
+mixed_precision.py     fully_shard's MixedPrecisionPolicy: bf16 compute, fp32 masters
+units.py               fully_shard's units by number, and the mistakes it refuses at the call
+full_state.py          a fully sharded model's and optimizer's full state, out and back in
+clipping.py            clip_grad_norm_ over the ranks: the true norm under every stage
 """
 
 from miniddp.sharding.clipping import clip_grad_norm_

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from miniddp.sharding.fully_shard import ShardedParameters
+from miniddp.sharding.sharded_parameters import ShardedParameters
 from miniddp.sharding.units import UNIT_OF
 
 

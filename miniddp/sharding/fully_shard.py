@@ -27,10 +27,9 @@ holds those full-size gradients until the next synced backward reduce-scatters t
 A module called twice in one forward does all of this once per call (its shard's gradient is
 then the sum of two averages, equal to DDP's within rounding, not bit for bit).
 
-Sharding: a parameter of n elements is flattened and cut into W chunks of ceil(n/W), the last
-padded with zeros, so every rank's piece has the same length (a collective needs that). Rank
-r's chunk is `module.<name>`: a 1-D Parameter the optimizer steps. Padding stays zero (its
-gradient is zero, so Adam leaves it alone); the benchmark states its cost.
+Each collective is issued ahead and waited for later, so that communication overlaps compute:
+prefetch.py says what runs beside what. How a unit is cut into shards, and its collectives:
+sharded_parameters.py.
 
 Communication per step, per rank: 3(W-1)/W·Ψ (two all-gathers and a reduce-scatter), 1.5 times
 DDP's all-reduce; and before each all-gather, 8 bytes to every other rank, the unit's number: a
@@ -49,14 +48,12 @@ at W = 2 (1/2 is exact), within rounding at W >= 3.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves
-from torch.utils.weak import WeakIdKeyDictionary
 
 import miniddp.collectives as collectives
 from miniddp.job.env import HOW_TO_LAUNCH
@@ -64,8 +61,9 @@ from miniddp.job.faults import wait_for
 from miniddp.placement import DataShard, carry_over, mark
 from miniddp.same_model import verify_same_model_on_every_rank
 from miniddp.sharding.mixed_precision import MixedPrecisionPolicy, refuse_a_child_in_another_dtype
+from miniddp.sharding.prefetch import Prefetcher
+from miniddp.sharding.sharded_parameters import ShardedParameters, cut
 from miniddp.sharding.units import (
-    check_every_rank_gathers,
     next_number,
     refuse_outside_its_unit,
     refuse_what_would_shard_wrongly,
@@ -73,129 +71,17 @@ from miniddp.sharding.units import (
 )
 
 
-@dataclass
-class ShardedParameters:
-    """What one fully_shard call manages: its parameters' places, shapes and shards."""
-
-    number: int  # the how-manieth fully_shard call over this group: the same on its every rank
-    name: str  # "fully_shard unit 2 (Linear: weight, bias)": what errors call it
-    places: list[list[tuple[nn.Module, str]]]  # per parameter: (module, attribute) it lives at
-    shapes: list[torch.Size]
-    shards: list[nn.Parameter]
-    group: dist.ProcessGroup | None
-    reshard_after_forward: bool
-    policy: MixedPrecisionPolicy
-    originals: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)  # unsharded
-    gathered: bool = False  # between the unit's forward pre-hook and its forward hook
-    full: list[torch.Tensor] = field(default_factory=list)  # the latest forward's, unsharded
-    requires_gradient_sync: bool = True
-    accumulated: list[torch.Tensor] | None = None  # full gradients held back by no sync
-
-    @property
-    def world_size(self) -> int:
-        return dist.get_world_size(self.group)
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return self.policy.compute_dtype(self.shards[0].dtype)
-
-    @property
-    def gradient_dtype(self) -> torch.dtype:
-        return self.policy.gradient_dtype(self.shards[0].dtype)
-
-    def gather(self, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-        """All-gather every shard; one full tensor per parameter (one collective for all), in
-        `dtype`: by default the compute dtype (mixed_precision.py)."""
-        check_every_rank_gathers(self)
-        world, length = self.world_size, sum(s.numel() for s in self.shards)
-        dtype, device = dtype or self.compute_dtype, self.shards[0].device
-        gathered = torch.empty(world * length, dtype=dtype, device=device)
-        mine = torch.cat([s.detach().to(dtype) for s in self.shards])  # cast before the gather
-        work = collectives.all_gather_into_tensor(gathered, mine, self.group, async_op=True)
-        wait_for(
-            work.get_future(), f"all-gather of {self.name} ({gathered.nbytes:,} bytes)", self.group
-        )
-        rows, full, offset = gathered.view(world, length), [], 0
-        for shard, shape in zip(self.shards, self.shapes):
-            columns = rows[:, offset : offset + shard.numel()]
-            full.append(columns.reshape(-1)[: shape.numel()].reshape(shape).clone())
-            offset += shard.numel()
-        return full
-
-    def gather_masters(self) -> list[torch.Tensor]:
-        """The full parameters in their masters' dtypes, for a state dict: gathered in the
-        widest of those dtypes, so that casting each back is exact."""
-        widest = functools.reduce(torch.promote_types, (s.dtype for s in self.shards))
-        return [t.to(s.dtype) for t, s in zip(self.gather(widest), self.shards)]
-
-    def reduce_scatter(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Rank r gets the average over ranks of chunk r of every gradient, in its shard's
-        dtype. The gradients are in gradient_dtype already (see _Unshard.backward)."""
-        world, length = self.world_size, sum(s.numel() for s in self.shards)
-        pieces = torch.zeros(world, length, dtype=grads[0].dtype, device=grads[0].device)
-        offset = 0
-        for grad, shard in zip(grads, self.shards):
-            padded = pieces.new_zeros(world * shard.numel())
-            padded[: grad.numel()] = grad.reshape(-1)
-            pieces[:, offset : offset + shard.numel()] = padded.view(world, shard.numel())
-            offset += shard.numel()
-        mine = pieces.new_empty(length)
-        work = collectives.reduce_scatter_tensor(
-            mine, pieces, op=dist.ReduceOp.AVG, group=self.group, async_op=True
-        )
-        what = f"reduce-scatter of {self.name}'s gradients ({pieces.nbytes:,} bytes)"
-        wait_for(work.get_future(), what, self.group)
-        reduced = mine.split([s.numel() for s in self.shards])
-        return [piece.to(shard.dtype) for piece, shard in zip(reduced, self.shards)]
-
-    def unshard(self, piece: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-        """One tensor cut like a shard (an optimizer state, say), gathered to `shape`."""
-        gathered = piece.new_empty(self.world_size * piece.numel())
-        work = collectives.all_gather_into_tensor(
-            gathered, piece.contiguous(), self.group, async_op=True
-        )
-        what = f"all-gather of a state of {self.name} ({gathered.nbytes:,} bytes)"
-        wait_for(work.get_future(), what, self.group)
-        return gathered[: shape.numel()].reshape(shape).clone()
-
-    def cut(self, full: torch.Tensor) -> torch.Tensor:
-        return cut(full, dist.get_rank(self.group), self.world_size)
-
-    @staticmethod
-    def free(full: list[torch.Tensor]) -> None:
-        for tensor in full:
-            tensor.untyped_storage().resize_(0)
-
-    def refill(self, full: list[torch.Tensor]) -> None:
-        """Gather again into the tensors autograd saved: same objects, their storage back."""
-        if all(tensor.untyped_storage().nbytes() for tensor in full):
-            return  # never freed: reshard_after_forward=False
-        for tensor, values in zip(full, self.gather()):
-            tensor.untyped_storage().resize_(values.untyped_storage().nbytes())
-            tensor.data.copy_(values)  # .data: autograd need not see the refill
-
-    def place(self, tensors: list[torch.Tensor]) -> None:
-        for places, tensor in zip(self.places, tensors):
-            for module, name in places:
-                module._parameters[name] = tensor
-
-
-def cut(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """Rank `rank`'s piece of `full`: flattened, padded with zeros to W·ceil(n/W), chunk r."""
-    chunk = -(-full.numel() // world)
-    padded = full.new_zeros(world * chunk)
-    padded[: full.numel()] = full.reshape(-1)
-    return padded[rank * chunk :][:chunk].clone()
-
-
 class _Unshard(torch.autograd.Function):
-    """Forward: shards -> full parameters. Backward: full gradients -> this rank's shard of
-    their average (or, without gradient sync, held back until a step that syncs)."""
+    """Forward: shards -> full parameters. Backward: full gradients -> a reduce-scatter that
+    adds this rank's shard of their average into each shard's .grad (or, without gradient sync,
+    the full gradients held back until a step that syncs)."""
 
     @staticmethod
-    def forward(ctx: Any, state: ShardedParameters, *shards: torch.Tensor) -> tuple:
-        ctx.state = state
-        full = state.gather()
+    def forward(
+        ctx: Any, state: ShardedParameters, prefetcher: Prefetcher, *shards: torch.Tensor
+    ) -> tuple:
+        ctx.state, ctx.prefetcher = state, prefetcher
+        full = prefetcher.unshard_for_forward(state)
         ctx.save_for_backward(*full)  # to free them after backward, even if called again since
         return tuple(full)
 
@@ -206,11 +92,12 @@ class _Unshard(torch.autograd.Function):
         grads = tuple(g.to(state.gradient_dtype) for g in grads)  # FSDP2 accumulates in it too
         if state.accumulated is not None:
             grads = tuple(g + held for g, held in zip(grads, state.accumulated))
-        if not state.requires_gradient_sync:
+        if state.requires_gradient_sync:
+            state.accumulated = None
+            ctx.prefetcher.reduce_after_backward(state, list(grads))  # it fills the .grads
+        else:
             state.accumulated = list(grads)
-            return (None, *[None] * len(grads))
-        state.accumulated = None
-        return (None, *state.reduce_scatter(list(grads)))
+        return (None, None, *[None] * len(grads))
 
 
 class FullyShardedModule:
@@ -218,6 +105,7 @@ class FullyShardedModule:
 
     _sharded: ShardedParameters | None
     _mp_policy: MixedPrecisionPolicy  # even a unit with no parameters casts inputs and outputs
+    _prefetcher: Prefetcher  # its root's: set again when an ancestor is sharded
 
     def set_requires_gradient_sync(self, requires: bool, *, recurse: bool = True) -> None:
         """False: backward keeps full gradients locally, summed, with no communication; the
@@ -226,6 +114,28 @@ class FullyShardedModule:
         for module in modules:
             if getattr(module, "_sharded", None) is not None:
                 module._sharded.requires_gradient_sync = requires
+
+    def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
+        """torch's: once this unit has its parameters in forward, issue these units' gathers,
+        in this order, instead of the next unit's in the previous forward's order."""
+        self._own_unit("forward").forward_prefetch = _units_of(modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
+        """torch's: the same in backward, instead of the next unit in the reversed order."""
+        self._own_unit("backward").backward_prefetch = _units_of(modules)
+
+    def set_prefetch(self, enabled: bool) -> None:
+        """Called on the root: False waits for every collective at once (no overlap), the
+        benchmark's baseline. On by default."""
+        self._prefetcher.enabled = enabled
+
+    def _own_unit(self, phase: str) -> ShardedParameters:
+        if self._sharded is None:
+            raise ValueError(
+                f"{type(self).__name__} holds no parameters of its own: it gathers nothing in "
+                f"{phase}, so no prefetch can follow its gather. Set it on a unit that does."
+            )
+        return self._sharded
 
 
 def fully_shard(
@@ -236,7 +146,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy | None = None,
 ) -> nn.Module:
     """Shard `module`'s parameters that no fully_shard'ed submodule already manages; returns
-    `module`, whose class gains `set_requires_gradient_sync`. `mp_policy`: see
+    `module`, whose class gains FullyShardedModule's methods. `mp_policy`: see
     mixed_precision.py (None: compute in the parameters' own dtype)."""
     if not dist.is_initialized():
         raise RuntimeError(f"fully_shard needs a process group. {HOW_TO_LAUNCH}")
@@ -270,23 +180,7 @@ def fully_shard(
     ]
     settings = {"reshard_after_forward": reshard_after_forward, "mp_policy": str(policy)}
     verify_same_model_on_every_rank(named, settings, process_group)
-    source = dist.get_global_rank(process_group or dist.group.WORLD, 0)
-    world, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
-    shards = []
-    for param in params.values():
-        if param.device.type == "meta" or not param.dtype.is_floating_point:
-            raise ValueError(
-                f"fully_shard shards floating-point CPU parameters; got {param.dtype} on "
-                f"{param.device}"
-            )
-        full = param.detach().clone()
-        work = collectives.broadcast(full, src=source, group=process_group, async_op=True)
-        wait_for(
-            work.get_future(),
-            f"broadcast of rank 0's {tuple(full.shape)} parameter (fully_shard)",
-            process_group,
-        )  # rank 0's values, as DDP does
-        shards.append(nn.Parameter(cut(full, rank, world), param.requires_grad))
+    shards = [_shard(param, process_group) for param in params.values()]
     number = next_number(process_group)
     names = ", ".join(dict.fromkeys(name for p in places.values() for _, name in p))
     sharded = ShardedParameters(
@@ -308,6 +202,9 @@ def fully_shard(
     sharded.place(shards)
     module._sharded = sharded if shards else None
     module._mp_policy = policy
+    prefetcher = Prefetcher(root=module)  # the root's, until an ancestor is sharded too
+    for unit in [module, *_units_below(module)]:
+        unit._prefetcher = prefetcher
     module.register_forward_pre_hook(_before_forward, with_kwargs=True)
     module.register_forward_hook(_after_forward)
     for owner in dict.fromkeys(o for p in places.values() for o, _ in p if o is not module):
@@ -317,6 +214,21 @@ def fully_shard(
     return module
 
 
+def _shard(param: torch.Tensor, group: dist.ProcessGroup | None) -> nn.Parameter:
+    """This rank's piece of rank 0's values of `param` (rank 0's, as DDP does)."""
+    if param.device.type == "meta" or not param.dtype.is_floating_point:
+        raise ValueError(
+            f"fully_shard shards floating-point CPU parameters; got {param.dtype} on {param.device}"
+        )
+    full = param.detach().clone()
+    source = dist.get_global_rank(group or dist.group.WORLD, 0)
+    work = collectives.broadcast(full, src=source, group=group, async_op=True)
+    what = f"broadcast of rank 0's {tuple(full.shape)} parameter (fully_shard)"
+    wait_for(work.get_future(), what, group)
+    piece = cut(full, dist.get_rank(group), dist.get_world_size(group))
+    return nn.Parameter(piece, param.requires_grad)
+
+
 def _own_modules(module: nn.Module) -> list[nn.Module]:
     """`module` and its submodules, except those under a fully_shard'ed submodule."""
     found = [module]
@@ -324,6 +236,19 @@ def _own_modules(module: nn.Module) -> list[nn.Module]:
         if not isinstance(child, FullyShardedModule):
             found += _own_modules(child)
     return found
+
+
+def _units_below(module: nn.Module) -> list[nn.Module]:
+    return [sub for sub in module.modules() if isinstance(sub, FullyShardedModule)]
+
+
+def _units_of(modules: list[nn.Module]) -> list[ShardedParameters]:
+    if not all(isinstance(m, FullyShardedModule) and m._sharded is not None for m in modules):
+        raise ValueError(
+            "prefetch lists name fully_shard'ed modules that hold parameters of their own; got "
+            f"{[type(m).__name__ for m in modules]}"
+        )
+    return [m._sharded for m in modules]
 
 
 def _refuse_children_in_another_dtype(module: nn.Module, unit: ShardedParameters | None) -> None:
@@ -337,8 +262,11 @@ def _refuse_children_in_another_dtype(module: nn.Module, unit: ShardedParameters
 
 def _before_forward(module: nn.Module, args: Any, kwargs: dict) -> tuple[Any, dict] | None:
     state: ShardedParameters | None = module._sharded
+    prefetcher: Prefetcher = module._prefetcher
+    if prefetcher.root is module:
+        prefetcher.begin_forward()
     if state is not None:
-        state.full = list(_Unshard.apply(state, *state.shards))
+        state.full = list(_Unshard.apply(state, prefetcher, *state.shards))
         state.place(state.full)
         state.gathered = True
     return module._mp_policy.cast_inputs(args, kwargs)
@@ -346,12 +274,18 @@ def _before_forward(module: nn.Module, args: Any, kwargs: dict) -> tuple[Any, di
 
 def _after_forward(module: nn.Module, args: Any, output: Any) -> Any:
     state: ShardedParameters | None = module._sharded
+    prefetcher: Prefetcher = module._prefetcher
     if state is not None:
-        _free_or_wait_for_backward(state, output)
+        prefetcher.after_forward(state)
+        _free_or_wait_for_backward(state, prefetcher, output)
+    if prefetcher.root is module:
+        prefetcher.end_forward()
     return module._mp_policy.cast_output(output)
 
 
-def _free_or_wait_for_backward(state: ShardedParameters, output: Any) -> None:
+def _free_or_wait_for_backward(
+    state: ShardedParameters, prefetcher: Prefetcher, output: Any
+) -> None:
     state.place(state.shards)
     state.gathered = False
     full = state.full  # this call's: a module called twice has one set per call
@@ -361,4 +295,5 @@ def _free_or_wait_for_backward(state: ShardedParameters, output: Any) -> None:
         return
     if state.reshard_after_forward:
         state.free(full)
-    torch.autograd.graph.register_multi_grad_hook(waiting, lambda _: state.refill(full), mode="any")
+    refill = lambda _: prefetcher.unshard_for_backward(state, full)  # noqa: E731
+    torch.autograd.graph.register_multi_grad_hook(waiting, refill, mode="any")

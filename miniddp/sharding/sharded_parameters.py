@@ -1,0 +1,178 @@
+"""One fully_shard unit's parameters, and the collectives that move them.
+
+A unit's shards are gathered into full parameters and its full gradients reduce-scattered back
+onto the shards, each collective in two halves: `start_*` issues it on MiniDDP's communication
+thread and returns at once, `finish_*` waits for it (through the one wait seam, so that a dead
+rank is named) and puts the result in place. Between the two, the caller computes: prefetch.py
+decides what runs between.
+
+Sharding: a parameter of n elements is flattened and cut into W chunks of ceil(n/W), the last
+padded with zeros, so every rank's piece has the same length (a collective needs that). Rank
+r's chunk is `module.<name>`: a 1-D Parameter the optimizer steps. Padding stays zero (its
+gradient is zero, so Adam leaves it alone); the benchmark states its cost.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+import miniddp.collectives as collectives
+from miniddp.job.faults import wait_for
+from miniddp.sharding.mixed_precision import MixedPrecisionPolicy
+from miniddp.sharding.units import check_every_rank_gathers
+
+
+@dataclass
+class InFlight:
+    """A collective issued and not yet waited for: its Work, its output, what errors call it."""
+
+    work: collectives.Work
+    output: torch.Tensor
+    what: str
+
+    def wait(self, group: dist.ProcessGroup | None) -> torch.Tensor:
+        wait_for(self.work.get_future(), self.what, group)
+        return self.output
+
+
+@dataclass
+class ShardedParameters:
+    """What one fully_shard call manages: its parameters' places, shapes and shards."""
+
+    number: int  # the how-manieth fully_shard call over this group: the same on its every rank
+    name: str  # "fully_shard unit 2 (Linear: weight, bias)": what errors call it
+    places: list[list[tuple[nn.Module, str]]]  # per parameter: (module, attribute) it lives at
+    shapes: list[torch.Size]
+    shards: list[nn.Parameter]
+    group: dist.ProcessGroup | None
+    reshard_after_forward: bool
+    policy: MixedPrecisionPolicy
+    originals: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)  # unsharded
+    gathered: bool = False  # between the unit's forward pre-hook and its forward hook
+    full: list[torch.Tensor] = field(default_factory=list)  # the latest forward's, unsharded
+    requires_gradient_sync: bool = True
+    accumulated: list[torch.Tensor] | None = None  # full gradients held back by no sync
+    forward_prefetch: list[ShardedParameters] | None = None  # explicit lists (prefetch.py)
+    backward_prefetch: list[ShardedParameters] | None = None
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.policy.compute_dtype(self.shards[0].dtype)
+
+    @property
+    def gradient_dtype(self) -> torch.dtype:
+        return self.policy.gradient_dtype(self.shards[0].dtype)
+
+    def start_gather(self, dtype: torch.dtype | None = None) -> InFlight:
+        """Issue the all-gather of every shard (one collective for all), in `dtype`: by default
+        the compute dtype (mixed_precision.py). Every rank first checks, blocking, that the
+        others gather this unit too (units.check_every_rank_gathers)."""
+        check_every_rank_gathers(self)
+        world, length = self.world_size, sum(s.numel() for s in self.shards)
+        dtype, device = dtype or self.compute_dtype, self.shards[0].device
+        gathered = torch.empty(world * length, dtype=dtype, device=device)
+        mine = torch.cat([s.detach().to(dtype) for s in self.shards])  # cast before the gather
+        work = collectives.all_gather_into_tensor(gathered, mine, self.group, async_op=True)
+        return InFlight(work, gathered, f"all-gather of {self.name} ({gathered.nbytes:,} bytes)")
+
+    def finish_gather(self, gathering: InFlight) -> list[torch.Tensor]:
+        """Wait for `gathering`; one full tensor per parameter."""
+        gathered = gathering.wait(self.group)
+        world, length = self.world_size, sum(s.numel() for s in self.shards)
+        rows, full, offset = gathered.view(world, length), [], 0
+        for shard, shape in zip(self.shards, self.shapes):
+            columns = rows[:, offset : offset + shard.numel()]
+            full.append(columns.reshape(-1)[: shape.numel()].reshape(shape).clone())
+            offset += shard.numel()
+        return full
+
+    def gather(self, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        return self.finish_gather(self.start_gather(dtype))
+
+    def gather_masters(self) -> list[torch.Tensor]:
+        """The full parameters in their masters' dtypes, for a state dict: gathered in the
+        widest of those dtypes, so that casting each back is exact."""
+        widest = functools.reduce(torch.promote_types, (s.dtype for s in self.shards))
+        return [t.to(s.dtype) for t, s in zip(self.gather(widest), self.shards)]
+
+    def start_reduce_scatter(self, grads: list[torch.Tensor]) -> InFlight:
+        """Issue the reduce-scatter that leaves rank r the average over ranks of chunk r of
+        every gradient. The gradients are in gradient_dtype already (see _Unshard.backward)."""
+        world, length = self.world_size, sum(s.numel() for s in self.shards)
+        pieces = torch.zeros(world, length, dtype=grads[0].dtype, device=grads[0].device)
+        offset = 0
+        for grad, shard in zip(grads, self.shards):
+            padded = pieces.new_zeros(world * shard.numel())
+            padded[: grad.numel()] = grad.reshape(-1)
+            pieces[:, offset : offset + shard.numel()] = padded.view(world, shard.numel())
+            offset += shard.numel()
+        mine = pieces.new_empty(length)
+        work = collectives.reduce_scatter_tensor(
+            mine, pieces, op=dist.ReduceOp.AVG, group=self.group, async_op=True
+        )
+        return InFlight(
+            work, mine, f"reduce-scatter of {self.name}'s gradients ({pieces.nbytes:,} bytes)"
+        )
+
+    def finish_reduce_scatter(self, reducing: InFlight) -> None:
+        """Wait for `reducing`, and add each shard's piece into its `.grad` in the shard's
+        dtype, as autograd would have (None: set it; else add in place)."""
+        reduced = reducing.wait(self.group).split([s.numel() for s in self.shards])
+        for shard, piece in zip(self.shards, reduced):
+            if shard.grad is None:
+                shard.grad = piece.to(shard.dtype)
+            else:
+                shard.grad += piece
+
+    def unshard(self, piece: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """One tensor cut like a shard (an optimizer state, say), gathered to `shape`."""
+        gathered = piece.new_empty(self.world_size * piece.numel())
+        work = collectives.all_gather_into_tensor(
+            gathered, piece.contiguous(), self.group, async_op=True
+        )
+        what = f"all-gather of a state of {self.name} ({gathered.nbytes:,} bytes)"
+        wait_for(work.get_future(), what, self.group)
+        return gathered[: shape.numel()].reshape(shape).clone()
+
+    def cut(self, full: torch.Tensor) -> torch.Tensor:
+        return cut(full, dist.get_rank(self.group), self.world_size)
+
+    @staticmethod
+    def free(full: list[torch.Tensor]) -> None:
+        for tensor in full:
+            tensor.untyped_storage().resize_(0)
+
+    @staticmethod
+    def is_freed(full: list[torch.Tensor]) -> bool:
+        return not all(tensor.untyped_storage().nbytes() for tensor in full)
+
+    @staticmethod
+    def refill(full: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Put gathered values back into the tensors autograd saved: same objects, their
+        storage back."""
+        for tensor, value in zip(full, values):
+            tensor.untyped_storage().resize_(value.untyped_storage().nbytes())
+            tensor.data.copy_(value)  # .data: autograd need not see the refill
+
+    def place(self, tensors: list[torch.Tensor]) -> None:
+        for places, tensor in zip(self.places, tensors):
+            for module, name in places:
+                module._parameters[name] = tensor
+
+
+def cut(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rank `rank`'s piece of `full`: flattened, padded with zeros to W·ceil(n/W), chunk r."""
+    chunk = -(-full.numel() // world)
+    padded = full.new_zeros(world * chunk)
+    padded[: full.numel()] = full.reshape(-1)
+    return padded[rank * chunk :][:chunk].clone()
