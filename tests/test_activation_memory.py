@@ -6,8 +6,7 @@ One process: the bytes autograd saves, per block and outside the blocks, at the 
 (the CPU's math attention, s x s tensors and all) and without (the flash kernel); checkpointing
 per block and attention only, its bytes and its recomputed FLOPs, and gradients unchanged.
 Two ranks: MiniDDP (in fp32 and in mixed precision) and fully_shard hold the activations the
-formula says; MiniDDP trains bitwise the same with checkpointing as without (fully_shard cannot
-yet: its test is a strict xfail, naming the fix).
+formula says; MiniDDP and fully_shard train bitwise the same with checkpointing as without.
 """
 
 from __future__ import annotations
@@ -131,13 +130,6 @@ def test_minddp_trains_bitwise_the_same_with_checkpointing(pool2):
     assert_same_training(runs, "MiniDDP")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="miniddp.fully_shard places the shards back after a unit's forward, so a checkpoint's "
-    "recompute in backward finds 1-D shards ('LayerNorm was called on its own'); fixed by "
-    "placing the refilled full parameters before backward (ShardedParameters.refill) and the "
-    "shards after it (_Unshard.backward)",
-)
 def test_fully_shard_trains_bitwise_the_same_with_checkpointing(pool2):
     runs = pool2.run(activation_memory_tasks.with_and_without, "fsdp", (Checkpointing.BLOCK,))
     assert_same_training(runs, "fully_shard")

@@ -263,8 +263,9 @@ def section_checkpointing(
         a whole forward again (24sbh² + 4bs²h FLOPs: about a third more compute for the step).
         Attention only keeps 13e·sbh + 4e·sb and drops every s² term; it pays 8sbh² + 4bs²h.
         (The backward times are one measurement on a shared CPU: an illustration, not a
-        claim.) miniddp.fully_shard cannot run a checkpointed region again yet: it puts the
-        shards back after a unit's forward, and the recompute would find them.""")
+        claim.) Under miniddp.fully_shard a unit's full parameters are back in the module for
+        its backward, so a checkpointed region runs again there too, bitwise the same
+        (tests/test_activation_memory.py).""")
     return trade
 
 

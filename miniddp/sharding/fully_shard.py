@@ -88,6 +88,8 @@ class _Unshard(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         state: ShardedParameters = ctx.state
+        state.place(state.shards)  # what the optimizer steps, outside forward and backward
+        state.gathered = False
         state.free(list(ctx.saved_tensors))
         grads = tuple(g.to(state.gradient_dtype) for g in grads)  # FSDP2 accumulates in it too
         if state.accumulated is not None:
@@ -295,5 +297,13 @@ def _free_or_wait_for_backward(
         return
     if state.reshard_after_forward:
         state.free(full)
-    refill = lambda _: prefetcher.unshard_for_backward(state, full)  # noqa: E731
-    torch.autograd.graph.register_multi_grad_hook(waiting, refill, mode="any")
+
+    def before_backward(_: Any) -> None:
+        # Full parameters back in the module for its backward: a checkpointed block's
+        # recompute calls its forward again, which must find them there (_Unshard.backward
+        # puts the shards back).
+        prefetcher.unshard_for_backward(state, full)
+        state.place(full)
+        state.gathered = True
+
+    torch.autograd.graph.register_multi_grad_hook(waiting, before_backward, mode="any")
