@@ -26,7 +26,7 @@ CollectiveFailed class, whichever name an `except` uses).
 import sys
 
 import miniddp.checkpoint as checkpoint
-from miniddp.data_parallel.buckets import BucketInfo
+from miniddp.data_parallel.bucket import BucketInfo
 from miniddp.data_parallel.ddp import MiniDDP
 from miniddp.data_parallel.mixed_precision import MixedPrecision
 from miniddp.data_parallel.sampler import DistributedSampler

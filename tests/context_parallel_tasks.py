@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from miniddp.collectives import traffic
+from miniddp.context_parallel import attention as ring_module
 from miniddp.context_parallel import (
     chunks_of,
     count_blocks,
@@ -21,7 +22,6 @@ from miniddp.context_parallel import (
     shard_sequence,
     unshard_sequence,
 )
-from miniddp.context_parallel import ring as ring_module
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from miniddp.data_parallel.buckets import Bucket, describe_layout
+from miniddp.data_parallel.bucket import Bucket, describe_layout
 from miniddp.data_parallel.layout import assign_buckets, bucket_caps, initial_layout
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16]

@@ -121,7 +121,7 @@ def test_the_three_d_figure_draws_the_mesh_and_a_step(tmp_path: Path) -> None:
     """Chapter 15's figure from a step made up here (the 8-rank job that records a real one is
     the slow test's): its groups are the mesh's, and it is a readable PNG."""
     from miniddp.figures import three_d
-    from miniddp.pipeline.timeline import Block
+    from miniddp.pipeline.bubble import Block
 
     groups = three_d.groups_of((2, 2, 2))
     assert groups == {  # miniddp/mesh.py's docstring draws these

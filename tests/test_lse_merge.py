@@ -1,5 +1,5 @@
 """The log-sum-exp merge (tutorials/exercises/lse_merge.py; the answer: `merge` in
-miniddp/context_parallel/ring.py): two partial attentions over disjoint key blocks, merged,
+miniddp/context_parallel/attention.py): two partial attentions over disjoint key blocks, merged,
 are one process's attention over the concatenated keys, and their lse its log-sum-exp.
 
 Your own merge goes through the same check:
@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from miniddp.context_parallel import ring
+from miniddp.context_parallel import attention
 from tests.harness.processes import child_env, run_in_own_session, tail
 from tests.workloads import load_implementation
 
@@ -88,7 +88,7 @@ def check_merge(merge) -> None:
 
 
 def test_the_merge_is_attention_over_the_concatenated_keys():
-    check_merge(load_implementation(f"{LEARNERS}:merge") if LEARNERS else ring.merge)
+    check_merge(load_implementation(f"{LEARNERS}:merge") if LEARNERS else attention.merge)
 
 
 @ours_only

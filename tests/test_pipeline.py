@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from miniddp.pipeline import Action, PipelineStage, Schedule1F1B, ScheduleGPipe
-from miniddp.pipeline.timeline import (
+from miniddp.pipeline.bubble import (
     blocks_of,
     bubble_formula,
     bubble_fraction,

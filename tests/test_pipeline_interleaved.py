@@ -30,12 +30,12 @@ import torch.distributed as dist
 
 from miniddp.pipeline import Action, PipelineStage, Schedule1F1B
 from miniddp.pipeline.actions import order_problem
+from miniddp.pipeline.bubble import bubble_formula, bubble_fraction, peak_held, replay
 from miniddp.pipeline.interleaved import (
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
     interleaved_order,
 )
-from miniddp.pipeline.timeline import bubble_formula, bubble_fraction, peak_held, replay
 from miniddp.sharding.clipping import clip_grad_norm_
 from tests.test_pipeline import PipeSpec, assert_stage_equal, batch, build_model, mean_share, mse
 from tests.test_pipeline import one_process as one_process_per_stage

@@ -49,7 +49,7 @@ def test_list_names_every_rung_in_order_with_its_file():
     assert len(rows) == len(LADDER) == 8
     for number, (row, cls) in enumerate(zip(rows, LADDER), start=1):
         assert row.split()[:2] == [str(number), cls.__name__]
-    assert "miniddp/steps/naive.py" in rows[0] and "miniddp/data_parallel/ddp.py" in rows[7]
+    assert "miniddp/steps/naive_ddp.py" in rows[0] and "miniddp/data_parallel/ddp.py" in rows[7]
 
 
 def test_diff_shows_what_one_rung_adds_to_the_previous():
@@ -98,7 +98,7 @@ PRODUCTION_EXTRAS = {
     "bucket_state and describe, for checkpoints and printing": [
         *("describe", "describe_layout", "BucketInfo", "dataclass", "nbytes", "load_state"),
     ],
-    "the speed tricks of miniddp/data_parallel/buckets.py": [
+    "the speed tricks of miniddp/data_parallel/bucket.py": [
         *("_small", "small_gradient_numel", "_copy_small_gradients", "_copy_all", "averaged"),
         *("_small_runs", "_runs_of_small_gradients"),
     ],
@@ -112,15 +112,15 @@ PRODUCTION_EXTRAS = {
 EXTRAS = {name for names in PRODUCTION_EXTRAS.values() for name in names}
 # Rung 7's definitions, and the file MiniDDP defines each one in.
 MINIDDP_HOMES = {
-    "Bucket": "miniddp/data_parallel/buckets.py",
+    "Bucket": "miniddp/data_parallel/bucket.py",
     "assign_buckets": "miniddp/data_parallel/layout.py",
     "initial_layout": "miniddp/data_parallel/layout.py",
     "BucketLayout": "miniddp/data_parallel/layout.py",
     "ParameterUsage": "miniddp/data_parallel/autograd_graph.py",
     "parameters_not_reached": "miniddp/data_parallel/autograd_graph.py",
     "find_tensors": "miniddp/data_parallel/autograd_graph.py",
-    "CommHook": "miniddp/data_parallel/comm_hooks.py",
-    "GradBucket": "miniddp/data_parallel/comm_hooks.py",
+    "CommHook": "miniddp/data_parallel/default_hooks.py",
+    "GradBucket": "miniddp/data_parallel/default_hooks.py",
     "Phase": "miniddp/data_parallel/ddp.py",
     "MiniDDP": "miniddp/data_parallel/ddp.py",
 }

@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from miniddp import MiniDDP
-from miniddp.data_parallel.buckets import Bucket
+from miniddp.data_parallel.bucket import Bucket
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ def comm_hooks() -> dict:
     """Hooks with torch's signature: torch's own, and MiniDDP's send/recv all-reduces."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    from miniddp.data_parallel.comm_hooks import all_reduce_hook
+    from miniddp.data_parallel.default_hooks import all_reduce_hook
 
     return {
         "allreduce": default_hooks.allreduce_hook,

@@ -46,7 +46,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from miniddp.collectives import Message, record_messages
-from miniddp.data_parallel.comm_hooks import all_reduce_hook
+from miniddp.data_parallel.default_hooks import all_reduce_hook
 from miniddp.job.env import init_distributed
 from miniddp.steps import CommHookDDP, UnusedParametersDDP
 from miniddp.steps.__main__ import diff, label
@@ -174,7 +174,8 @@ def main() -> None:
         textwrap.dedent("""
         A comm hook decides what happens to a full bucket: it gets the bucket, not yet divided
         by W, and returns a future of the averaged tensor. all_reduce_hook("ring") runs the
-        send/recv ring that chapter 01 built and watched (miniddp/data_parallel/comm_hooks.py).""")
+        send/recv ring that chapter 01 built and watched
+        (miniddp/data_parallel/default_hooks.py).""")
     )
     ddp = CommHookDDP(ladder_model(), bucket_cap_mb=args.bucket_cap_mb)
     messages: dict[int, list[Message]] = {}  # each bucket's messages in its latest all-reduce
@@ -246,7 +247,7 @@ def main() -> None:
         in the error instead of a bare timeout (miniddp/job/faults.py, chapter 06); uneven inputs
         under Join (chapter 11); static_graph for reentrant checkpointing, and clear errors for a
         second or reentrant backward; a process group of one's own; the layout printed and saved for
-        checkpoints; and two speed tricks in miniddp/data_parallel/buckets.py that batch the copies
+        checkpoints; and two speed tricks in miniddp/data_parallel/bucket.py that batch the copies
         of small gradients, with the same bits.""")
     )
 

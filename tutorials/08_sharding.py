@@ -29,7 +29,7 @@ from torch import nn
 
 from miniddp import MiniDDP, ZeroRedundancyOptimizer, full_state_dict, fully_shard
 from miniddp.collectives import traffic
-from miniddp.data_parallel.comm_hooks import all_reduce_hook
+from miniddp.data_parallel.default_hooks import all_reduce_hook
 from miniddp.job.env import init_distributed
 from miniddp.sharding import (
     Formula,

@@ -35,7 +35,7 @@ from gpt_settings import Settings
 from torch.utils.flop_counter import FlopCounterMode
 
 from miniddp import MiniDDP, MixedPrecision, ZeroRedundancyOptimizer, fully_shard
-from miniddp.figures.memory import step_memory
+from miniddp.figures.memory_per_rank import step_memory
 from miniddp.job.env import init_distributed
 from miniddp.models.gpt import GPT, GPTConfig, next_character_loss, parameter_groups
 from miniddp.models.gpt_activations import (

@@ -40,7 +40,7 @@ from miniddp.pipeline import (
     Schedule1F1B,
     ScheduleGPipe,
 )
-from miniddp.pipeline.timeline import ascii_chart, bubble_formula, bubble_fraction, gather_blocks
+from miniddp.pipeline.bubble import ascii_chart, bubble_formula, bubble_fraction, gather_blocks
 
 WIDTH = 16
 FORWARD_S, BACKWARD_S = 0.020, 0.040  # every stage's F and B, made exact by FixedCost

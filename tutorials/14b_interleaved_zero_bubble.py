@@ -40,8 +40,7 @@ from miniddp.pipeline import (
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
 )
-from miniddp.pipeline.interleaved import interleaved_order
-from miniddp.pipeline.timeline import (
+from miniddp.pipeline.bubble import (
     ascii_chart,
     bubble_formula,
     bubble_fraction,
@@ -49,6 +48,7 @@ from miniddp.pipeline.timeline import (
     peak_held,
     replay,
 )
+from miniddp.pipeline.interleaved import interleaved_order
 
 V = 2  # stages a rank
 WIDTH = 16

@@ -58,7 +58,7 @@ from miniddp.mesh import init_device_mesh
 from miniddp.models.gpt import GPT, GPTConfig
 from miniddp.observe.link import Link, simulated_link, wire_bytes
 from miniddp.parallelize import ParallelGPT, parallelize
-from miniddp.pipeline.timeline import ascii_chart
+from miniddp.pipeline.bubble import ascii_chart
 from miniddp.sharding import MemoryPerRank, ddp_buckets, measure_memory
 
 WORLD = 8

@@ -39,7 +39,7 @@ from miniddp.bench.paired import (
 )
 from miniddp.bench.prefetch import report_prefetch, shard_bytes_per_unit, time_prefetch
 from miniddp.collectives import traffic
-from miniddp.data_parallel.comm_hooks import all_reduce_hook
+from miniddp.data_parallel.default_hooks import all_reduce_hook
 from miniddp.job.env import cleanup, init_distributed
 from miniddp.observe.link import ENVIRONMENT_VARIABLE, EXAMPLE, BadLink, Link
 from miniddp.sharding import Formula, ddp_buckets, measure_memory, reduce_scatter_hook

@@ -2,7 +2,7 @@
 
 Chapter 01 (tutorials/01_collectives.py) shows it in section 5, "Async": four all-reduces issued
 with `async_op=True` return at once, the caller computes meanwhile, and they finish in issue
-order. MiniDDP relies on it through `miniddp.data_parallel.comm_hooks.all_reduce_hook`:
+order. MiniDDP relies on it through `miniddp.data_parallel.default_hooks.all_reduce_hook`:
 backward goes on computing while a full bucket's all-reduce travels.
 
 Every collective in this package, blocking or not, goes through `submit`; `_InIssueOrder` says

@@ -13,7 +13,7 @@ runs on the S/W local positions unchanged; only attention needs every key. Three
 reading order:
 
     sequence.py         the layouts; shard_sequence, unshard_sequence
-    ring.py             ring_attention: K/V round the ring, the log-sum-exp merge, the backward
+    attention.py        ring_attention: K/V round the ring, the log-sum-exp merge, the backward
                         by the same ring; the blocks each rank computes (count_blocks)
     model.py            a whole model on the ring: sdpa_on_the_ring routes its attention
                         calls, positions_of gives its position embedding global positions
@@ -23,8 +23,7 @@ reading order:
     # == shard_sequence(F.scaled_dot_product_attention(Q, K, V, is_causal=True), 2, ...)
 """
 
-from miniddp.context_parallel.model import positions_of, sdpa_on_the_ring
-from miniddp.context_parallel.ring import (
+from miniddp.context_parallel.attention import (
     Block,
     RingStats,
     count_blocks,
@@ -32,6 +31,7 @@ from miniddp.context_parallel.ring import (
     stats_for,
     step_blocks,
 )
+from miniddp.context_parallel.model import positions_of, sdpa_on_the_ring
 from miniddp.context_parallel.sequence import chunks_of, shard_sequence, unshard_sequence
 
 __all__ = [

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
-from miniddp.context_parallel.ring import ring_attention
+from miniddp.context_parallel.attention import ring_attention
 from miniddp.context_parallel.sequence import group_size_and_rank, shard_sequence
 
 SDPA_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")

@@ -12,7 +12,7 @@ queries grows with its position. Plain, rank r computes r + 1/2 chunk pairs' wor
 (a diagonal pair is half masked): the last rank 2W-1 times the first, and the ring waits for it
 at every step. Head and tail paired, chunk r (early, cheap) and chunk 2W-1-r (late, dear) cost
 the same on every rank: (r + 1/2) + (2W-1-r + 1/2) = 2W pairs of half-size chunks each.
-ring.py counts them.
+attention.py counts them.
 
 `shard_sequence` is differentiable (a slice); `unshard_sequence` gathers every rank's part with
 MiniDDP's all-gather, and its backward takes this rank's part of the gradient back, as torch's

@@ -2,9 +2,9 @@
 
     ddp.py              MiniDDP, its whole life in one file: construct -> forward -> hooks ->
                         buckets -> wait -> no_sync, and Join's hook for uneven inputs
-    buckets.py          a bucket's life: add, full, launch, wait, write back, reset
+    bucket.py           a bucket's life: add, full, launch, wait, write back, reset
     layout.py           torch's bucket layout rules, and the layout's life (one rebuild)
-    comm_hooks.py       register_comm_hook's built-ins: MiniDDP over its own all-reduces
+    default_hooks.py    register_comm_hook's built-ins: MiniDDP over its own all-reduces
     mixed_precision.py  MixedPrecision: fp32 masters, bf16 copies for forward and backward
     static_graph.py     static_graph's helper: hooks counted once, then trusted
     autograd_graph.py   the hooks, the parameters a backward won't reach, usage on any rank
@@ -13,7 +13,7 @@
 `from miniddp import MiniDDP` is the name to use; this package is where it lives.
 """
 
-from miniddp.data_parallel.buckets import BucketInfo
+from miniddp.data_parallel.bucket import BucketInfo
 from miniddp.data_parallel.ddp import MiniDDP
 from miniddp.data_parallel.mixed_precision import MixedPrecision
 from miniddp.data_parallel.sampler import DistributedSampler

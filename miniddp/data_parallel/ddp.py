@@ -15,7 +15,7 @@ timelines draw. Its whole life in one file:
                 each one's averages back into `.grad` as soon as it arrives
 So gradients are averaged by the time `loss.backward()` returns, bit for bit as in torch's
 DistributedDataParallel: the layout, the 1/W scaling and the launch order follow torch's rules
-(miniddp/data_parallel/layout.py, miniddp/data_parallel/buckets.py).
+(miniddp/data_parallel/layout.py, miniddp/data_parallel/bucket.py).
 
 Three options change that life, and each is an object MiniDDP holds rather than code spread
 through it: under Join (uneven inputs), a rank out of batches runs `join_hook()`'s object
@@ -46,8 +46,8 @@ from miniddp.data_parallel.autograd_graph import (
     parameters_not_reached,
     when_backward_reaches,
 )
-from miniddp.data_parallel.buckets import Bucket, BucketInfo
-from miniddp.data_parallel.comm_hooks import CommHook, GradBucket
+from miniddp.data_parallel.bucket import Bucket, BucketInfo
+from miniddp.data_parallel.default_hooks import CommHook, GradBucket
 from miniddp.data_parallel.layout import BucketLayout, initial_layout
 from miniddp.data_parallel.mixed_precision import ComputeCopies, MixedPrecision
 from miniddp.data_parallel.static_graph import GRAPH_CHANGED, StaticGraph

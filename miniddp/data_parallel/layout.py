@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from miniddp.data_parallel.buckets import Bucket, BucketInfo
+from miniddp.data_parallel.bucket import Bucket, BucketInfo
 
 MiB = 1024 * 1024
 DEFAULT_BUCKET_CAP_MB = 25.0

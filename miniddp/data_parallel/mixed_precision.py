@@ -24,7 +24,7 @@ The life of one step, beside MiniDDP's own (ddp.py):
                  master's `.grad` (fp32; every bf16 value is exactly a float32), drops the copy's,
                  and hands the master to MiniDDP, whose bucket is in reduce_dtype: the gradient
                  is cast on its way in.
-    reduce       each bucket is summed in reduce_dtype, and only then divided by W (buckets.py):
+    reduce       each bucket is summed in reduce_dtype, and only then divided by W (bucket.py):
                  torch's DDP mixed-precision hook divides after its sum, and fully_shard reduces
                  with AVG (a sum, then a division), so their averages are these bits at any W.
                  The average is written into the master's fp32 `.grad`.

@@ -38,12 +38,12 @@ from pathlib import Path
 
 from miniddp.bench.options import whole_number, writable_folder
 from miniddp.figures import (
+    accumulation,
     context_parallel,
     data_parallel,
     draw,
     failover,
-    memory,
-    no_sync,
+    memory_per_rank,
     pipeline,
     record,
     tensor_parallel,
@@ -169,10 +169,10 @@ def main(argv: list[str] | None = None) -> None:
     if "05" in chosen:
         with tempfile.TemporaryDirectory() as work_dir:
             written.append(
-                no_sync.draw(no_sync.record(Path(work_dir)), args.out / "05_no_sync.png")
+                accumulation.draw(accumulation.record(Path(work_dir)), args.out / "05_no_sync.png")
             )
     if "08" in chosen:
-        written.append(memory.memory_per_rank(args.out / "08_memory.png"))
+        written.append(memory_per_rank.memory_per_rank(args.out / "08_memory.png"))
     if "08b" in chosen:
         figure = args.out / "08b_memory.png"
         written.append(run_chapter(CHAPTER_08B, figure, CHAPTER_08B_TIMEOUT_S))

@@ -15,7 +15,7 @@ matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt
 
 from miniddp.collectives import Message
-from miniddp.data_parallel.buckets import BucketInfo
+from miniddp.data_parallel.bucket import BucketInfo
 from miniddp.observe import timeline_views
 from miniddp.observe.timeline import StepTimeline
 

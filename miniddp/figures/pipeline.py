@@ -20,8 +20,7 @@ from torch import nn
 from miniddp.figures.draw import plt, save
 from miniddp.figures.record import spawn_and_collect
 from miniddp.pipeline import FixedCost, PipelineStage, Schedule1F1B, ScheduleGPipe
-from miniddp.pipeline.interleaved import interleaved_order
-from miniddp.pipeline.timeline import (
+from miniddp.pipeline.bubble import (
     Block,
     bubble_formula,
     bubble_fraction,
@@ -29,6 +28,7 @@ from miniddp.pipeline.timeline import (
     peak_held,
     replay,
 )
+from miniddp.pipeline.interleaved import interleaved_order
 
 STAGES, MICROBATCHES = 4, 6
 FORWARD_S, BACKWARD_S = 0.020, 0.040

@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from miniddp import MiniDDP, collectives
-from miniddp.data_parallel.buckets import BucketInfo
+from miniddp.data_parallel.bucket import BucketInfo
 
 WORLD_SIZE = 4
 JOB_TIMEOUT_S = 240  # importing torch in 4 processes is most of it: ~10 s idle, more when busy

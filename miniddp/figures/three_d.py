@@ -31,7 +31,7 @@ from miniddp.figures.record import spawn_and_collect
 from miniddp.mesh import DeviceMesh, init_device_mesh
 from miniddp.models.gpt import GPT, GPTConfig
 from miniddp.parallelize import ParallelGPT, parallelize
-from miniddp.pipeline.timeline import Block, blocks_of
+from miniddp.pipeline.bubble import Block, blocks_of
 
 AXES = ("pp", "dp", "tp")
 SHAPE = (2, 2, 2)

@@ -34,15 +34,15 @@ The same calls as torch.distributed.pipelining, on torch.distributed's send and 
     interleaved.py  v stages a rank, and the backward split in two: interleaved 1F1B and
                     zero bubble, their orders, bubble and memory
     step_checks.py  bad input refused on every stage
-    timeline.py     the recorded step as blocks: the picture, the bubble, in ASCII too; and
+    bubble.py     the recorded step as blocks: the picture, the bubble, in ASCII too; and
                     FixedCost, a layer that takes a fixed time, to measure a schedule
 """
 
 from miniddp.pipeline.actions import Action
+from miniddp.pipeline.bubble import FixedCost
 from miniddp.pipeline.interleaved import ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble
 from miniddp.pipeline.schedule import PipelineSchedule, Schedule1F1B, ScheduleGPipe
 from miniddp.pipeline.stage import PipelineStage
-from miniddp.pipeline.timeline import FixedCost
 
 __all__ = [
     "Action",

@@ -40,7 +40,7 @@ Accumulating over several steps (a batch too big for one step): give each step t
 want divided by the number of steps too, loss_fn = lambda out, y: mse(out, y) / steps; nothing
 else changes, since every step only adds to `.grad`.
 
-Events (`record_events()`, as MiniDDP's; miniddp/pipeline/timeline.py draws them): step
+Events (`record_events()`, as MiniDDP's; miniddp/pipeline/bubble.py draws them): step
 start/end, forward, backward, input and weight "start i s"/"end i s" (microbatch i at stage
 s), send and recv of each transfer, and idle start/end around every wait for a receive.
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from miniddp.job.faults import wait_for
 from miniddp.pipeline.actions import decode
-from miniddp.pipeline.timeline import replay
+from miniddp.pipeline.bubble import replay
 
 
 class Problem(IntEnum):

@@ -1,6 +1,6 @@
 """The ladder: DDP built up one idea at a time, each rung a complete DDP in one file.
 
-    1  naive.py         after backward, one blocking all-reduce per gradient
+    1  naive_ddp.py     after backward, one blocking all-reduce per gradient
     2  overlap.py       each gradient's all-reduce launched from its hook, during backward
     3  buckets.py       gradients packed into a few flat buckets, launched in a fixed order
     4  torch_layout.py  torch's bucket layout: from here on, bitwise torch's DDP at any W
@@ -14,7 +14,7 @@
 
 A rung never imports another rung: read any one file alone, and `python -m miniddp.steps diff 2 3`
 shows exactly what one idea adds. MiniDDP lives in several files, so `diff 7 8` compares definition
-by definition (rung 7's `Bucket` with miniddp/data_parallel/buckets.py's, its wrapper with
+by definition (rung 7's `Bucket` with miniddp/data_parallel/bucket.py's, its wrapper with
 `MiniDDP`, ...): what production adds. `LADDER` lists the rung classes in order; each says in
 `claims` which of `CLAIMS` it supports, so that the same property tests can run over every rung (and
 over a learner's own class).
@@ -23,7 +23,7 @@ over a learner's own class).
 from miniddp.data_parallel.ddp import MiniDDP
 from miniddp.steps.buckets import BucketedDDP
 from miniddp.steps.comm_hooks import CommHookDDP
-from miniddp.steps.naive import NaiveDDP
+from miniddp.steps.naive_ddp import NaiveDDP
 from miniddp.steps.no_sync import NoSyncDDP
 from miniddp.steps.overlap import OverlapDDP
 from miniddp.steps.torch_layout import TorchLayoutDDP

@@ -27,10 +27,10 @@ ROOT = Path(__file__).resolve().parents[2]  # the folder holding the miniddp pac
 # event recorder that every rung uses too, the faults and the launch help, is not MiniDDP's.)
 MINIDDP_SOURCES = [
     "miniddp/data_parallel/ddp.py",
-    "miniddp/data_parallel/buckets.py",
+    "miniddp/data_parallel/bucket.py",
     "miniddp/data_parallel/layout.py",
     "miniddp/data_parallel/autograd_graph.py",
-    "miniddp/data_parallel/comm_hooks.py",
+    "miniddp/data_parallel/default_hooks.py",
     "miniddp/data_parallel/static_graph.py",
     "miniddp/same_model.py",
 ]

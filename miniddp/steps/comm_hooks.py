@@ -7,12 +7,12 @@ bucket and back out again.
 `register_comm_hook(state, hook)` hands the full bucket to `hook(state, bucket)` instead, which
 returns a `torch.futures.Future` of the reduced flat tensor: torch's own hooks
 (`torch.distributed.algorithms.ddp_comm_hooks`: `allreduce_hook`, `fp16_compress_hook`, ...) and
-this project's (`miniddp.data_parallel.comm_hooks.all_reduce_hook("ring")`, chapter 01's ring) run
-here unchanged, because `GradBucket` below offers torch's `dist.GradBucket` methods. The protocol's
-one surprise: the bucket arrives holding this rank's own gradients, NOT scaled by 1/W; the hook
-averages (torch's `allreduce_hook` divides by W, then all-reduces with SUM), so with a hook the copy
-into the bucket scales by 1, not 1/W. The future's tensor is copied into the bucket if the hook
-answered in a tensor of its own (fp16 compression does).
+this project's (`miniddp.data_parallel.default_hooks.all_reduce_hook("ring")`, chapter 01's ring)
+run here unchanged, because `GradBucket` below offers torch's `dist.GradBucket` methods. The
+protocol's one surprise: the bucket arrives holding this rank's own gradients, NOT scaled by 1/W;
+the hook averages (torch's `allreduce_hook` divides by W, then all-reduces with SUM), so with a
+hook the copy into the bucket scales by 1, not 1/W. The future's tensor is copied into the bucket
+if the hook answered in a tensor of its own (fp16 compression does).
 
 `gradient_as_bucket_view=True` makes each parameter's `.grad` its slice of the bucket: the first
 time a gradient is copied in, `.grad` is replaced by that view, so from the next backward on (while

@@ -1,6 +1,6 @@
 """Rung 2, overlap: each gradient's all-reduce starts as soon as that gradient is ready.
 
-The previous rung (naive.py) sent nothing until backward was over, though backward makes the
+The previous rung (naive_ddp.py) sent nothing until backward was over, though backward makes the
 gradients one at a time, last layer first. Here a hook on every parameter fires the moment its
 gradient has been accumulated into `.grad`: it scales the gradient by 1/W and launches an
 asynchronous all-reduce (SUM) of it, and backward goes on computing earlier layers while that

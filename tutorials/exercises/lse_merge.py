@@ -1,6 +1,6 @@
 """Exercise 12 (chapter 15b): the log-sum-exp merge of two partial attentions.
 
-Ring attention (miniddp/context_parallel/ring.py) never sees all the keys at once: at each step
+Ring attention (miniddp/context_parallel/attention.py) never sees all the keys at once: at each step
 a rank attends its queries to one block of keys, and must fold that block's result into what it
 has so far. Fill in `merge`, then check it against one process's attention over all the keys:
 
@@ -18,7 +18,7 @@ cannot simply be added; and exp(lse) overflows for large scores, so stay in log 
 (torch.logaddexp, and weights exp(lse_a - lse) that never exceed 1).
 
 Stuck? Chapter 15b (tutorials/15b_long_sequences.py), section 2, and the module docstring of
-miniddp/context_parallel/ring.py derive it; the answer is `merge` there.
+miniddp/context_parallel/attention.py derive it; the answer is `merge` there.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ names the parameter, the step, the values expected and got, and what such a gap 
 
 Stuck? Chapter 02 (tutorials/02_naive_ddp.py) explains the idea, and the failure says what the
 gap usually means. Only once your own attempt passes, compare it with rung 1,
-miniddp/steps/naive.py.
+miniddp/steps/naive_ddp.py.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import miniddp.collectives as collectives
-from miniddp.data_parallel.buckets import Bucket
+from miniddp.data_parallel.bucket import Bucket
 
 
 def all_reduce_hook(algorithm: str = "auto"):
