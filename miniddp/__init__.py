@@ -27,8 +27,8 @@ import sys
 
 import miniddp.checkpoint as checkpoint
 from miniddp.data_parallel.bucket import BucketInfo
+from miniddp.data_parallel.compute_copies import MixedPrecision
 from miniddp.data_parallel.ddp import MiniDDP
-from miniddp.data_parallel.mixed_precision import MixedPrecision
 from miniddp.data_parallel.sampler import DistributedSampler
 from miniddp.job import faults
 from miniddp.job.env import DistEnv, cleanup, init_distributed

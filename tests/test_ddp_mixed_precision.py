@@ -1,5 +1,5 @@
 """MiniDDP(module, mixed_precision=MixedPrecision(torch.bfloat16, reduce_dtype)) (miniddp/
-data_parallel/mixed_precision.py): fp32 masters, a bf16 copy for forward and backward, buckets in
+data_parallel/compute_copies.py): fp32 masters, a bf16 copy for forward and backward, buckets in
 reduce_dtype, averages in the masters' fp32 .grad.
 
 Bitwise against two references at W = 2, over several AdamW steps: a hand-written one (a bf16

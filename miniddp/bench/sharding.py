@@ -13,7 +13,7 @@ Runs on 4 ranks (relaunched under torchrun) and forms groups of the first 1, 2 a
               paired as in `bench step` (median of per-iteration ratios, 95% interval)
     prefetch  with --link: on the 2-rank group, ZeRO-3 with fully_shard's prefetch on against
               off over the simulated link, paired, and each one's exposed communication against
-              the alpha-beta model's (miniddp/bench/prefetch.py)
+              the alpha-beta model's (miniddp/bench/sharding_overlap.py)
 
 The model is an MLP of fp32 Linear layers, trained with AdamW.
 """
@@ -37,7 +37,7 @@ from miniddp.bench.paired import (
     paired_ratio_interval,
     rotated,
 )
-from miniddp.bench.prefetch import report_prefetch, shard_bytes_per_unit, time_prefetch
+from miniddp.bench.sharding_overlap import report_prefetch, shard_bytes_per_unit, time_prefetch
 from miniddp.collectives import traffic
 from miniddp.data_parallel.default_hooks import all_reduce_hook
 from miniddp.job.env import cleanup, init_distributed

@@ -38,7 +38,7 @@ class Bucket:
     Each parameter owns a fixed slice of `flat` (`views[i]`, shaped like the parameter), so one
     all-reduce of `flat` averages every gradient in it at once.
 
-    Under mixed precision (mixed_precision.py) `flat` is in `reduce_dtype`, each gradient is
+    Under mixed precision (compute_copies.py) `flat` is in `reduce_dtype`, each gradient is
     cast on its way in, and the sum is divided by W after it arrives (in `wait`), where torch's
     DDP would multiply each gradient by 1/W first: torch's DDP mixed precision and fully_shard
     both divide after the sum, and at W = 3 the two orders differ in the last bit.

@@ -22,7 +22,7 @@ through it: under Join (uneven inputs), a rank out of batches runs `join_hook()`
 (ShadowsTraining, at the end of this file), which answers every collective a training rank's
 forward and backward issue; with static_graph, a `StaticGraph` (static_graph.py) counts each
 parameter's hooks in the first backward and says when a gradient is ready in the later ones;
-with mixed_precision, `ComputeCopies` (mixed_precision.py) puts bf16 copies of the fp32 masters
+with mixed_precision, `ComputeCopies` (compute_copies.py) puts bf16 copies of the fp32 masters
 in the module for forward and backward, and hands each gradient to its master.
 """
 
@@ -47,9 +47,9 @@ from miniddp.data_parallel.autograd_graph import (
     when_backward_reaches,
 )
 from miniddp.data_parallel.bucket import Bucket, BucketInfo
+from miniddp.data_parallel.compute_copies import ComputeCopies, MixedPrecision
 from miniddp.data_parallel.default_hooks import CommHook, GradBucket
 from miniddp.data_parallel.layout import BucketLayout, initial_layout
-from miniddp.data_parallel.mixed_precision import ComputeCopies, MixedPrecision
 from miniddp.data_parallel.static_graph import GRAPH_CHANGED, StaticGraph
 from miniddp.job.env import HOW_TO_LAUNCH
 from miniddp.job.faults import wait_for

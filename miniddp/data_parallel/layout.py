@@ -16,7 +16,7 @@ bit-for-bit torch's (with 3+ ranks gloo's sum depends on each gradient's offset 
 
 Under mixed precision every gradient travels in `reduce_dtype`, and the caps weigh it so: a
 bf16 bucket of 25 MiB holds twice the elements of a fp32 one, so there are about half as many
-buckets (mixed_precision.py).
+buckets (compute_copies.py).
 
 And the layout's life (`BucketLayout`): one bucket per dtype until a backward pass has shown in
 which order gradients really arrive, then one rebuild from that order.

@@ -18,7 +18,7 @@ Adam's two states are 4Ψ each (exp_avg, exp_avg_sq); its `step` counter adds on
 scalar per parameter tensor, which the formulas count too, so states are exact.
 
 Under MiniDDP's mixed precision (`MixedPrecision(param_dtype=torch.bfloat16)`, see
-miniddp/data_parallel/mixed_precision.py) the masters, their gradients and Adam's states stay
+miniddp/data_parallel/compute_copies.py) the masters, their gradients and Adam's states stay
 fp32, and a bf16 copy of every parameter is added; the buckets are in reduce_dtype:
 
     DDP       4Ψ masters + 2Ψ copies + 4Ψ gradients + 4Ψ buckets (2Ψ in bf16, 0 as views) + 8Ψ
