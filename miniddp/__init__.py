@@ -35,6 +35,8 @@ from miniddp.job.env import DistEnv, cleanup, init_distributed
 from miniddp.observe.events import Event
 from miniddp.sharding import ZeroRedundancyOptimizer, full_state_dict, fully_shard
 
+# The issues' public name `miniddp.faults` (`from miniddp.faults import wait_for`) for the
+# module that lives on the ground floor, miniddp/job/faults.py: one alias, one import name more.
 sys.modules[f"{__name__}.faults"] = faults
 
 __all__ = [
