@@ -23,6 +23,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PROCESS_GROUP_TIMEOUT_S = 2.0  # how long a silent rank is waited for
+# Not a fault: a rank saving alone keeps the other waiting at the next all-reduce for as long as
+# its write takes, seconds on a busy machine. That run waits as long as a real job would.
+TIMEOUT_S = {"save-alone": 60.0}
 RUN_DEADLINE_S = 90.0  # a whole run, process start included: beyond it, everything is killed
 STEPS = 5
 FAULT_STEP = 3  # the victim misbehaves just before this step's forward
@@ -128,7 +131,7 @@ def worker(args: argparse.Namespace) -> None:
         store=dist.FileStore(args.store, args.world_size),
         rank=args.rank,
         world_size=args.world_size,
-        timeout=timedelta(seconds=PROCESS_GROUP_TIMEOUT_S),
+        timeout=timedelta(seconds=TIMEOUT_S.get(args.fault, PROCESS_GROUP_TIMEOUT_S)),
     )
     excepthook = sys.excepthook  # torch's own, installed by init_process_group
     victim = args.rank == args.victim

@@ -19,7 +19,7 @@ import torch
 
 from miniddp.checkpoint import CheckpointError, load_checkpoint, read_checkpoint
 from tests import checkpoint_parallel_tasks as tasks
-from tests.harness.pool import RankPool
+from tests.harness.pool import PROCESS_GROUP_TIMEOUT_S, RankPool
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -174,4 +174,6 @@ def test_saving_a_tensor_parallel_model_on_rank_0_alone_is_refused_on_both_ranks
     assert other.startswith("CollectiveFailed: cleanup() on rank 1 cannot go on"), other
     assert "rank 0: arrived at save_checkpoint() instead" in other
     assert not path.exists()
-    assert seconds < 10, f"took {seconds:.1f} s: waited for a timeout instead of seeing it"
+    # Seen, not waited for: well under the pool's process-group timeout (a busy machine makes
+    # the training and the save themselves take seconds).
+    assert seconds < PROCESS_GROUP_TIMEOUT_S / 2, f"took {seconds:.1f} s: waited for a timeout"

@@ -89,8 +89,9 @@ def main() -> None:
     reference = gradient(model, whole_batch, mse_mean)
     accumulated = gradient(model, micro_batches, lambda out, y: mse_mean(out, y) / k)
     gap = max_difference(accumulated, reference)
-    print(f"big-batch gradient, first 3 entries:   {reference[:3].tolist()}")
-    print(f"accumulated gradient, first 3 entries: {accumulated[:3].tolist()}")
+    for name, values in (("big-batch", reference), ("accumulated", accumulated)):
+        entries = " ".join(f"{g:+.15f}" for g in values[:3])
+        print(f"{name + ' gradient, first 3 entries:':<38} {entries}")
     print(f"max |difference| = {gap:.2e} (tolerance {TOLERANCE:.0e}).")
     print(
         textwrap.dedent("""\
@@ -195,9 +196,10 @@ def main() -> None:
     assert max_difference(weighted, reference) < TOLERANCE < max_difference(naive, reference)
     assert weighted_gap < TOLERANCE < 1e-3 * naive_gap
     print(
-        "Verified: mean loss / k accumulates to the big-batch gradient; without / k it is k "
-        "times larger; sum loss needs no division; uneven micro-batches need n_i / N weights; "
-        "averaging over ranks equals accumulating, uneven ranks need W n_r / N."
+        textwrap.dedent("""\
+        Verified: mean loss / k accumulates to the big-batch gradient; without / k it is k times
+        larger; sum loss needs no division; uneven micro-batches need n_i / N weights; averaging
+        over ranks equals accumulating, uneven ranks need W n_r / N.""")
     )
 
 
