@@ -156,6 +156,31 @@ def same_as_one_process(schedule_class, p: int, m: int) -> bool:
     )
 
 
+def eval_as_one_process(p: int, m: int) -> bool:
+    """One forward-only step, schedule.eval: are the last stage's outputs and losses one
+    process's on the same microbatches, bit for bit, and is no stage left a gradient?"""
+    rank = dist.get_rank()
+    model, reference = build_model(p), build_model(p)
+    stage = PipelineStage(model[rank], rank, p, "cpu")
+    schedule = ScheduleGPipe(stage, m, mse)
+    x, y = batch(m, 0, model[0][0].in_features, model[-1][0].out_features)
+    losses: list[torch.Tensor] = []
+    if stage.is_first:
+        schedule.eval(x)
+    elif stage.is_last:
+        output = schedule.eval(target=y, losses=losses)
+    else:
+        schedule.eval()
+    untouched = all(t.grad is None for t in model[rank].parameters())
+    if not stage.is_last:
+        return untouched
+    with torch.no_grad():
+        outputs = [reference(xm) for xm in x.tensor_split(m)]
+    same = torch.equal(output, torch.cat(outputs)) and len(losses) == m
+    same &= all(torch.equal(a, mse(b, ym)) for a, b, ym in zip(losses, outputs, y.tensor_split(m)))
+    return same and untouched
+
+
 def the_no_sync_trap(group: dist.ProcessGroup) -> str:
     """Plain accumulation's habit (chapter 05) in a pipeline's order: F0 inside no_sync, F1
     outside, then B0, B1."""
@@ -213,7 +238,12 @@ def main() -> None:
             schedule.step() in between
 
         Nobody tells stage s the shape of what it will receive: the first time stage s-1 sends
-        an activation, it sends a small header first (dtype and sizes), once.""")
+        an activation, it sends a small header first (dtype and sizes), once.
+
+        As in torch, a stage may return a tuple of tensors, (hidden, mask): the next stage is
+        called with both, the first stage is given both as step(x, mask), and only the
+        floating-point ones carry a gradient back. Validation runs forward only, with the same
+        calls: schedule.eval(...), or step() of a schedule built with loss_fn=None.""")
     )
     model = build_model(p)
     stage = PipelineStage(model[rank], rank, p, "cpu")
@@ -307,6 +337,15 @@ def main() -> None:
             dist.all_gather_object(everyone, same)
             say(f"  {cls.__name__:<13} m = {m}: bitwise on stages {everyone}")
             checks[f"{cls.__name__} m={m} bitwise"] = all(everyone)
+    say(
+        textwrap.dedent("""\
+        Forward only, schedule.eval(x) on stage 0, eval(target=y, losses=losses) on the last,
+        eval() between: the same forwards in the same order, under torch.no_grad():""")
+    )
+    everyone = [None] * p
+    dist.all_gather_object(everyone, eval_as_one_process(p, m=3))
+    say(f"  ScheduleGPipe m = 3, eval: outputs, losses bitwise, no .grad, on stages {everyone}")
+    checks["eval bitwise, no .grad"] = all(everyone)
 
     section("6. DP x PP: pipelines side by side, each stage data-parallel")
     if p != 4:
