@@ -37,7 +37,7 @@ The same calls as torch.distributed.pipelining, on torch.distributed's send and 
                     zero bubble, their orders, bubble and memory
     rank_checks.py  what one rank sees wrong by itself: its stages, order, inputs
     step_checks.py  bad input refused on every stage
-    bubble.py     the recorded step as blocks: the picture, the bubble, in ASCII too; and
+    bubble.py       the recorded step as blocks: the picture, the bubble, in ASCII too; and
                     FixedCost, a layer that takes a fixed time, to measure a schedule
 """
 

@@ -16,7 +16,7 @@ stage raises the same error, naming the stage, the problem and the fix:
                           to call eval() (torch's advice too)
 
 The price is one tiny collective per step (tens of microseconds on gloo). In the first step,
-one more gathers every stage's order and replays them on a logical clock (timeline.replay), so
+one more gathers every stage's order and replays them on a logical clock (bubble.replay), so
 orders that would wait for each other forever are refused too, instead of hanging.
 """
 
