@@ -11,7 +11,7 @@ time, so the batch is cut into m microbatches that follow each other down the pi
     1. split a model into stages      activation shapes found by a first exchange
     2. GPipe                          all forwards, then all backwards; the picture
     3. 1F1B                           the same bubble, a fraction of the memory
-    4. the bubble against m           measured against (p - 1) / (m + p - 1)
+    4. the bubble against m           replayed and measured against (p - 1) / (m + p - 1)
     5. the same training              bitwise one process, both schedules
     6. DP x PP                        2 stages x 2 replicas, and the no_sync trap (4 ranks)
 
@@ -23,6 +23,7 @@ chapter's steps is docs/figures/14_pipeline.png (`python -m miniddp.figures --on
 
 from __future__ import annotations
 
+import math
 import statistics
 import textwrap
 
@@ -35,18 +36,23 @@ from miniddp import MiniDDP
 from miniddp.job.env import init_distributed
 from miniddp.mesh import init_device_mesh
 from miniddp.pipeline import (
+    Action,
     FixedCost,
     PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
 )
-from miniddp.pipeline.bubble import ascii_chart, bubble_formula, bubble_fraction, gather_blocks
+from miniddp.pipeline.bubble import (
+    ascii_chart,
+    bubble_formula,
+    bubble_fraction,
+    gather_blocks,
+    replay,
+)
 
 WIDTH = 16
 FORWARD_S, BACKWARD_S = 0.020, 0.040  # every stage's F and B, made exact by FixedCost
-# Measured bubble within +-0.07 of the formula (absolute). Measured runs a little above it: every
-# hop costs a transfer and a process's wake-up, which the formula counts as nothing.
-BUBBLE_MARGIN = 0.07
+CHART_COLUMNS = 88  # "stage 0 |" + the chart + "|" within the 100 characters of a line
 STEPS = 3
 FIGURE = "docs/figures/14_pipeline.png"
 
@@ -89,9 +95,18 @@ def timed_stage(rank: int, p: int) -> PipelineStage:
     return PipelineStage(block, rank, p, "cpu")
 
 
-def measure(schedule_class, stage: PipelineStage, m: int) -> tuple[float, list, int]:
-    """Four steps; the median bubble of the last three (the first also exchanges shapes), the
-    blocks of the last step, and the most microbatches this stage held."""
+def replayed_bubble(blocks: list[list]) -> float:
+    """The bubble of the orders the stages ran (read from their blocks), replayed on a logical
+    clock where every F takes FORWARD_S and every B BACKWARD_S exactly and a transfer nothing:
+    the schedule's own bubble, whatever else this machine was running."""
+    orders = [[Action(block.kind, block.microbatch) for block in stage] for stage in blocks]
+    return bubble_fraction(replay(orders, FORWARD_S, BACKWARD_S))
+
+
+def measure(schedule_class, stage: PipelineStage, m: int) -> tuple[float, float, list, int]:
+    """Four steps; the median measured bubble of the last three (the first also exchanges
+    shapes), the replayed bubble of the last one's orders, its blocks, and the most
+    microbatches this stage held."""
     schedule = schedule_class(stage, m, mse)
     schedule.record_events()
     x, y = batch(m, 0, WIDTH, WIDTH)
@@ -101,7 +116,12 @@ def measure(schedule_class, stage: PipelineStage, m: int) -> tuple[float, list, 
         run_step(schedule, x, y)
         blocks = gather_blocks(schedule)
         fractions.append(bubble_fraction(blocks))
-    return statistics.median(fractions[1:]), blocks, stage.peak_held
+    return statistics.median(fractions[1:]), replayed_bubble(blocks), blocks, stage.peak_held
+
+
+def on_the_formula(replayed: float, p: int, m: int) -> bool:
+    """The replayed bubble is (p - 1) / (m + p - 1), up to the rounding of adding seconds."""
+    return math.isclose(replayed, bubble_formula(p, m), abs_tol=1e-9)
 
 
 def say_peaks(peak: int, m: int, p: int, rank: int) -> None:
@@ -134,6 +154,31 @@ def same_as_one_process(schedule_class, p: int, m: int) -> bool:
     return same and all(
         torch.equal(a, b) for a, b in zip(model[rank].parameters(), reference[rank].parameters())
     )
+
+
+def eval_as_one_process(p: int, m: int) -> bool:
+    """One forward-only step, schedule.eval: are the last stage's outputs and losses one
+    process's on the same microbatches, bit for bit, and is no stage left a gradient?"""
+    rank = dist.get_rank()
+    model, reference = build_model(p), build_model(p)
+    stage = PipelineStage(model[rank], rank, p, "cpu")
+    schedule = ScheduleGPipe(stage, m, mse)
+    x, y = batch(m, 0, model[0][0].in_features, model[-1][0].out_features)
+    losses: list[torch.Tensor] = []
+    if stage.is_first:
+        schedule.eval(x)
+    elif stage.is_last:
+        output = schedule.eval(target=y, losses=losses)
+    else:
+        schedule.eval()
+    untouched = all(t.grad is None for t in model[rank].parameters())
+    if not stage.is_last:
+        return untouched
+    with torch.no_grad():
+        outputs = [reference(xm) for xm in x.tensor_split(m)]
+    same = torch.equal(output, torch.cat(outputs)) and len(losses) == m
+    same &= all(torch.equal(a, mse(b, ym)) for a, b, ym in zip(losses, outputs, y.tensor_split(m)))
+    return same and untouched
 
 
 def the_no_sync_trap(group: dist.ProcessGroup) -> str:
@@ -193,7 +238,12 @@ def main() -> None:
             schedule.step() in between
 
         Nobody tells stage s the shape of what it will receive: the first time stage s-1 sends
-        an activation, it sends a small header first (dtype and sizes), once.""")
+        an activation, it sends a small header first (dtype and sizes), once.
+
+        As in torch, a stage may return a tuple of tensors, (hidden, mask): the next stage is
+        called with both, the first stage is given both as step(x, mask), and only the
+        floating-point ones carry a gradient back. Validation runs forward only, with the same
+        calls: schedule.eval(...), or step() of a schedule built with loss_fn=None.""")
     )
     model = build_model(p)
     stage = PipelineStage(model[rank], rank, p, "cpu")
@@ -216,12 +266,20 @@ def main() -> None:
         Measured, m = 4; stages down, time across, F/B and the microbatch, '.' idle:""")
     )
     m = 4
-    gpipe_bubble, blocks, gpipe_peak = measure(ScheduleGPipe, timed_stage(rank, p), m)
-    say(ascii_chart(blocks))
+    gpipe_bubble, replayed, blocks, gpipe_peak = measure(ScheduleGPipe, timed_stage(rank, p), m)
+    say(ascii_chart(blocks, CHART_COLUMNS))
     formula = bubble_formula(p, m)
     say(f"bubble: measured {gpipe_bubble:.3f}, formula (p-1)/(m+p-1) = {formula:.3f}")
+    say(
+        textwrap.dedent("""\
+        Each transfer and each wake-up of a process adds a little idle time, more when other
+        programs share the cores. The same orders replayed on a logical clock (bubble.replay:
+        every F and B takes its time exactly, a transfer none) give the schedule's own bubble,""")
+        + f" {replayed:.3f}."
+    )
     say_peaks(gpipe_peak, m, p, rank)
     checks["GPipe holds all m microbatches"] = gpipe_peak == m
+    checks["GPipe's order has the formula's bubble"] = on_the_formula(replayed, p, m)
 
     section("3. 1F1B: free each microbatch as early as possible")
     say(
@@ -230,12 +288,16 @@ def main() -> None:
         turn (PipeDream-Flush, Narayanan et al., 2021). A backward frees its microbatch's
         activations, so stage s never holds more than p - s, however large m grows:""")
     )
-    one_bubble, blocks, one_peak = measure(Schedule1F1B, timed_stage(rank, p), m)
-    say(ascii_chart(blocks))
-    say(f"bubble: measured {one_bubble:.3f}, formula {formula:.3f}: the same idle time")
+    one_bubble, replayed, blocks, one_peak = measure(Schedule1F1B, timed_stage(rank, p), m)
+    say(ascii_chart(blocks, CHART_COLUMNS))
+    say(
+        f"bubble: measured {one_bubble:.3f}, replayed {replayed:.3f}, formula {formula:.3f}: "
+        "the same idle time"
+    )
     say(f"(both drawn at p = 4, m = 6: {FIGURE}, by python -m miniddp.figures --only 14)")
     say_peaks(one_peak, m, p, rank)
     checks["1F1B holds at most p - s"] = one_peak == min(m, p - rank)
+    checks["1F1B's order has the formula's bubble"] = on_the_formula(replayed, p, m)
 
     section("4. The bubble against m")
     say(
@@ -243,21 +305,19 @@ def main() -> None:
         The last stage starts after p - 1 forwards, and the first finishes p - 1 backwards after
         the last stage: a step lasts (m + p - 1)(t_f + t_b) while each stage computes for
         m (t_f + t_b). The idle share, (p - 1)/(m + p - 1), shrinks only as m grows; and m can
-        grow only if memory allows, which is what 1F1B is for. Measured, the median of 3 steps:""")
+        grow only if memory allows, which is what 1F1B is for. Each order replayed, and
+        measured (the median of 3 steps):""")
     )
-    say(f"  {'m':>3}  {'formula':>8}  {'GPipe':>8}  {'1F1B':>8}")
-    within = []
+    say(f"  {'':>3}  {'':>8}  {'GPipe':^18}  {'1F1B':^18}".rstrip())
+    say(f"  {'m':>3}  {'formula':>8}" + f"  {'replayed':>8}  {'measured':>8}" * 2)
+    replayed_all = []
     for m in (1, 2, 4, 8):
-        schedules = (ScheduleGPipe, Schedule1F1B)
-        measured = [measure(cls, timed_stage(rank, p), m)[0] for cls in schedules]
-        formula = bubble_formula(p, m)
-        within += [abs(value - formula) <= BUBBLE_MARGIN for value in measured]
-        say(f"  {m:>3}  {formula:>8.3f}  {measured[0]:>8.3f}  {measured[1]:>8.3f}")
-    say(
-        f"(margin +-{BUBBLE_MARGIN}: each transfer and wake-up adds a little idle time; "
-        "tests/test_pipeline.py checks the orders exactly, on a logical clock)"
-    )
-    checks[f"measured bubbles within {BUBBLE_MARGIN} of the formula"] = all(within)
+        runs = [measure(cls, timed_stage(rank, p), m) for cls in (ScheduleGPipe, Schedule1F1B)]
+        replayed_all += [on_the_formula(replayed, p, m) for _, replayed, *_ in runs]
+        row = "".join(f"  {replayed:>8.3f}  {measured:>8.3f}" for measured, replayed, *_ in runs)
+        say(f"  {m:>3}  {bubble_formula(p, m):>8.3f}{row}")
+    say("(measured runs a little above: transfers, wake-ups; the checks use the replayed bubble)")
+    checks["both orders' bubbles are the formula's, m = 1, 2, 4, 8"] = all(replayed_all)
 
     section("5. The same training as one process")
     say(
@@ -277,6 +337,15 @@ def main() -> None:
             dist.all_gather_object(everyone, same)
             say(f"  {cls.__name__:<13} m = {m}: bitwise on stages {everyone}")
             checks[f"{cls.__name__} m={m} bitwise"] = all(everyone)
+    say(
+        textwrap.dedent("""\
+        Forward only, schedule.eval(x) on stage 0, eval(target=y, losses=losses) on the last,
+        eval() between: the same forwards in the same order, under torch.no_grad():""")
+    )
+    everyone = [None] * p
+    dist.all_gather_object(everyone, eval_as_one_process(p, m=3))
+    say(f"  ScheduleGPipe m = 3, eval: outputs, losses bitwise, no .grad, on stages {everyone}")
+    checks["eval bitwise, no .grad"] = all(everyone)
 
     section("6. DP x PP: pipelines side by side, each stage data-parallel")
     if p != 4:
@@ -322,8 +391,8 @@ def main() -> None:
     assert all(checks.values()), [name for name, passed in checks.items() if not passed]
     dist.barrier()
     say(
-        f"Verified on {p} ranks: both schedules train as one process does, with the bubble of "
-        "the formula; GPipe holds m microbatches, 1F1B at most p - s."
+        f"Verified on {p} ranks: both schedules train as one process does, their orders have\n"
+        "the formula's bubble; GPipe holds m microbatches, 1F1B at most p - s."
     )
     end_chapter()
 

@@ -29,12 +29,15 @@ The same calls as torch.distributed.pipelining, on torch.distributed's send and 
     actions.py      F i, B i (or I i and W i) at a stage, and what makes a rank's order
     stage.py        a slice of the model and what it keeps between forward and backward
     p2p.py          activations forward, gradients backward, and the shape sent once
-    schedule.py     one step, as an order of forwards and backwards; checks; 1/m scaling;
-                    the orders, GPipe and 1F1B, their bubble and their memory
+    borders.py      what crosses a stage's borders at each action, under which tag
+    microbatches.py the batch split into m microbatches, the outputs merged back
+    schedule.py     one step, as an order of forwards and backwards; forward only; 1/m
+                    scaling; the orders, GPipe and 1F1B, their bubble and their memory
     interleaved.py  v stages a rank, and the backward split in two: interleaved 1F1B and
                     zero bubble, their orders, bubble and memory
+    rank_checks.py  what one rank sees wrong by itself: its stages, order, inputs
     step_checks.py  bad input refused on every stage
-    bubble.py     the recorded step as blocks: the picture, the bubble, in ASCII too; and
+    bubble.py       the recorded step as blocks: the picture, the bubble, in ASCII too; and
                     FixedCost, a layer that takes a fixed time, to measure a schedule
 """
 

@@ -4,19 +4,22 @@ A schedule is an ORDER: for each rank, the sequence of actions F i (forward of m
 and B i (its backward), at the rank's one stage or, interleaved, at one of its v stages (and
 zero-bubble schedules split B i into I i and W i: actions.py). GPipe and 1F1B (at the end of
 this file) and the interleaved schedules (interleaved.py) differ only there. Everything else is
-the same for all of them, and lives here:
+the same for all of them, and is run from here:
 
     step(x) / step() / step(target=y, losses=losses)      torch's call, per stage
                                                           (x: the batch's tensors, any number)
-      check     every stage states what it was given; bad input is refused on all (step_checks)
+      check     every stage states what it was given (rank_checks); bad input is refused on all
+                (step_checks)
       split     the batch (first stage) and the target (last) into m equal microbatches
+                (microbatches.py, which also merges the outputs back)
       run       for each action of `order()`: receive what it needs (an activation for F on
                 every stage but the first, a gradient for B or I on every stage but the last),
-                compute, and hand its sends to the next action's batch of transfers (p2p.py)
+                compute, and hand its sends to the next action's batch of transfers (what
+                crosses which border, borders.py; how, p2p.py)
       finish    wait for the sends, report the losses
 
-What crosses a border is a tuple of tensors (p2p.py): a stage's output, a tensor or a tuple,
-is the next stage's arguments; only the floating-point ones carry a gradient back.
+What crosses a border is a tuple of tensors: a stage's output, a tensor or a tuple, is the next
+stage's arguments; only the floating-point ones carry a gradient back.
 
 Forward only (torch's two ways): `eval(...)`, with step()'s arguments, or step() of a schedule
 built with loss_fn=None. The order is step()'s with the backwards left out: the same forwards
@@ -81,7 +84,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
@@ -93,34 +95,20 @@ from miniddp.pipeline.actions import (
     WEIGHT_GRAD,
     Action,
     encode,
-    order_problem,
 )
-from miniddp.pipeline.p2p import MAX_TENSORS, Header, Mailbox, Transfer, as_tuple, carries_gradient
+from miniddp.pipeline.borders import Borders
+from miniddp.pipeline.microbatches import StepData
+from miniddp.pipeline.p2p import Mailbox, Transfer
+from miniddp.pipeline.rank_checks import microbatch_shapes, rank_problem, stages_problem
 from miniddp.pipeline.stage import Activation, PipelineStage
-from miniddp.pipeline.step_checks import Problem, check_on_every_stage, check_orders_together
+from miniddp.pipeline.step_checks import (
+    Found,
+    Problem,
+    check_on_every_stage,
+    check_orders_together,
+)
 
 EVENT_KIND = {FORWARD: "forward", BACKWARD: "backward", INPUT_GRAD: "input", WEIGHT_GRAD: "weight"}
-ACTIVATION, GRADIENT, SHAPE = range(3)  # what a transfer carries, in its tag
-
-
-@dataclass
-class StepData:
-    """One step's microbatches, and what the last stage collects from them. `backward`: a
-    training step; False: forward only (eval(), or a schedule without a loss_fn)."""
-
-    backward: bool
-    inputs: list[Activation | None]  # the first stage's, each microbatch's arguments
-    targets: list[torch.Tensor | None]  # the last stage's; None elsewhere, or in eval without
-    outputs: list[torch.Tensor | Activation] = field(default_factory=list)
-    losses: list[torch.Tensor] = field(default_factory=list)
-
-
-@dataclass
-class Border:
-    """What a stage knows of its input's shape, and whether its next stage knows its own."""
-
-    input_header: Header | None
-    header_sent: bool
 
 
 class PipelineSchedule(EventRecorder):
@@ -154,18 +142,12 @@ class PipelineSchedule(EventRecorder):
         self.n_microbatches = n_microbatches
         self.loss_fn = loss_fn
         self.mailbox = Mailbox(self.stage.group, self._note)
+        self.borders = Borders(self.stages, n_microbatches, self.mailbox)
         self._by_index = {stage.stage_index: stage for stage in self.stages}
-        examples: dict[int, bool] = {}  # every stage of this rank's rounds: given an example?
-        for stage in self.stages:
-            examples.update(stage.examples)
-        self._borders = {
-            s.stage_index: Border(
-                None if s.input_example is None else Header.of(s.input_example),
-                s.is_last or examples.get(s.stage_index + 1, False),
-            )
-            for s in self.stages
-        }
-        self.setup_problem = self._stages_problem()  # refused at the first step, on every rank
+        # Refused at the first step, on every rank.
+        self.setup_problem = stages_problem(
+            self.stages, type(self).__name__, self.stages_per_rank_at_most, self.splits_backward
+        )
         self._first_microbatch_shapes: tuple[tuple[int, ...], ...] | None = None
         self._orders_checked: set[bool] = set()  # a training and a forward-only order, once each
         self.peak_held = 0  # the most microbatch-stages this rank held at once, last step
@@ -176,7 +158,7 @@ class PipelineSchedule(EventRecorder):
         """The shape of this rank's first stage's input microbatch (a tuple of shapes for
         several tensors), as given or as learnt from the previous stage in the first step (None
         on the first stage, or before)."""
-        header = self._borders[self.stage.stage_index].input_header
+        header = self.borders.input_header(self.stage.stage_index)
         if header is None:
             return None
         return header.shapes[0] if len(header.shapes) == 1 else header.shapes
@@ -230,11 +212,7 @@ class PipelineSchedule(EventRecorder):
             codes = encode(order, stage.stage_index)
             check_orders_together(codes + [0] * (longest - len(codes)), stage.group, stage.device)
             self._orders_checked.add(backward)
-        data = StepData(
-            backward,
-            inputs=list(zip(*(a.tensor_split(m) for a in args))) or [None] * m,
-            targets=[None] * m if target is None else list(target.tensor_split(m)),
-        )
+        data = StepData.split(args, target, m, backward)
         for each in self.stages:
             each.start_step()
         self.peak_held = 0
@@ -244,7 +222,7 @@ class PipelineSchedule(EventRecorder):
         with contextlib.nullcontext() if backward else torch.no_grad():
             for action in order:
                 # This action's receives go out in one batch with the previous action's sends.
-                received = self._receive_for(action, sends)
+                received = self.borders.receive_for(action, sends)
                 sends = self._run(action, data, received, last_backward.get(action.stage) == action)
                 self.peak_held = max(self.peak_held, sum(len(s.held) for s in self.stages))
         self.mailbox.post(sends)
@@ -253,53 +231,7 @@ class PipelineSchedule(EventRecorder):
         if self.has_last_stage and losses is not None:
             losses.clear()
             losses.extend(data.losses)
-        return _merged(data.outputs) if self.has_last_stage else None
-
-    def _receive_for(self, action: Action, sends: list[Transfer]) -> Activation | None:
-        """Post `sends` in one batch with the receives `action` needs, and wait for them: an
-        activation's tensors for F on every stage but the first, the gradients of its
-        floating-point tensors for B or I on every stage but the last. An action that needs
-        none (F on the first stage, B or I on the last, W) returns None, and the sends go out
-        alone."""
-        stage, i = self._by_index[action.stage], action.microbatch
-        border = self._borders[stage.stage_index]
-        s = stage.stage_index
-        if action.kind == FORWARD and not stage.is_first:
-            if border.input_header is None:  # the first step: learn the shapes first
-                self.mailbox.post(sends)
-                sends = []
-                shape = self._receive(Header.buffer(stage.device), s - 1, SHAPE, 0, s)
-                (codes,) = self.mailbox.receive_now([shape])
-                border.input_header = Header.decode(codes)
-            buffers = border.input_header.empty(stage.device)
-            receives = [self._receive(b, s - 1, ACTIVATION, i, s, k) for k, b in enumerate(buffers)]
-        elif action.kind in (BACKWARD, INPUT_GRAD) and not stage.is_last:
-            outputs = as_tuple(stage.held[i].output)
-            receives = [
-                self._receive(torch.empty_like(out), s + 1, GRADIENT, i, s, k)
-                for k, out in enumerate(outputs)
-                if carries_gradient(out.dtype)
-            ]
-        else:
-            self.mailbox.post(sends)
-            return None
-        works = self.mailbox.post(sends, receives)
-        return self.mailbox.wait_receives(works, receives)
-
-    def _tag(self, carries: int, i: int, stage: int, k: int) -> tuple[int, str]:
-        """The tag of tensor k of what `carries` for microbatch i at `stage` (the receiver), and
-        its name for events and messages: "activation 3", "gradient 3 (tensor 1)"."""
-        tag = carries + 3 * (k + MAX_TENSORS * (i + self.n_microbatches * stage))
-        what = "the shape" if carries == SHAPE else f"{('activation', 'gradient')[carries]} {i}"
-        return tag, what + (f" (tensor {k})" if k else "")
-
-    def _receive(self, buffer, peer: int, carries: int, i: int, me: int, k: int = 0) -> Transfer:
-        tag, what = self._tag(carries, i, me, k)
-        return Transfer(buffer, peer, what, False, self.stage.rank_of(peer), tag)
-
-    def _send(self, tensor, peer: int, carries: int, i: int, k: int = 0) -> Transfer:
-        tag, what = self._tag(carries, i, peer, k)
-        return Transfer(tensor, peer, what, True, self.stage.rank_of(peer), tag)
+        return data.merged_outputs() if self.has_last_stage else None
 
     def _run(
         self, action: Action, data: StepData, received: Activation | None, last: bool
@@ -319,9 +251,9 @@ class PipelineSchedule(EventRecorder):
                     if data.backward:
                         stage.keep_loss(i, loss / self.n_microbatches)  # its share of the mean
                     data.losses.append(loss.detach())
-                data.outputs.append(_detached(output))
+                data.keep_output(output)
             else:
-                sends += self._activation_sends(output, s, i)
+                sends += self.borders.activation_sends(output, s, i)
         elif action.kind == WEIGHT_GRAD:
             stage.backward_weight(i)
         else:
@@ -329,59 +261,9 @@ class PipelineSchedule(EventRecorder):
                 input_grads = stage.backward(i, received, last)
             else:
                 input_grads = stage.backward_input(i, received)
-            if not stage.is_first:
-                entries = self._borders[s].input_header.entries
-                places = [k for k, (dtype, _) in enumerate(entries) if carries_gradient(dtype)]
-                sends += [
-                    self._send(grad, s - 1, GRADIENT, i, k)
-                    for k, grad in zip(places, input_grads, strict=True)
-                ]
+            sends += self.borders.gradient_sends(input_grads, s, i)
         self._note(EVENT_KIND[action.kind], f"end {name}")
         return sends
-
-    def _activation_sends(self, output, s: int, i: int) -> list[Transfer]:
-        """Stage s's output for microbatch i, one transfer per tensor, to stage s + 1; before
-        the first, the header of their shapes, unless stage s + 1 was given an example."""
-        tensors = as_tuple(output)
-        if not all(isinstance(t, torch.Tensor) for t in tensors):
-            kinds = ", ".join(type(t).__name__ for t in tensors)
-            raise TypeError(
-                f"stage {s}'s forward returned ({kinds}): a stage hands the next one a tensor or "
-                "a tuple of tensors; make any other value a tensor (e.g. torch.tensor(n))"
-            )
-        activation = tuple(t.detach().contiguous() for t in tensors)
-        sends = []
-        border = self._borders[s]
-        if not border.header_sent:
-            header = Header.of(activation).encode(self.stage.device)
-            sends.append(self._send(header, s + 1, SHAPE, 0))
-            border.header_sent = True
-        return sends + [self._send(t, s + 1, ACTIVATION, i, k) for k, t in enumerate(activation)]
-
-    def _stages_problem(self) -> str | None:
-        """What is wrong with the stages this rank gave its schedule (None: nothing)."""
-        first, stages = self.stage, self.stages
-        size, v = first.group_size, len(stages)
-        if any(s.group is not first.group or s.num_stages != first.num_stages for s in stages):
-            return "its stages belong to different pipelines (groups or num_stages differ)"
-        most = self.stages_per_rank_at_most
-        if most is not None and first.num_stages > size * most:
-            return (
-                f"{type(self).__name__} runs one stage a rank, and there are "
-                f"{first.num_stages} stages on {size} ranks: use ScheduleInterleaved1F1B"
-            )
-        expected = [first.rank + i * size for i in range(first.num_stages // size)]
-        if [s.stage_index for s in stages] != expected:
-            return (
-                f"it was given stages {[s.stage_index for s in stages]} (v = {v}); rank "
-                f"{first.rank} holds stages {expected}, every one of them, in that order"
-            )
-        if any(s.data_parallel for s in stages) and (v > 1 or self.splits_backward):
-            return (
-                "a data-parallel stage (MiniDDP inside) runs under ScheduleGPipe or "
-                "Schedule1F1B only, one stage a rank, its backward whole"
-            )
-        return None
 
     def _inspect(
         self,
@@ -390,60 +272,26 @@ class PipelineSchedule(EventRecorder):
         losses: list | None,
         order: list[Action],
         backward: bool,
-    ) -> tuple[Problem, int, int] | tuple[Problem, int, int, str]:
-        """What this rank can see wrong with its own part of the step: its stages, its inputs,
-        and its order (a learner's schedule may be wrong; then also why, for this rank's
-        message)."""
-        m = self.n_microbatches
+    ) -> Found:
+        """What this rank sees wrong with its stages or its part of the step (rank_checks);
+        the first step's microbatch shapes are kept, for every later step to match."""
         if self.setup_problem:
             return Problem.BAD_STAGES, 0, 0, self.setup_problem
-        if len(self.stages) == 1:  # its actions are named as written: F0, not F0@0
-            own = self.stage.stage_index
-            problem = order_problem([a._replace(stage=None) for a in order if a.stage == own], m)
-            strangers = [str(a) for a in order if a.stage != own]
-            problem = problem or (f"{strangers[0]} is not this rank's" if strangers else None)
-        else:
-            problem = order_problem(order, m, [s.stage_index for s in self.stages])
-        if problem is not None:
-            return Problem.BAD_ORDER, 0, 0, problem
-        if self.has_first_stage:
-            if not args:
-                return Problem.NO_INPUT, 0, 0
-            if not all(isinstance(a, torch.Tensor) and a.dim() > 0 for a in args):
-                return Problem.INPUT_NOT_TENSORS, 0, 0
-            size = next((a.shape[0] for a in args if a.shape[0] % m), None)
-            if size is not None:
-                return Problem.INPUT_NOT_DIVISIBLE, size, m
-            shapes = tuple((a.shape[0] // m, *a.shape[1:]) for a in args)
-            if self._first_microbatch_shapes is None:
-                self._first_microbatch_shapes = shapes
-            elif shapes != self._first_microbatch_shapes:
-                first = self._first_microbatch_shapes
-                return Problem.INPUT_SHAPE_CHANGED, shapes[0][0], first[0][0]
-        elif args:
-            return Problem.INPUT_NOT_ON_FIRST, 0, 0
-        if self.has_last_stage:
-            if target is not None and self.loss_fn is None:
-                return Problem.TARGET_WITHOUT_LOSS_FN, 0, 0
-            if target is None and backward:
-                return Problem.NO_TARGET, 0, 0
-            if target is not None and target.shape[0] % m:
-                return Problem.TARGET_NOT_DIVISIBLE, target.shape[0], m
-            if losses is not None and target is None:
-                return Problem.NO_LOSSES_TO_FILL, 0, 0
-        return Problem.NONE, 0, 0
-
-
-def _detached(output: torch.Tensor | Activation) -> torch.Tensor | Activation:
-    return tuple(t.detach() for t in output) if isinstance(output, tuple) else output.detach()
-
-
-def _merged(outputs: list[torch.Tensor | Activation]) -> torch.Tensor | Activation:
-    """The microbatches' outputs as the batch's, each tensor concatenated along dim 0 (torch's
-    default merge)."""
-    if isinstance(outputs[0], tuple):
-        return tuple(torch.cat(parts) for parts in zip(*outputs))
-    return torch.cat(outputs)
+        m, shapes = self.n_microbatches, self._first_microbatch_shapes
+        found = rank_problem(
+            self.stages,
+            order,
+            m,
+            args,
+            target,
+            losses,
+            backward=backward,
+            has_loss_fn=self.loss_fn is not None,
+            first_shapes=shapes,
+        )
+        if found[0] == Problem.NONE and self.has_first_stage and shapes is None:
+            self._first_microbatch_shapes = microbatch_shapes(args, m)
+        return found
 
 
 class ScheduleGPipe(PipelineSchedule):

@@ -16,7 +16,7 @@ stage raises the same error, naming the stage, the problem and the fix:
                           to call eval() (torch's advice too)
 
 The price is one tiny collective per step (tens of microseconds on gloo). In the first step,
-one more gathers every stage's order and replays them on a logical clock (timeline.replay), so
+one more gathers every stage's order and replays them on a logical clock (bubble.replay), so
 orders that would wait for each other forever are refused too, instead of hanging.
 """
 
@@ -99,6 +99,9 @@ def describe(problem: Problem, a: int, b: int) -> str:
     }[problem]
 
 
+Found = tuple[Problem, int, int] | tuple[Problem, int, int, str]  # and why, for this rank
+
+
 def schedule_id(schedule_name: str) -> int:
     """A number for the schedule's class name, the same on every rank."""
     return zlib.crc32(schedule_name.encode()) & 0x7FFFFFFF
@@ -115,7 +118,7 @@ def gather_rows(row: list[int], what: str, group: dist.ProcessGroup | None, devi
 
 
 def check_on_every_stage(
-    found: tuple[Problem, int, int] | tuple[Problem, int, int, str],
+    found: Found,
     n_microbatches: int,
     schedule_name: str,
     group: dist.ProcessGroup | None,

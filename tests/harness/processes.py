@@ -19,6 +19,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+# After the first rank fails, how long the others get to end on their own (and finish writing
+# their traceback) before they are killed.
+GRACE_SECONDS = 5.0
 
 
 def child_env(tmp_dir: Path, drop: tuple[str, ...] = (), **extra: str) -> dict[str, str]:
@@ -68,14 +71,18 @@ def run_ranks_like_torchrun(
     For scripts that need nothing of the agent (no restarts, no rendezvous of several nodes);
     the torchrun path itself is tested where it matters (launch.sh, chapters 06 and 07).
 
-    Like torchrun, the first rank to fail ends the others. Returns the first failing exit code
-    (0 if none failed) and every rank's output, rank by rank."""
+    Like torchrun, the first rank to fail ends the others (after GRACE_SECONDS to end on their
+    own). Returns the first failing exit code (0 if none failed) and every rank's output, rank by
+    rank; past `timeout`, fails showing the end of each rank's output so far."""
     with socket.socket() as probe:  # a free port for rank 0's store, as --standalone finds one
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     shared = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc)}
     shared |= {"LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "ROLE_RANK": "0"}
     shared |= {"TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0"}
+    # Each rank writes its own file, unbuffered: a rank killed after another one failed keeps
+    # everything it printed.
+    shared |= {"PYTHONUNBUFFERED": "1"}
     # Files, not pipes: a rank that prints more than a pipe holds would block while we poll.
     logs = [tempfile.TemporaryFile("w+") for _ in range(nproc)]
     ranks = []
@@ -92,12 +99,15 @@ def run_ranks_like_torchrun(
                 start_new_session=True,
             )
         )
-    deadline, failed = time.monotonic() + timeout, 0
+    deadline, failed, timed_out = time.monotonic() + timeout, 0, False
     try:
-        while any(rank.poll() is None for rank in ranks) and not failed:
-            if time.monotonic() > deadline:
-                pytest.fail(f"timed out after {timeout} s: {command} on {nproc} ranks")
-            failed = next((rank.returncode for rank in ranks if rank.poll()), 0)
+        while any(rank.poll() is None for rank in ranks):
+            now = time.monotonic()
+            if now > deadline:
+                timed_out = True
+                break
+            if not failed and (failed := next((r.returncode for r in ranks if r.poll()), 0)):
+                deadline = min(deadline, now + GRACE_SECONDS)
             time.sleep(0.05)
         failed = failed or next((rank.returncode for rank in ranks if rank.returncode), 0)
     finally:
@@ -110,4 +120,7 @@ def run_ranks_like_torchrun(
         log.seek(0)
         outputs.append(log.read())
         log.close()
+    if timed_out and not failed:
+        ends = [f"--- rank {r} ---\n{tail(text, 30)}" for r, text in enumerate(outputs)]
+        pytest.fail(f"timed out after {timeout} s: {command} on {nproc} ranks\n" + "\n".join(ends))
     return failed, "\n".join(outputs)
