@@ -119,11 +119,13 @@ def report_prefetch(recorded: dict, link: Link, units: int, shard_bytes: int, wo
     for name in VARIANTS:
         peak = recorded["peak_full_bytes"][name]
         print(
-            f"  {name:<12} full parameters alive at most {peak:,} B ({peak / unit_bytes:.2f} "
-            f"units); {recorded['overlap'][name]:.0%} of the transfers' time under compute"
+            f"  {name:<12} full parameters at most {peak:,} B ({peak / unit_bytes:.2f} units), "
+            f"{recorded['overlap'][name]:.0%} of transfers under compute"
         )
     overlap = steps["prefetch"].overlap
-    print(f"  (one recorded step each, rank 0; the model's overlap with prefetch: {overlap:.0%})")
+    print(
+        f"  (one recorded step each, on rank 0; the model's overlap with prefetch: {overlap:.0%})"
+    )
     return {
         **recorded,
         "speedup": speedup,
