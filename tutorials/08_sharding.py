@@ -135,8 +135,9 @@ def same_training(run: dict) -> float:
 
 
 def zero3_over_the_link(prefetch: bool) -> dict:
-    """LINK_STEPS steps of a chain of UNITS Linear units, prefetch on or off: the median of the
-    timed steps, the last one's timeline and peak of full parameters, the final parameters."""
+    """LINK_STEPS steps of a chain of UNITS Linear units, prefetch on or off, the timed ones
+    recorded: the median one's time and timeline, the peak of full parameters over them, and
+    the final parameters."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(UNITS)])
     for layer in model:
@@ -144,21 +145,23 @@ def zero3_over_the_link(prefetch: bool) -> dict:
     fully_shard(model).set_prefetch(prefetch)  # on by default; off is the "before"
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(dist.get_rank()))
-    seconds = []
+    timed = []  # (seconds, what was recorded)
     for step in range(LINK_STEPS):
         dist.barrier()
         with contextlib.ExitStack() as stack:
-            if step == LINK_STEPS - 1:
-                recorded = stack.enter_context(recording(model))
+            recorded = stack.enter_context(recording(model)) if step >= 2 else None
             start = time.perf_counter()
             model(x).pow(2).mean().backward()
-            seconds.append(time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+        if recorded is not None:
+            timed.append((seconds, recorded))
         optimizer.step()
         optimizer.zero_grad()
+    seconds, median = sorted(timed, key=lambda pair: pair[0])[len(timed) // 2]
     return {
-        "step_s": sorted(seconds[2:])[len(seconds[2:]) // 2],
-        "timeline": unit_timeline(recorded.events, dist.get_rank()),
-        "peak": recorded.peak_full_bytes,
+        "step_s": seconds,
+        "timeline": unit_timeline(median.events, dist.get_rank()),
+        "peak": max(recorded.peak_full_bytes for _, recorded in timed),
         "params": list(full_state_dict(model).values()),
     }
 
