@@ -369,10 +369,14 @@ def main() -> None:
     say(f"  one all-gather or reduce-scatter takes {ms(transfer)} on the link")
     for name, run in linked.items():
         summary, model = summarize(run["timeline"]), model_of[name]
-        say(f"  {name:<11} step {ms(run['step_s'])} (model {ms(model.step_s)}), transfers")
         say(
-            f"  {'':<11} {summary.overlap:4.0%} under compute (model {model.overlap:4.0%}), full"
-            f" parameters at most {run['peak'] / unit_bytes:.0f} unit(s)"
+            f"  {name:<11} step {ms(run['step_s'])} (model {ms(model.step_s)}), of which idle "
+            f"{ms(summary.idle_s)}"
+        )
+        say(
+            f"  {'':<11} transfers {summary.overlap:4.0%} under compute (model "
+            f"{model.overlap:4.0%}); full parameters at most {run['peak'] / unit_bytes:.0f} "
+            "unit(s)"
         )
     speedup = linked["no prefetch"]["step_s"] / linked["prefetch"]["step_s"]
     say_prose(f"""\

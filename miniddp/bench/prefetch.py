@@ -70,12 +70,12 @@ def time_prefetch(model_of, args: argparse.Namespace, group: dist.ProcessGroup) 
     recorded: dict = {}
     for name in VARIANTS:
         step(name, recorded)
+    summaries = {name: summarize(unit_timeline(r.events)) for name, r in recorded.items()}
     return {
         "seconds": {name: times[i].tolist() for i, name in enumerate(models)},
         "peak_full_bytes": {name: r.peak_full_bytes for name, r in recorded.items()},
-        "overlap": {
-            name: summarize(unit_timeline(r.events)).overlap for name, r in recorded.items()
-        },
+        "overlap": {name: summary.overlap for name, summary in summaries.items()},
+        "idle_s": {name: summary.idle_s for name, summary in summaries.items()},
     }
 
 
@@ -121,6 +121,10 @@ def report_prefetch(recorded: dict, link: Link, units: int, shard_bytes: int, wo
         print(
             f"  {name:<12} full parameters at most {peak:,} B ({peak / unit_bytes:.2f} units), "
             f"{recorded['overlap'][name]:.0%} of transfers under compute"
+        )
+        print(
+            f"  {'':<12} idle (no unit computing, nothing on the link) "
+            f"{recorded['idle_s'][name] * 1e3:.1f} ms: checks, copies, threads waking"
         )
     overlap = steps["prefetch"].overlap
     print(
