@@ -123,8 +123,8 @@ def report_prefetch(recorded: dict, link: Link, units: int, shard_bytes: int, wo
             f"{recorded['overlap'][name]:.0%} of transfers under compute"
         )
         print(
-            f"  {'':<12} idle (no unit computing, nothing on the link) "
-            f"{recorded['idle_s'][name] * 1e3:.1f} ms: checks, copies, threads waking"
+            f"  {'':<12} idle (nothing computing, nothing on the link) "
+            f"{recorded['idle_s'][name] * 1e3:.1f} ms: checks, copies, wake-ups"
         )
     overlap = steps["prefetch"].overlap
     print(
