@@ -19,7 +19,10 @@ Why, in backward, the gather of the unit after next is issued at the end of a un
 before its reduce-scatter, rather than when the next unit's backward begins: each gather starts
 with a blocking 8-byte check that every rank gathers the same unit (units.py), and a blocking
 collective waits its turn behind everything in flight. Issued after the reduce-scatter, it would
-wait for it, and the next unit's compute would overlap nothing.
+wait for it, and the next unit's compute would overlap nothing. The checks are the price of that
+safety: each is a round trip that waits for the slower rank, with the link idle. Over the
+simulated link on a loaded 2-core machine, they and the thread wake-ups around each collective
+are most of what keeps a step from the alpha-beta model (chapter 08 measures this idle time).
 
 Bits: a prefetched gather moves the same shards as one issued on demand, and a reduce-scatter
 finished later adds the same values into `.grad` as autograd would have: the same bits. A
