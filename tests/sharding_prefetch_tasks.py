@@ -118,3 +118,28 @@ def torch_with_explicit_prefetch(steps: int = 3) -> list:
         optimizer.zero_grad()
         params.append([t.full_tensor().detach().clone() for t in model.state_dict().values()])
     return params
+
+
+def record_lanes(prefetch: bool = True) -> dict:
+    """Two steps, the second recorded (miniddp/sharding/unit_lanes.py): its spans as (lane, name,
+    start, end), its peak of full parameters, and each unit's full and gathered (padded) bytes,
+    in forward order."""
+    from miniddp.sharding.unit_lanes import recording, unit_timeline
+
+    model, _ = build(reshard_after_forward=True)
+    model.set_prefetch(prefetch)
+    x = torch.randn(4, WIDTHS[0])
+    model(x).sum().backward()
+    with recording(model) as recorded:
+        model(x).sum().backward()
+    spans = [(s.lane, s.name, s.start, s.end) for s in unit_timeline(recorded.events).spans]
+    units = [block._sharded for block in model]
+    world = dist.get_world_size()
+    return {
+        "spans": spans,
+        "peak": recorded.peak_full_bytes,
+        "numbers": [unit.number for unit in units],
+        "full_bytes": [sum(shape.numel() for shape in unit.shapes) * 4 for unit in units],
+        "gathered_bytes": [world * sum(s.numel() for s in unit.shards) * 4 for unit in units],
+        "recording_after": model._prefetcher._observed,
+    }

@@ -28,6 +28,7 @@ FIGURES = [
     "05_no_sync.png",
     "06_failover.png",
     "08_memory.png",
+    "08_prefetch.png",
     "08b_memory.png",
     "13_tensor_parallel.png",
     "14_pipeline.png",

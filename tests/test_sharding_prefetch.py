@@ -66,3 +66,33 @@ def test_a_rank_killed_during_a_prefetched_gather_is_named_within_a_second_or_so
     seconds = run.detection_s(0, victim=1)
     record_detection("rank 1 dies during a prefetched fully_shard gather", seconds)
     assert seconds <= 3, f"rank 0 raised {seconds:.2f} s after the fault"
+
+
+def test_the_timeline_records_each_units_lanes_in_the_order_prefetch_issues_them(pool2):
+    """A recorded step (miniddp/sharding/unit_lanes.py): every unit computes forward and backward,
+    is gathered twice and reduce-scattered once. With prefetch, unit i+1's gather is issued
+    before unit i's forward ends, and the peak of full parameters is one unit's and its
+    neighbour's gather buffer; without, each gather waits for the forward before, and the peak
+    is the largest unit's. Orders of events, not timings."""
+    for prefetch in (True, False):
+        for result in pool2.run(tasks.record_lanes, prefetch=prefetch):
+            spans = {(lane, name): (start, end) for lane, name, start, end in result["spans"]}
+            numbers = result["numbers"]
+            lanes = [lane for lane, *_ in result["spans"]]
+            assert lanes.count("compute") == 2 * UNITS and lanes.count("reduce-scatter") == UNITS
+            assert lanes.count("all-gather") == 2 * UNITS
+            first_gather = {
+                n: min(s for lane, name, s, _ in result["spans"] if name == f"all-gather {n}")
+                for n in numbers
+            }
+            for a, b in zip(numbers, numbers[1:]):
+                issued_early = first_gather[b] < spans["compute", f"forward {a}"][1]
+                assert issued_early == prefetch, (prefetch, a, b)
+            full, gathered = result["full_bytes"], result["gathered_bytes"]
+            if prefetch:
+                pairs = zip(range(UNITS), range(1, UNITS))
+                peak = max(max(full[i] + gathered[j], full[j] + gathered[i]) for i, j in pairs)
+            else:
+                peak = max(full)
+            assert result["peak"] == peak
+            assert not result["recording_after"]

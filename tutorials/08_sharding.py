@@ -12,6 +12,7 @@ tensors' storages, then removes them one kind at a time, each stage on MiniDDP's
     4. ZeRO-3               the parameters themselves: miniddp.fully_shard
     5. the price            bytes each rank sends per step, against theory
     6. clipping             where sharding stops being invisible
+    7. prefetch             ZeRO-3's transfers hidden under compute, over a simulated slow link
 
 The benchmark `python -m miniddp.bench sharding` measures the same at W = 1, 2 and 4, and the
 step time against torch's ZeroRedundancyOptimizer and fully_shard.
@@ -20,17 +21,23 @@ step time against torch's ZeroRedundancyOptimizer and fully_shard.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import textwrap
+import time
 
 import torch
 import torch.distributed as dist
-from common import add_plot_option, end_chapter, fmt_bytes, say, section
+from common import add_plot_option, end_chapter, fmt_bytes, say, say_prose, section
 from torch import nn
 
+import miniddp.collectives
 from miniddp import MiniDDP, ZeroRedundancyOptimizer, full_state_dict, fully_shard
 from miniddp.collectives import traffic
 from miniddp.data_parallel.default_hooks import all_reduce_hook
 from miniddp.job.env import init_distributed
+from miniddp.observe import timeline
+from miniddp.observe.link import Link, simulated_link
+from miniddp.observe.overlap_model import predict_zero3_step
 from miniddp.sharding import (
     Formula,
     clip_grad_norm_,
@@ -38,6 +45,7 @@ from miniddp.sharding import (
     measure_memory,
     reduce_scatter_hook,
 )
+from miniddp.sharding.unit_lanes import recording, summarize, unit_timeline
 from miniddp.sharding.units import UNIT_NUMBER_BYTES
 
 STEPS = 3
@@ -45,6 +53,10 @@ CLIP_NORM = 0.01  # below the gradients' norm: every step clips
 WIDTHS = (64, 129, 128, 65, 8)  # sizes the world size rarely divides: ZeRO-3 pads
 KINDS = ("parameters", "gradients", "buckets", "optimizer_state")
 RUNS: dict[str, dict] = {}  # stage -> what train(stage) returned on this rank
+# Section 7: a link on which one unit's all-gather takes about as long as its forward here
+LINK = Link.parse("alpha=200us,bandwidth=300mbit")
+UNITS, WIDTH, BATCH = 4, 256, 512
+LINK_STEPS = 5  # the first learns the units' order, the second runs with it; then 3 timed
 
 
 def build_model() -> nn.Sequential:
@@ -120,6 +132,67 @@ def say_memory(stage: str, run: dict, psi: int, world: int) -> bool:
 def same_training(run: dict) -> float:
     """Largest difference from DDP's final parameters (0.0 means bit for bit)."""
     return max((a - b).abs().max().item() for a, b in zip(run["params"], RUNS["ddp"]["params"]))
+
+
+def zero3_over_the_link(prefetch: bool) -> dict:
+    """LINK_STEPS steps of a chain of UNITS Linear units, prefetch on or off, the timed ones
+    recorded: the median one's time and timeline, the peak of full parameters over them, and
+    the final parameters."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(UNITS)])
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model).set_prefetch(prefetch)  # on by default; off is the "before"
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(dist.get_rank()))
+    timed = []  # (seconds, what was recorded)
+    for step in range(LINK_STEPS):
+        dist.barrier()
+        with contextlib.ExitStack() as stack:
+            recorded = stack.enter_context(recording(model)) if step >= 2 else None
+            start = time.perf_counter()
+            model(x).pow(2).mean().backward()
+            seconds = time.perf_counter() - start
+        if recorded is not None:
+            timed.append((seconds, recorded))
+        optimizer.step()
+        optimizer.zero_grad()
+    seconds, median = sorted(timed, key=lambda pair: pair[0])[len(timed) // 2]
+    return {
+        "step_s": seconds,
+        "timeline": unit_timeline(median.events, dist.get_rank()),
+        "peak": max(recorded.peak_full_bytes for _, recorded in timed),
+        "params": list(full_state_dict(model).values()),
+    }
+
+
+def zero2_overlap() -> float:
+    """One recorded ZeRO-2 step over LINK, a bucket per layer: the share of its reduce-scatters'
+    time spent while backward computed (observe/timeline.py's summary, as chapter 04's)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(UNITS)])
+    ddp = MiniDDP(model, bucket_cap_mb=1.2 * (WIDTH + 1) * WIDTH * 4 / 2**20)
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=1e-3)
+    ddp.register_comm_hook(optimizer, reduce_scatter_hook)
+    x = torch.randn(BATCH, WIDTH)
+    for _ in range(4):  # as chapter 04: the buckets are rebuilt in backward's order first
+        with timeline.recording(ddp, profiler_spans=False) as events:
+            ddp(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return timeline.summarize(timeline.split_steps(events, dist.get_rank())[-1]).overlap
+
+
+def issued_under_the_previous_forward(step: timeline.StepTimeline) -> bool:
+    """Was each unit's forward all-gather issued before the unit before it finished its
+    forward? An order of events, not a timing: load cannot move it."""
+    ends = {s.name.split()[1]: s.end for s in step.spans if s.name.startswith("forward")}
+    gathers = {}
+    for span in step.spans:  # the first gather of each unit is its forward's
+        if span.lane == "all-gather":
+            gathers.setdefault(span.name.split()[1], span.start)
+    numbers = sorted(ends, key=ends.get)
+    return all(gathers[b] < ends[a] for a, b in zip(numbers, numbers[1:]))
 
 
 def draw(path, world: int) -> None:
@@ -264,6 +337,74 @@ def main() -> None:
             )
     say("  Under ZeRO-2 and ZeRO-3, call miniddp.sharding.clip_grad_norm_, on every rank.")
 
+    section("7. Prefetch: ZeRO-3's transfers under compute")
+    say_prose(f"""\
+        Section 4's fully_shard waits for each gather just before the unit that needs it, and
+        section 5 showed it sends 1.5 times DDP's bytes. Over a real network every one of those
+        bytes would be exposed, unless the next unit's gather travels while this one computes.
+        fully_shard prefetches (miniddp/sharding/prefetch.py), as torch's FSDP2: in forward,
+        unit i+1's all-gather is issued as unit i starts; in backward, unit i-1's, and unit
+        i+1's reduce-scatter finishes under unit i's backward. Each order is the previous
+        forward's, so the first step gathers on demand. Here {UNITS} Linear({WIDTH}, {WIDTH})
+        units, a batch of {BATCH}, over a simulated link ({LINK}; chapter 04) on which one
+        unit's all-gather takes about as long as its forward, with prefetch off (the
+        benchmark's switch, set_prefetch(False)) and on:""")
+    with simulated_link(LINK, also=(miniddp.collectives,)):  # fully_shard's own collectives
+        linked = {"no prefetch": zero3_over_the_link(False), "prefetch": zero3_over_the_link(True)}
+        zero2 = zero2_overlap()
+    unit_bytes = world * sum(-(-n // world) for n in (WIDTH * WIDTH, WIDTH)) * 4  # W shards
+    spans = linked["no prefetch"]["timeline"].spans  # compute alone, nothing beside it
+    forward_s, backward_s = (
+        sum(s.duration for s in spans if s.name.startswith(kind)) / UNITS
+        for kind in ("forward", "backward")
+    )
+    transfer = LINK.seconds((world - 1) * unit_bytes / world)  # one gather or reduce-scatter
+    check = LINK.seconds((world - 1) * UNIT_NUMBER_BYTES)
+    model_of = {
+        name: predict_zero3_step(UNITS, forward_s, backward_s, transfer, transfer, check, on)
+        for name, on in (("no prefetch", False), ("prefetch", True))
+    }
+    ms = lambda seconds: f"{seconds * 1e3:5.1f} ms"  # noqa: E731
+    say(f"  a unit computes {ms(forward_s)} forward, {ms(backward_s)} backward (no prefetch's);")
+    say(f"  one all-gather or reduce-scatter takes {ms(transfer)} on the link")
+    for name, run in linked.items():
+        summary, model = summarize(run["timeline"]), model_of[name]
+        say(
+            f"  {name:<11} step {ms(run['step_s'])} (model {ms(model.step_s)}), of which idle "
+            f"{ms(summary.idle_s)}"
+        )
+        say(
+            f"  {'':<11} transfers {summary.overlap:4.0%} under compute (model "
+            f"{model.overlap:4.0%}); full parameters at most {run['peak'] / unit_bytes:.0f} "
+            "unit(s)"
+        )
+    speedup = linked["no prefetch"]["step_s"] / linked["prefetch"]["step_s"]
+    say_prose(f"""\
+        Prefetch: {speedup:.2f}x faster here (timings move with this machine's load; the
+        benchmark, python -m miniddp.bench sharding --link ..., pairs them). The model
+        (miniddp/observe/overlap_model.py): each unit's compute beside the next transfer,
+        max(compute, transfer) per pair of units, plus the first gather of each pass and the
+        last reduce-scatter; the 8-byte check before each gather stays exposed. What it leaves
+        out is the idle time, when no unit computes and nothing is on the link: the checks
+        (each a round trip that waits for the slower rank), the casts and copies around each
+        collective, and on this shared machine the wake-ups of three threads per collective
+        (training, communication, the link's). The steps are longer than the model's by about
+        that; the figure (--plot) shows where. Memory:
+        prefetch holds two units' full parameters at most, the one computing and the one
+        arriving; without it, one. The same bits either way, and the same bytes sent.
+
+        ZeRO-2 needs no such change: its reduce_scatter_hook is a MiniDDP comm hook, so each
+        bucket's reduce-scatter leaves as soon as the bucket is full, as DDP's all-reduces do
+        (chapter 04): over the same link, {zero2:.0%} of its time ran during backward.""")
+    if args.plot and env.rank == 0:
+        from miniddp.figures.zero3_timeline import prefetch_timelines
+
+        steps = {
+            f"ZeRO-3, {name}: {run['step_s'] * 1e3:.0f} ms a step": run["timeline"]
+            for name, run in linked.items()
+        }
+        say(f"wrote {prefetch_timelines(steps, args.plot / '08_prefetch.png')}")
+
     section("Checks")
     differences = {stage: same_training(RUNS[stage]) for stage in ("zero1", "zero2", "zero3")}
     for stage, difference in differences.items():
@@ -283,10 +424,17 @@ def main() -> None:
     for stage in ("zero2", "zero3"):
         assert drifts[stage, "miniddp's"] <= 1e-6, f"{stage}: clipping by the true norm"
         assert drifts[stage, "torch's"] > drifts[stage, "miniddp's"] or world == 1, stage
+    same = zip(linked["prefetch"]["params"], linked["no prefetch"]["params"], strict=True)
+    assert all(torch.equal(a, b) for a, b in same), "prefetch must not change a bit"
+    assert linked["prefetch"]["peak"] <= 2 * unit_bytes, "at most two units' full parameters"
+    assert linked["no prefetch"]["peak"] == unit_bytes, "without prefetch, one unit's"
+    assert issued_under_the_previous_forward(linked["prefetch"]["timeline"])
+    assert not issued_under_the_previous_forward(linked["no prefetch"]["timeline"])
     dist.barrier()  # every rank has passed its own checks
     say(
         f"Verified on {world} ranks: every byte where the formula says it is, ZeRO-1, 2 and 3 "
-        "train as DDP does, and clip as it does with miniddp.sharding.clip_grad_norm_."
+        "train as DDP does, and clip as it does with miniddp.sharding.clip_grad_norm_; "
+        "ZeRO-3's prefetch holds at most two units full and changes no bit."
     )
     end_chapter()
 

@@ -13,7 +13,8 @@ Runs on 4 ranks (relaunched under torchrun) and forms groups of the first 1, 2 a
               paired as in `bench step` (median of per-iteration ratios, 95% interval)
     prefetch  with --link: on the 2-rank group, ZeRO-3 with fully_shard's prefetch on against
               off over the simulated link, paired, and each one's exposed communication against
-              the alpha-beta model's (miniddp/bench/sharding_overlap.py)
+              the alpha-beta model's; from one recorded step of each, the most full parameters
+              alive at once and the overlap fraction (miniddp/bench/sharding_overlap.py)
 
 The model is an MLP of fp32 Linear layers, trained with AdamW.
 """

@@ -1,22 +1,20 @@
 """The prefetch section of `python -m miniddp.bench sharding --link ...`: a ZeRO-3 step with
-fully_shard's prefetch on against off, on 2 ranks over the simulated link, paired; and the
-exposed communication of each against the alpha-beta model's prediction.
+fully_shard's prefetch on against off, on 2 ranks over the simulated link, paired; each one's
+exposed communication against the alpha-beta model's prediction (observe/overlap_model.py's
+predict_zero3_step); and, from one recorded step of each (sharding/unit_lanes.py), the most full
+parameters alive at once and the share of the transfers' time under compute, chapter 04's
+overlap fraction.
 
-The model, for U equal units of n shard bytes per rank, W ranks, a link of latency alpha and
+The model is fed U equal units of n shard bytes per rank, W ranks, a link of latency alpha and
 bandwidth B (miniddp/observe/link.py), and the step time C over a free link, split 1 : 2 between
-forward and backward (c_f = C/3U, c_b = 2C/3U per unit):
-
-    gather AG = reduce-scatter RS = alpha + (W-1) n / B       check k = alpha + (W-1) 8 / B
-    off   C + U (k + AG) + U (k + AG + RS)                    every byte exposed
-    on    C_f: U k + AG + (U-1) max(c_f, AG) + c_f            the first gather exposed
-          C_b: U k + AG + (U-1) max(c_b, AG + RS) + c_b + RS  and the last reduce-scatter
-
-Each unit's 8-byte check (units.py) stays exposed: it is blocking, by design.
+forward and backward (c_f = C/3U, c_b = 2C/3U per unit); each transfer takes
+alpha + (W-1) n / B, each unit's 8-byte check (units.py) alpha + (W-1) 8 / B.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
@@ -27,6 +25,8 @@ import miniddp.collectives
 from miniddp import fully_shard
 from miniddp.bench.paired import paired_ratio, paired_ratio_interval, rotated
 from miniddp.observe.link import Link, simulated_link
+from miniddp.observe.overlap_model import PredictedZero3Step, predict_zero3_step
+from miniddp.sharding.unit_lanes import recording, summarize, unit_timeline
 from miniddp.sharding.units import UNIT_NUMBER_BYTES
 
 VARIANTS = ("prefetch", "no prefetch")
@@ -35,11 +35,10 @@ VARIANTS = ("prefetch", "no prefetch")
 FREE_LINK = Link(alpha=0.0, bandwidth=1e18)
 
 
-def time_prefetch(
-    model_of, args: argparse.Namespace, group: dist.ProcessGroup
-) -> dict[str, list[float]]:
+def time_prefetch(model_of, args: argparse.Namespace, group: dist.ProcessGroup) -> dict:
     """Seconds per step of "bare" (prefetch on, over FREE_LINK: the compute) and of the two
-    variants over the link, interleaved; the slowest rank's."""
+    variants over the link, interleaved; the slowest rank's. Then one recorded step of each
+    variant: its peak of full parameters and its overlap, rank 0's."""
     x = torch.randn(args.batch, args.width)
     models = {}
     for name in ("bare", *VARIANTS):
@@ -51,10 +50,12 @@ def time_prefetch(
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-3) for name, m in models.items()}
     seconds = {name: [] for name in models}
 
-    def step(name: str) -> None:
+    def step(name: str, recorded: dict | None = None) -> None:
         dist.barrier(group)
         link = FREE_LINK if name == "bare" else args.link
-        with simulated_link(link, also=(miniddp.collectives,)):
+        with simulated_link(link, also=(miniddp.collectives,)), contextlib.ExitStack() as stack:
+            if recorded is not None:
+                recorded[name] = stack.enter_context(recording(models[name]))
             start = time.perf_counter()
             models[name](x).pow(2).mean().backward()
             optimizers[name].step()
@@ -66,26 +67,37 @@ def time_prefetch(
             step(name)
     times = torch.tensor([seconds[name][2:] for name in models], dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-    return {name: times[i].tolist() for i, name in enumerate(models)}
+    recorded: dict = {}
+    for name in VARIANTS:
+        step(name, recorded)
+    summaries = {name: summarize(unit_timeline(r.events)) for name, r in recorded.items()}
+    return {
+        "seconds": {name: times[i].tolist() for i, name in enumerate(models)},
+        "peak_full_bytes": {name: r.peak_full_bytes for name, r in recorded.items()},
+        "overlap": {name: summary.overlap for name, summary in summaries.items()},
+        "idle_s": {name: summary.idle_s for name, summary in summaries.items()},
+    }
 
 
-def predicted(link: Link, bare: float, units: int, shard_bytes: int, world: int) -> dict:
-    """The module docstring's model: seconds per step with prefetch off and on."""
-    gather = reduce = link.seconds((world - 1) * shard_bytes)
+def predicted(
+    link: Link, bare: float, units: int, shard_bytes: int, world: int
+) -> dict[str, PredictedZero3Step]:
+    """The model's step with prefetch off and on (see the module docstring)."""
+    transfer = link.seconds((world - 1) * shard_bytes)
     check = link.seconds((world - 1) * UNIT_NUMBER_BYTES)
     forward, backward = bare / (3 * units), 2 * bare / (3 * units)
-    off = bare + units * (2 * check + 2 * gather + reduce)
-    on_forward = units * check + gather + (units - 1) * max(forward, gather) + forward
-    on_backward = units * check + gather + (units - 1) * max(backward, gather + reduce)
-    on_backward += backward + reduce
-    return {"no prefetch": off, "prefetch": on_forward + on_backward}
+    return {
+        name: predict_zero3_step(units, forward, backward, transfer, transfer, check, on)
+        for name, on in (("prefetch", True), ("no prefetch", False))
+    }
 
 
-def report_prefetch(
-    times: dict[str, list[float]], link: Link, units: int, shard_bytes: int, world: int
-) -> dict:
+def report_prefetch(recorded: dict, link: Link, units: int, shard_bytes: int, world: int) -> dict:
+    """`recorded`: what time_prefetch returned."""
+    times = recorded["seconds"]
     median = {name: sorted(s)[len(s) // 2] for name, s in times.items()}
-    model = predicted(link, median["bare"], units, shard_bytes, world)
+    steps = predicted(link, median["bare"], units, shard_bytes, world)
+    model = {name: step.step_s for name, step in steps.items()}
     speedup = paired_ratio(times["no prefetch"], times["prefetch"])
     low, high = paired_ratio_interval(times["no prefetch"], times["prefetch"])
     print(f"\nZeRO-3 prefetch over the link ({link}), 2 ranks, {units} units of {shard_bytes:,} B")
@@ -103,8 +115,23 @@ def report_prefetch(
     comm = exposed["no prefetch"][0]
     hidden = 1 - exposed["prefetch"][0] / comm if comm > 0 else float("nan")
     print(f"  overlap: prefetch hides {hidden:.0%} of the communication exposed without it")
+    unit_bytes = world * shard_bytes
+    for name in VARIANTS:
+        peak = recorded["peak_full_bytes"][name]
+        print(
+            f"  {name:<12} full parameters at most {peak:,} B ({peak / unit_bytes:.2f} units), "
+            f"{recorded['overlap'][name]:.0%} of transfers under compute"
+        )
+        print(
+            f"  {'':<12} idle (nothing computing, nothing on the link) "
+            f"{recorded['idle_s'][name] * 1e3:.1f} ms: checks, copies, wake-ups"
+        )
+    overlap = steps["prefetch"].overlap
+    print(
+        f"  (one recorded step each, on rank 0; the model's overlap with prefetch: {overlap:.0%})"
+    )
     return {
-        "seconds": times,
+        **recorded,
         "speedup": speedup,
         "interval": [low, high],
         "exposed_measured_and_model": exposed,

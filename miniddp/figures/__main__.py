@@ -16,6 +16,9 @@ Where the data comes from:
   every term measured, per layout and checkpointing.
 - 05, 08, 13: chapter 05's no_sync timeline (2 gloo ranks), and two drawn from formulas and
   layouts: memory per rank per sharding stage, the tensor-parallel column/row split.
+- 08 also runs chapter 08 under torchrun on 2 ranks with `--plot`, for its prefetch figure: one
+  ZeRO-3 step without and with prefetch over the simulated link, as rank 0 recorded it (its
+  memory figure, of its small model, stays behind: 08_memory.png is the formula's, at 1B).
 - 14: a job of 4 gloo ranks runs GPipe and 1F1B on stages of fixed cost (figures/pipeline.py);
   14b: the four schedules' orders (GPipe, 1F1B, interleaved 1F1B, zero bubble) on the logical
   clock, no run needed.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -54,6 +58,8 @@ REPO = Path(__file__).resolve().parents[2]
 CHAPTER_04 = REPO / "tutorials" / "04_overlap.py"
 CHAPTER_04_TIMEOUT_S = 300
 CHAPTER_04_FIGURES = ("04_timelines.png", "04_sweep.png")
+CHAPTER_08 = REPO / "tutorials" / "08_sharding.py"
+CHAPTER_08_TIMEOUT_S = 300
 CHAPTER_08B = REPO / "tutorials" / "08b_memory.py"
 CHAPTER_08B_TIMEOUT_S = 300
 CHAPTER_12 = REPO / "tutorials" / "12_train_gpt.py"
@@ -105,6 +111,13 @@ def run_chapter(chapter: Path, figure: Path, timeout: float, *args: str) -> Path
         output = (done.stdout + done.stderr)[-4000:]
         raise RuntimeError(f"{chapter.name} failed (exit {done.returncode}):\n{output}")
     return figure
+
+
+def run_chapter_08(out: Path) -> Path:
+    """Chapter 08's prefetch timelines, drawn in a temporary folder and copied to `out`."""
+    with tempfile.TemporaryDirectory() as folder:
+        figure = run_chapter(CHAPTER_08, Path(folder) / "08_prefetch.png", CHAPTER_08_TIMEOUT_S)
+        return Path(shutil.copy(figure, out / figure.name))
 
 
 def run_chapter_12(out: Path) -> Path:
@@ -173,6 +186,7 @@ def main(argv: list[str] | None = None) -> None:
             )
     if "08" in chosen:
         written.append(memory_per_rank.memory_per_rank(args.out / "08_memory.png"))
+        written.append(run_chapter_08(args.out))
     if "08b" in chosen:
         figure = args.out / "08b_memory.png"
         written.append(run_chapter(CHAPTER_08B, figure, CHAPTER_08B_TIMEOUT_S))

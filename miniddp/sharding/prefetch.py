@@ -19,7 +19,10 @@ Why, in backward, the gather of the unit after next is issued at the end of a un
 before its reduce-scatter, rather than when the next unit's backward begins: each gather starts
 with a blocking 8-byte check that every rank gathers the same unit (units.py), and a blocking
 collective waits its turn behind everything in flight. Issued after the reduce-scatter, it would
-wait for it, and the next unit's compute would overlap nothing.
+wait for it, and the next unit's compute would overlap nothing. The checks are the price of that
+safety: each is a round trip that waits for the slower rank, with the link idle. Over the
+simulated link on a loaded 2-core machine, they and the thread wake-ups around each collective
+are most of what keeps a step from the alpha-beta model (chapter 08 measures this idle time).
 
 Bits: a prefetched gather moves the same shards as one issued on demand, and a reduce-scatter
 finished later adds the same values into `.grad` as autograd would have: the same bits. A
@@ -35,6 +38,7 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
+from miniddp.observe.events import EventRecorder
 from miniddp.sharding.sharded_parameters import InFlight, ShardedParameters
 
 
@@ -44,13 +48,17 @@ class Phase(Enum):
     BACKWARD = "backward"  # from the first unit's backward to autograd's end of backward
 
 
-class Prefetcher:
+class Prefetcher(EventRecorder):
     """One per root (the unit whose forward encloses the others'), shared by all its units.
 
     `enabled=False` (the benchmark's switch): every collective is waited for as soon as it is
-    issued, as fully_shard did before prefetching; the same bits, none of the overlap."""
+    issued, as fully_shard did before prefetching; the same bits, none of the overlap.
+
+    `record_events()` (as MiniDDP's) notes each unit's compute and collectives for
+    miniddp/sharding/unit_lanes.py to draw: `_note_unit` is the one place, one check when off."""
 
     def __init__(self, root: nn.Module, enabled: bool = True) -> None:
+        self._start_event_log()
         self.root = root
         self.enabled = enabled
         self.phase = Phase.IDLE
@@ -67,6 +75,13 @@ class Prefetcher:
         """The units whose all-gather is in flight (their full parameters are being filled)."""
         return [unit for unit, _ in self._gathers.values()]
 
+    def full_bytes(self) -> int:
+        """Bytes of full parameters that exist now: in a unit's tensors, or arriving in an
+        all-gather's buffer. What "at most two units at once" bounds."""
+        units = {id(m._sharded): m._sharded for m in self.root.modules() if _holds(m)}
+        held = sum(t.untyped_storage().nbytes() for u in units.values() for t in u.full)
+        return held + sum(gathering.output.nbytes for _, gathering in self._gathers.values())
+
     def begin_forward(self) -> None:
         self._drop_unused()  # left by a forward that raised
         self.phase, self._position, self._pre, self._post = Phase.FORWARD, 0, [], []
@@ -79,9 +94,11 @@ class Prefetcher:
             if self.enabled:
                 self._prefetch(self._after(unit, self._position, self.forward_order, "forward"))
             self._position += 1
+        self._note_unit("forward", "start", unit)
         return full
 
     def after_forward(self, unit: ShardedParameters) -> None:
+        self._note_unit("forward", "end", unit)
         if self.phase is Phase.FORWARD:
             self._post.append(unit)
 
@@ -100,10 +117,12 @@ class Prefetcher:
         if self.enabled:
             self._prefetch(self._after(unit, self._position, self.backward_order, "backward"))
         self._position += 1
+        self._note_unit("backward", "start", unit)
 
     def reduce_after_backward(self, unit: ShardedParameters, grads: list[torch.Tensor]) -> None:
         """After `unit`'s backward: issue the next unit's prefetch (see the module docstring
         for why here), finish the previous reduce-scatter, and start this one's."""
+        self._note_unit("backward", "end", unit)
         self._begin_backward()
         if self.enabled:
             position = self._positions.get(id(unit), -1) + 1
@@ -111,7 +130,9 @@ class Prefetcher:
                 upcoming = self.backward_order[position]
                 self._prefetch(self._after(upcoming, position, self.backward_order, "backward"))
         self._finish_reducing()  # at most one in flight: its full-size buffer is freed here
-        self._reducing = (unit, unit.start_reduce_scatter(grads))
+        reducing = unit.start_reduce_scatter(grads)
+        self._note_unit("reduce-scatter", "start", unit, reducing)
+        self._reducing = (unit, reducing)
         if not self.enabled:
             self._finish_reducing()
 
@@ -143,13 +164,18 @@ class Prefetcher:
                 continue
             if self.phase is Phase.BACKWARD and not unit.reshard_after_forward:
                 continue  # its full parameters were kept: nothing to gather
-            gathering = unit.start_gather()
+            gathering = self._start_gather(unit)
             gathering.what += ", prefetched"  # what a dead rank's error will name
             self._gathers[id(unit)] = (unit, gathering)
 
     def _take(self, unit: ShardedParameters) -> list[torch.Tensor]:
         _, gathering = self._gathers.pop(id(unit), (unit, None))
-        return unit.finish_gather(gathering or unit.start_gather())
+        return unit.finish_gather(gathering or self._start_gather(unit))
+
+    def _start_gather(self, unit: ShardedParameters) -> InFlight:
+        gathering = unit.start_gather()
+        self._note_unit("all-gather", "start", unit, gathering)
+        return gathering
 
     def _finish_reducing(self) -> None:
         if self._reducing is not None:
@@ -157,8 +183,25 @@ class Prefetcher:
             self._reducing = None
             unit.finish_reduce_scatter(reducing)
 
+    def _note_unit(
+        self, lane: str, edge: str, unit: ShardedParameters, issued: InFlight | None = None
+    ) -> None:
+        """The timeline's hook: `lane` ("forward", "backward", "all-gather", "reduce-scatter")
+        starts or ends for `unit`. A collective `issued` ends when it completes, noted on the
+        thread that completes it. Not recording: one check, nothing allocated."""
+        if not self._observed:
+            return
+        self._note(lane, f"{edge} {unit.number}")
+        if issued is not None:
+            end = f"end {unit.number}"
+            issued.work.get_future().add_done_callback(lambda _: self._note(lane, end))
+
     def _drop_unused(self) -> None:
         """Wait for gathers nobody used (every rank issued them: every rank waits), and drop."""
         while self._gathers:
             _, (unit, gathering) = self._gathers.popitem()
             unit.finish_gather(gathering)
+
+
+def _holds(module: nn.Module) -> bool:
+    return getattr(module, "_sharded", None) is not None
