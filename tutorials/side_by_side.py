@@ -63,7 +63,8 @@ BETAS = (0.9, 0.95)  # nanoGPT's: a shorter memory for the second moment than Ad
 @dataclass
 class Replica:
     """One way of training the GPT: what forward is called on, the GPT inside, its optimizer,
-    how to skip gradient sync, and how to clip; plus the losses it recorded."""
+    how to skip gradient sync, how to clip, and what it computes in; plus the losses it
+    recorded. It saves and loads its own checkpoints."""
 
     name: str
     model: nn.Module
@@ -140,6 +141,12 @@ def build_replica(
     params = list(module.parameters())
     precision = "fp32" if design == "fp32" else precision
     bf16 = precision == "bf16"
+    if bf16 and design in ("torch", "one-process"):
+        raise ValueError(
+            f"no {design} replica in bf16: torch's DDP mixed precision needs CUDA events ('cpu "
+            "backend doesn't support events'), and one process has no wrapper to cast for it. "
+            "Under bf16 torch's fully_shard (torch-fsdp) is the reference."
+        )
     if design in ("zero3", "torch-fsdp"):
         if design == "zero3":
             shard = fully_shard
