@@ -84,7 +84,7 @@ def test_torch_ddp_and_zero1_train_bit_for_bit_as_miniddp(uninterrupted: str) ->
         assert f"{name} against MiniDDP: 6 steps, bit for bit after every one" in uninterrupted
     gap = float(ONE_PROCESS.search(unwrapped(uninterrupted)).group(1))
     assert 0.0 <= gap <= 1e-4  # the chapter's ONE_PROCESS_TOLERANCE
-    assert "zero1: each rank's bytes" in uninterrupted
+    assert "zero1 (fp32): each rank's bytes" in uninterrupted
     assert unwrapped(uninterrupted).count(": the formula, to the byte") == 2  # both ranks
     assert "Verified on 2 ranks" in uninterrupted
 

@@ -34,10 +34,13 @@ the fp32 parameters, the gradients are reduced in fp32 into the masters' fp32 `.
 steps the masters, and the checkpoint holds them (MiniDDP(mixed_precision=MixedPrecision(bf16));
 fully_shard(..., mp_policy=MixedPrecisionPolicy(bf16, reduce_dtype=float32))). torch's DDP
 mixed precision does not run on CPU, so the reference is torch's own fully_shard with the same
-policy: at W = 2 MiniDDP and fully_shard are its bits, every step, where clipping never acts
-(the norm's sum over shards rounds otherwise; beside, within BF16_TOLERANCE). An fp32 MiniDDP
-trains beside them from the same weights, on the same windows and masks: the gap between the
-two validation curves is what bf16 costs.
+policy: at W = 2 MiniDDP and fully_shard are its bits, every step, where clipping never acts.
+Where it acts, the norm's sum over shards rounds otherwise, and under bf16 the runs then part for
+good (BF16_LOSS_COST says why): their final validation losses are checked instead. An fp32
+MiniDDP trains beside them from the same weights, on the same windows and masks: the gap
+between the two validation curves is what bf16 costs. (The training losses printed under bf16
+are bf16 themselves, the model's output: steps of 1/64 near 3 nats. The validation losses are
+summed in fp32.)
 
 Every replica saves an atomic checkpoint (miniddp.checkpoint) every --checkpoint-every steps;
 the step number alone fixes the windows and the dropout masks. After a torchrun restart, or
@@ -104,14 +107,13 @@ ONE_PROCESS_TOLERANCE = 1e-4
 # W = 2, the ring and gloo add the gradients in different orders too). At W = 2 in a run where
 # clipping never acted (--clip 1e9, say), they are bitwise MiniDDP's, and checked so.
 SHARDED_TOLERANCE = 1e-4
-# Under bf16 a master that lands one fp32 ulp away can round to another bf16 copy (8 bits: a
-# step of 2^-8 relative), and that perturbs the next forward by far more than the ulp did. So
-# where the sums differ (clipping acted, or W > 2) the replicas drift further apart than in fp32:
-# measured on the default run, TODO. The bound is an order above.
-BF16_TOLERANCE = 1e-2
 # What bf16 may cost in final validation loss against the fp32 run, in nats per character.
 # Measured on the default run: 0.001 at the end, 0.015 at most on the way; the bound is three
-# times the largest wander.
+# times the largest wander. It bounds two bf16 replicas whose sums differ too: a master one fp32
+# ulp away can round to another bf16 copy (a step of 2^-8 relative), which moves the next forward
+# far more than the ulp did, and AdamW's m/sqrt(v) turns that into whole steps where gradients
+# are small. Measured, --precision bf16 --shard zero3, clipping acting in 23 of the first 25
+# steps: parameters 0.028 apart after 25 steps, and growing; so no bound on them, only on loss.
 BF16_LOSS_COST = 0.05
 LABELS = {
     "miniddp": "MiniDDP",
@@ -479,15 +481,19 @@ class Training:
             f"validation loss {first:.3f} -> {last:.3f}: down {first - last:.2f} nats per character"
         )
         bf16 = self.s.precision == "bf16"
-        tolerance = BF16_TOLERANCE if bf16 else SHARDED_TOLERANCE
         for name, agreement in self.agreements.items():
             same_sums = self.env.world_size == 2 and self.clipped_steps == 0  # a + b = b + a
-            against = LABELS[self.against(name)]
+            against = self.against(name)
             if name in ("torch", "zero1") or same_sums:  # the same sums, in the same order
-                assert agreement.bitwise, f"{name} is not bitwise {against}'s: {agreement}"
+                assert agreement.bitwise, f"{name} is not bitwise {LABELS[against]}'s: {agreement}"
+            elif bf16:  # parted for good: only the loss is promised
+                gap = (
+                    self.replicas[name].val_losses[-1][1] - self.replicas[against].val_losses[-1][1]
+                )
+                assert abs(gap) <= BF16_LOSS_COST, f"{name}: final validation loss {gap:+.4f} off"
             else:
-                assert agreement.largest_parameter_gap <= tolerance, f"{name}: {agreement}"
-                assert agreement.largest_loss_gap <= tolerance, f"{name}: {agreement}"
+                assert agreement.largest_parameter_gap <= SHARDED_TOLERANCE, f"{name}: {agreement}"
+                assert agreement.largest_loss_gap <= SHARDED_TOLERANCE, f"{name}: {agreement}"
         if "fp32" in self.replicas:
             cost = last - self.replicas["fp32"].val_losses[-1][1]
             assert abs(cost) <= BF16_LOSS_COST, f"bf16 costs {cost:+.4f} nats against fp32"
