@@ -5,6 +5,7 @@ DDP side by side, curve for curve and bit for bit.
     ./launch.sh tutorials/12_train_gpt.py --data input.txt       any text file (see below)
     ./launch.sh tutorials/12_train_gpt.py --accum 4 --plot DIR   4 micro-steps a step; a figure
     ./launch.sh tutorials/12_train_gpt.py --shard zero2          ZeRO-1, ZeRO-2 or fully_shard
+    ./launch.sh tutorials/12_train_gpt.py --precision bf16       bf16 compute, fp32 masters
     MAX_RESTARTS=2 ./launch.sh tutorials/12_train_gpt.py --crash-at-step 60
 
 Every model so far was a toy. This one is what people train: a GPT (miniddp/models/gpt.py),
@@ -28,6 +29,19 @@ W. zero2 (reduce_scatter_hook) and zero3 (fully_shard on each block, then on the
 a share of the gradients, so they clip with miniddp.sharding.clip_grad_norm_, whose norm adds
 the shares in another order: within 1e-4 when clipping acts, bitwise at W = 2 when it never does.
 
+`--precision bf16` trains in bf16 with fp32 masters: each forward computes with a bf16 cast of
+the fp32 parameters, the gradients are reduced in fp32 into the masters' fp32 `.grad`, AdamW
+steps the masters, and the checkpoint holds them (MiniDDP(mixed_precision=MixedPrecision(bf16));
+fully_shard(..., mp_policy=MixedPrecisionPolicy(bf16, reduce_dtype=float32))). torch's DDP
+mixed precision does not run on CPU, so the reference is torch's own fully_shard with the same
+policy: at W = 2 MiniDDP and fully_shard are its bits, every step, where clipping never acts.
+Where it acts, the norm's sum over shards rounds otherwise, and under bf16 the runs then part for
+good (BF16_LOSS_COST says why): their final validation losses are checked instead. An fp32
+MiniDDP trains beside them from the same weights, on the same windows and masks: the gap
+between the two validation curves is what bf16 costs. (The training losses printed under bf16
+are bf16 themselves, the model's output: steps of 1/64 near 3 nats. The validation losses are
+summed in fp32.)
+
 Every replica saves an atomic checkpoint (miniddp.checkpoint) every --checkpoint-every steps;
 the step number alone fixes the windows and the dropout masks. After a torchrun restart, or
 with --resume, each resumes from its own, and the last two lines (final-val-loss,
@@ -40,6 +54,15 @@ Measured, the default run on 2 CPU ranks (docs/figures/12_loss.png): the validat
 character, and code repeats spaces.) Both replicas, the whole run included, took 174 s of CPU time
 over the two ranks: about a minute and a half of wall time on two idle cores, by that count.
 (Measured here on two cores shared with a dozen other processes, load average 12: 7 minutes.)
+
+Measured, `--precision bf16 --no-compare` (bf16 MiniDDP beside fp32 MiniDDP, 2 CPU ranks): the
+two validation curves part by at most 0.015 nats on the way (bf16 ahead at some points, behind
+at others: each rounding sends the run down another path), and end 0.001 apart, 2.278 against
+2.277: here bf16 costs nothing visible in loss. Nor does it save bytes between steps: MiniDDP
+keeps its fp32 masters, gradients, bucket and AdamW state, and adds a bf16 copy (2Ψ: 17.1 MiB a
+rank against fp32's 15.6 MiB; miniddp/sharding/memory.py counts it). What bf16 saves is the
+activations (half) and, on hardware with bf16 units, time; this CPU has none, and its bf16
+matmuls ran 7x slower than fp32 (455 characters a second against 3,053).
 """
 
 from __future__ import annotations
@@ -70,8 +93,8 @@ from side_by_side import (
 )
 from torch import nn
 
-from miniddp import DistributedSampler, ZeroRedundancyOptimizer
-from miniddp.checkpoint import Progress, load_checkpoint, read_checkpoint, save_checkpoint
+from miniddp import DistributedSampler
+from miniddp.checkpoint import Progress, read_checkpoint
 from miniddp.job.env import DistEnv, init_distributed
 from miniddp.models.gpt import next_character_loss
 
@@ -84,12 +107,22 @@ ONE_PROCESS_TOLERANCE = 1e-4
 # W = 2, the ring and gloo add the gradients in different orders too). At W = 2 in a run where
 # clipping never acted (--clip 1e9, say), they are bitwise MiniDDP's, and checked so.
 SHARDED_TOLERANCE = 1e-4
+# What bf16 may cost in final validation loss against the fp32 run, in nats per character.
+# Measured on the default run: 0.001 at the end, 0.015 at most on the way; the bound is three
+# times the largest wander. It bounds two bf16 replicas whose sums differ too: a master one fp32
+# ulp away can round to another bf16 copy (a step of 2^-8 relative), which moves the next forward
+# far more than the ulp did, and AdamW's m/sqrt(v) turns that into whole steps where gradients
+# are small. Measured, --precision bf16 --shard zero3, clipping acting in 23 of the first 25
+# steps: parameters 0.028 apart after 25 steps, and growing; so no bound on them, only on loss.
+BF16_LOSS_COST = 0.05
 LABELS = {
     "miniddp": "MiniDDP",
     "torch": "torch's DDP",
     "zero1": "ZeRO-1",
     "zero2": "ZeRO-2",
     "zero3": "fully_shard",
+    "torch-fsdp": "torch's fully_shard",
+    "fp32": "MiniDDP in fp32",
 }
 
 
@@ -174,10 +207,10 @@ def validation_loss(replica: Replica, windows: Windows, s: Settings, env: DistEn
     spaced = torch.linspace(0, len(windows) - 1, min(s.eval_windows, len(windows))).long()
     mine = windows[spaced[env.rank :: env.world_size].tolist()]
     replica.module.eval()
-    with torch.no_grad():
-        logits = replica.module(mine[:, :-1])
-        total = nn.functional.cross_entropy(
-            logits.flatten(0, 1), mine[:, 1:].flatten(), reduction="sum"
+    with torch.no_grad():  # through the wrapper: under bf16 it computes as in training
+        logits = replica.model(mine[:, :-1])
+        total = nn.functional.cross_entropy(  # in fp32: bf16 logits, but a loss to 24 bits
+            logits.flatten(0, 1).float(), mine[:, 1:].flatten(), reduction="sum"
         )
     replica.module.train()
     summed = torch.stack([total, torch.tensor(float(mine[:, 1:].numel()))]).double()
@@ -207,41 +240,43 @@ class Training:
     def ours(self) -> Replica:
         return self.replicas["miniddp"]
 
+    def against(self, name: str) -> str:
+        """The replica `name` is checked against: MiniDDP's, but under bf16 fully_shard is
+        checked against torch's own fully_shard with the same policy, where there is one."""
+        return "torch-fsdp" if name == "zero3" and "torch-fsdp" in self.replicas else "miniddp"
+
     def checkpoint(self, name: str) -> Path:
         return self.directory / f"{name}.pt"
 
     def start_or_resume(self) -> None:
         """Resume from the checkpoints after a torchrun restart (or with --resume); otherwise
         delete an earlier run's, so a crash before our first save cannot resume that one."""
-        self.agreements = {name: Agreement() for name in self.replicas if name != "miniddp"}
+        compared = [name for name in self.replicas if name not in ("miniddp", "fp32")]
+        self.agreements = {name: Agreement() for name in compared}
         if (self.args.resume or self.env.restart_count > 0) and self.checkpoint("miniddp").exists():
-            saved = read_checkpoint(self.checkpoint("miniddp"))["extra"]["settings"]
-            if saved != asdict(self.s):  # before anything loads: it would not fit, or mislead
+            extra = read_checkpoint(self.checkpoint("miniddp"))["extra"]
+            if extra["settings"] != asdict(self.s):  # before anything loads: it would not fit
                 raise ValueError(
-                    f"{self.directory} holds a run with other settings ({saved}): pass another "
-                    "--checkpoint-dir, or the same flags, or no --resume"
+                    f"{self.directory} holds a run with other settings ({extra['settings']}): "
+                    "pass another --checkpoint-dir, or the same flags, or no --resume"
                 )
-            loaded = {
-                n: load_checkpoint(self.checkpoint(n), r.model, r.optimizer)
-                for n, r in self.replicas.items()
-            }
-            ours = loaded["miniddp"]
-            steps = {name: each.progress.step for name, each in loaded.items()}
+            steps = {n: r.load(self.checkpoint(n)) for n, r in self.replicas.items()}
             if len(set(steps.values())) > 1:
                 raise ValueError(
                     f"the replicas' checkpoints in {self.directory} are at different steps "
                     f"({steps}): the job died while saving. Start again without --resume."
                 )
-            self.start = ours.progress.step
+            self.start = steps["miniddp"]
             for name, replica in self.replicas.items():
-                replica.train_losses = ours.extra["train_losses"][name]
-                replica.val_losses = [tuple(v) for v in ours.extra["val_losses"][name]]
-            self.agreements = {n: Agreement(**a) for n, a in ours.extra["agreements"].items()}
-            self.one_process = ours.extra["one_process"]
-            self.clipped_steps = ours.extra["clipped_steps"]
+                replica.train_losses = extra["train_losses"][name]
+                replica.val_losses = [tuple(v) for v in extra["val_losses"][name]]
+            self.agreements = {n: Agreement(**a) for n, a in extra["agreements"].items()}
+            self.one_process = extra["one_process"]
+            self.clipped_steps = extra["clipped_steps"]
+            progress = self.batches.progress(self.start)
             say(
-                f"resumed from step {self.start} (epoch {ours.progress.epoch}, step "
-                f"{ours.progress.batches_done} of it): every replica from its own checkpoint in "
+                f"resumed from step {self.start} (epoch {progress.epoch}, step "
+                f"{progress.batches_done} of it): every replica from its own checkpoint in "
                 f"{self.directory}"
             )
             return
@@ -264,7 +299,8 @@ class Training:
         """Every replica takes each step on the same windows and seeds; then the checks."""
         s, env, world = self.s, self.env, self.env.world_size
         solo = None  # the one-process replica: rank 0, from step 0, for the first few steps
-        if env.is_main and self.start == 0 and self.args.one_process_steps > 0:
+        fresh = self.start == 0 and self.args.one_process_steps > 0
+        if env.is_main and fresh and s.precision == "fp32":
             solo = build_replica(
                 "one-process", s.model(len(self.corpus.vocabulary)), s.seed, s.lr, s.weight_decay
             )
@@ -282,12 +318,15 @@ class Training:
             for replica, mean in zip(self.replicas.values(), (means / world).tolist()):
                 replica.train_losses.append(mean)
             self.clipped_steps += results["miniddp"][1].item() > s.clip
-            reference = self.ours.parameters()
+            # Gathered in one order on every rank: under fully_shard each is a collective.
+            checked = ["miniddp", *self.agreements]
+            params = {name: self.replicas[name].parameters() for name in checked}
             for name, agreement in self.agreements.items():
-                losses = (results["miniddp"][0].item(), results[name][0].item())
-                agreement.record(losses, reference, self.replicas[name].parameters())
+                against = self.against(name)
+                losses = (results[against][0].item(), results[name][0].item())
+                agreement.record(losses, params[against], params[name])
             if solo is not None and step < self.args.one_process_steps:
-                self.compare_one_process(solo, step, reference)
+                self.compare_one_process(solo, step, params["miniddp"])
             done = step + 1
             if done % s.eval_every == 0 or done == s.steps:
                 for replica in self.replicas.values():
@@ -354,29 +393,31 @@ class Training:
         }
         progress = self.batches.progress(done)
         for name, replica in reversed(self.replicas.items()):
-            if isinstance(replica.optimizer, ZeroRedundancyOptimizer):
-                replica.optimizer.consolidate_state_dict(to=0)  # its state, whole, on rank 0
             mine = extra if name == "miniddp" else {"settings": asdict(self.s)}
-            save_checkpoint(self.checkpoint(name), replica.model, replica.optimizer, progress, mine)
+            replica.save(self.checkpoint(name), progress, mine)
 
     def report(self) -> bool:
         """Sections 4 and 5: the curves, how each replica agreed, memory, and a sample. Returns
         whether the sharded replica's memory is the formula's (True without --shard)."""
         section("4. Curve for curve")
-        shown = {"MiniDDP": self.ours.train_losses}
-        for name in [n for n in self.replicas if n != "miniddp"][:1]:
+        shown = {f"MiniDDP ({self.s.precision})": self.ours.train_losses}
+        others = [n for n in self.replicas if n != "miniddp"]
+        for name in (["fp32"] if "fp32" in self.replicas else others)[:1]:
             shown[name] = self.replicas[name].train_losses
         say("training loss, nats per character (each step's mean over every rank's windows):")
         say(ascii_curves(shown))
         say("validation loss: " + ", ".join(f"{v:.3f} at {n}" for n, v in self.ours.val_losses))
+        if "fp32" in self.replicas:
+            self.say_what_bf16_costs()
         self.agreements = {n: a.on_every_rank() for n, a in self.agreements.items()}
         for name, agreement in self.agreements.items():
-            say(f"{name} against MiniDDP: {agreement}")
-        if {"zero2", "zero3"} & set(self.agreements):
+            say(f"{name} against {LABELS[self.against(name)]}: {agreement}")
+        if {"zero2", "zero3", "torch-fsdp"} & set(self.agreements):
             say(
                 f"clipping acted in {self.clipped_steps} of {self.s.steps} steps: there ZeRO-2 "
-                "and fully_shard scale by a norm summed over the shards, in another order than "
-                "torch's clip_grad_norm_ (at W = 2, --clip 1e9 makes them bitwise)"
+                "and fully_shard (ours and torch's) scale by a norm summed over the shards, in "
+                "another order than clip_grad_norm_'s over whole gradients (at W = 2, --clip "
+                "1e9 makes them bitwise)"
             )
         if self.one_process:
             say(
@@ -386,17 +427,28 @@ class Training:
                 f"{self.one_process['parameters']:.1e} (tolerance {ONE_PROCESS_TOLERANCE:.0e})"
             )
         else:
-            say("one process on the global batch: not run (resumed, or --one-process-steps 0)")
+            say(
+                "one process on the global batch: not run (resumed, --one-process-steps 0, or "
+                "bf16, which it would need a wrapper to cast for)"
+            )
         if self.args.plot and self.env.is_main:
             from miniddp.figures import draw
 
-            runs = {LABELS[n]: (r.train_losses, r.val_losses) for n, r in self.replicas.items()}
+            bf16 = self.s.precision == "bf16"  # its own figure: the fp32 run's stays
+            runs = {
+                LABELS[n] + " in bf16" * (r.precision == "bf16"): (r.train_losses, r.val_losses)
+                for n, r in self.replicas.items()
+            }
             title = f"Chapter 12: a character-level GPT on {self.env.world_size} ranks"
-            say(f"wrote {draw.loss_curves(runs, self.args.plot / '12_loss.png', title)}")
+            title += ", bf16 (fp32 masters) beside fp32" * bf16
+            path = self.args.plot / ("12_loss_bf16.png" if bf16 else "12_loss.png")
+            say(f"wrote {draw.loss_curves(runs, path, title)}")
         formula_holds = True
-        if self.s.shard:
-            psi = sum(p.numel() for p in self.ours.module.parameters())
-            formula_holds = say_memory(self.replicas[self.s.shard], psi, self.env.world_size)
+        psi = sum(p.numel() for p in self.ours.module.parameters())
+        measured = ["miniddp"] * (self.s.precision == "bf16") + [self.s.shard] * bool(self.s.shard)
+        for name in measured:
+            holds = say_memory(self.replicas[name], psi, self.env.world_size)
+            formula_holds = formula_holds and holds
 
         section("5. What the model learned")
         if self.env.is_main:
@@ -409,19 +461,47 @@ class Training:
             say(textwrap.indent(self.corpus.decode(sampled[0]), "    | "))
         return formula_holds
 
+    def say_what_bf16_costs(self) -> None:
+        """The two validation curves side by side: bf16 (with fp32 masters) and fp32, trained
+        from the same weights on the same windows with the same dropout masks."""
+        say("validation loss, bf16 (fp32 masters) against fp32, nats per character:")
+        fp32_losses = self.replicas["fp32"].val_losses
+        for (step, bf16), (_, fp32) in zip(self.ours.val_losses, fp32_losses):
+            say(f"    step {step:4d}: bf16 {bf16:.4f}  fp32 {fp32:.4f}  gap {bf16 - fp32:+.4f}")
+        gap = self.ours.val_losses[-1][1] - self.replicas["fp32"].val_losses[-1][1]
+        say(
+            f"what bf16 cost: {gap:+.4f} nats per character in the final validation loss "
+            f"({100 * gap / self.replicas['fp32'].val_losses[-1][1]:+.2f}%)"
+        )
+
     def check(self, formula_holds: bool) -> None:
         section("Checks")
         first, last = self.ours.val_losses[0][1], self.ours.val_losses[-1][1]
         say(
             f"validation loss {first:.3f} -> {last:.3f}: down {first - last:.2f} nats per character"
         )
+        bf16 = self.s.precision == "bf16"
         for name, agreement in self.agreements.items():
             same_sums = self.env.world_size == 2 and self.clipped_steps == 0  # a + b = b + a
+            against = self.against(name)
             if name in ("torch", "zero1") or same_sums:  # the same sums, in the same order
-                assert agreement.bitwise, f"{name} is not bitwise MiniDDP's: {agreement}"
+                assert agreement.bitwise, f"{name} is not bitwise {LABELS[against]}'s: {agreement}"
+            elif bf16:  # parted for good: only the loss is promised
+                gap = (
+                    self.replicas[name].val_losses[-1][1] - self.replicas[against].val_losses[-1][1]
+                )
+                assert abs(gap) <= BF16_LOSS_COST, f"{name}: final validation loss {gap:+.4f} off"
             else:
                 assert agreement.largest_parameter_gap <= SHARDED_TOLERANCE, f"{name}: {agreement}"
                 assert agreement.largest_loss_gap <= SHARDED_TOLERANCE, f"{name}: {agreement}"
+        if "fp32" in self.replicas:
+            cost = last - self.replicas["fp32"].val_losses[-1][1]
+            assert abs(cost) <= BF16_LOSS_COST, f"bf16 costs {cost:+.4f} nats against fp32"
+        if bf16:
+            saved = read_checkpoint(self.checkpoint("miniddp"))["model"]
+            dtypes = {str(t.dtype) for t in saved.values() if t.is_floating_point()}
+            assert dtypes == {"torch.float32"}, f"the checkpoint holds {dtypes}, not fp32 masters"
+            say("the checkpoints hold the fp32 masters: bf16 was only ever a copy to compute with")
         if self.one_process:
             assert self.one_process["parameters"] <= ONE_PROCESS_TOLERANCE, self.one_process
             assert self.one_process["loss"] <= ONE_PROCESS_TOLERANCE, self.one_process
@@ -467,8 +547,13 @@ def main() -> None:
 
     section("2. The model, and its replicas")
     config = s.model(len(corpus.vocabulary))
-    designs = ["miniddp"] + ["torch"] * s.compare + [s.shard] * bool(s.shard)
-    replicas = {d: build_replica(d, config, s.seed, s.lr, s.weight_decay) for d in designs}
+    bf16 = s.precision == "bf16"
+    # torch's DDP mixed precision does not run on CPU: under bf16, torch's fully_shard checks.
+    reference = ["torch-fsdp" if bf16 else "torch"] * s.compare
+    designs = ["miniddp", *reference] + ["fp32"] * bf16 + [s.shard] * bool(s.shard)
+    replicas = {
+        d: build_replica(d, config, s.seed, s.lr, s.weight_decay, s.precision) for d in designs
+    }
     module, groups = replicas["miniddp"].module, replicas["miniddp"].optimizer.param_groups
     say(
         f"GPT: {s.layers} blocks, width {s.width}, {s.heads} heads, context {s.context}, dropout "
@@ -476,7 +561,7 @@ def main() -> None:
         f"{len(list(module.parameters()))} tensors (the head is the token embedding). AdamW: "
         f"weight decay {s.weight_decay} on {len(groups[0]['params'])} matrices, none on "
         f"{len(groups[1]['params'])} biases and gains. Replicas, from the same weights: "
-        f"{', '.join(replicas)}"
+        + ", ".join(f"{n} ({r.precision})" if bf16 else n for n, r in replicas.items())
     )
     # Keyed by the settings, so that runs with other settings never resume each other.
     key = f"12_train_gpt-{world}ranks-{hashlib.sha256(repr(s).encode()).hexdigest()[:8]}"

@@ -41,6 +41,7 @@ class Settings:
     max_characters: int | None = None
     compare: bool = True
     shard: str | None = None
+    precision: str = "fp32"  # or "bf16": bf16 compute, fp32 masters
 
     def model(self, vocabulary: int) -> GPTConfig:
         return GPTConfig(
@@ -52,7 +53,7 @@ def parse_args() -> tuple[Settings, argparse.Namespace]:
     parser = argparse.ArgumentParser(description="Chapter 12: train a character-level GPT.")
     defaults = Settings()
     for name, value in asdict(defaults).items():
-        if isinstance(value, bool) or name in ("data", "max_characters", "shard"):
+        if isinstance(value, bool) or name in ("data", "max_characters", "shard", "precision"):
             continue
         parser.add_argument(
             f"--{name.replace('_', '-')}",
@@ -72,6 +73,12 @@ def parse_args() -> tuple[Settings, argparse.Namespace]:
         "--shard",
         choices=("zero1", "zero2", "zero3"),
         help="also train the sharded design and check it against MiniDDP",
+    )
+    parser.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="bf16: compute in bf16 with fp32 masters, beside an fp32 run (default fp32)",
     )
     parser.add_argument(
         "--one-process-steps",

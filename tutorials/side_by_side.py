@@ -11,6 +11,16 @@ bitwise MiniDDP's, and if not, how far apart they are.
     zero1         MiniDDP + miniddp.ZeroRedundancyOptimizer(AdamW)
     zero2         the same, with the reduce-scatter hook: each rank keeps its share's gradients
     zero3         miniddp.fully_shard on every block, then on the root; AdamW on the shards
+    torch-fsdp    torch's own fully_shard, the same way (the reference under bf16)
+    fp32          MiniDDP in fp32 beside a bf16 run: what bf16 costs in loss
+
+Under precision "bf16" every design but fp32 computes in bf16 and keeps fp32 masters (the
+parameters the optimizer steps, and the checkpoint holds): MiniDDP and ZeRO-1/2 through
+MiniDDP(mixed_precision=MixedPrecision(torch.bfloat16)), fully_shard (miniddp's and torch's)
+through MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32). torch's
+DDP has mixed precision too, but not on CPU ("cpu backend doesn't support events"), so torch's
+fully_shard is the reference: at W = 2 MiniDDP's mixed precision is its bits (every sum of two
+terms is the same sum; tests/test_ddp_mixed_precision.py).
 
 Clipping needs the norm of all the gradients. Under DDP, one process and ZeRO-1 every rank holds
 every averaged gradient, and torch's clip_grad_norm_ computes it. Under ZeRO-2 and fully_shard a
@@ -24,6 +34,7 @@ import hashlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -31,19 +42,29 @@ from common import fmt_bytes, say, say_all_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from miniddp import MiniDDP, ZeroRedundancyOptimizer, full_state_dict, fully_shard
+from miniddp import MiniDDP, MixedPrecision, ZeroRedundancyOptimizer, full_state_dict, fully_shard
+from miniddp.checkpoint import Progress, load_checkpoint, save_checkpoint
 from miniddp.models.gpt import GPT, GPTConfig, parameter_groups
-from miniddp.sharding import Formula, ddp_buckets, measure_memory, reduce_scatter_hook
+from miniddp.sharding import (
+    Formula,
+    MixedPrecisionPolicy,
+    ddp_buckets,
+    ddp_compute_copies,
+    measure_memory,
+    reduce_scatter_hook,
+)
 from miniddp.sharding import clip_grad_norm_ as sharded_clip_grad_norm_
 
-DESIGNS = ("miniddp", "torch", "one-process", "zero1", "zero2", "zero3")
+DESIGNS = ("miniddp", "torch", "one-process", "zero1", "zero2", "zero3", "torch-fsdp", "fp32")
+BF16 = torch.bfloat16
 BETAS = (0.9, 0.95)  # nanoGPT's: a shorter memory for the second moment than Adam's 0.999
 
 
 @dataclass
 class Replica:
     """One way of training the GPT: what forward is called on, the GPT inside, its optimizer,
-    how to skip gradient sync, and how to clip; plus the losses it recorded."""
+    how to skip gradient sync, how to clip, and what it computes in; plus the losses it
+    recorded. It saves and loads its own checkpoints."""
 
     name: str
     model: nn.Module
@@ -51,13 +72,52 @@ class Replica:
     optimizer: torch.optim.Optimizer
     no_sync: Callable[[], AbstractContextManager]
     clip: Callable[[float], torch.Tensor]
+    precision: str = "fp32"  # what forward and backward compute in; the masters stay fp32
     train_losses: list[float] = field(default_factory=list)
     val_losses: list[tuple[int, float]] = field(default_factory=list)
     seconds: float = 0.0  # spent in its training steps, for its tokens per second
 
     def parameters(self) -> dict[str, torch.Tensor]:
-        """Every full parameter by name (a collective under fully_shard: it gathers them)."""
+        """Every full fp32 parameter by name (a collective under fully_shard: it gathers them)."""
+        if self.name == "torch-fsdp":
+            return {k: v.full_tensor() for k, v in self.module.state_dict().items()}
         return full_state_dict(self.module) if self.name == "zero3" else self.module.state_dict()
+
+    def save(self, path: Path, progress: Progress, extra: dict) -> None:
+        """An atomic checkpoint (every rank calls it): miniddp.checkpoint's, except for torch's
+        fully_shard, whose DTensors that does not know: torch's full state dicts, written by
+        rank 0 and renamed into place."""
+        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
+            self.optimizer.consolidate_state_dict(to=0)  # its state, whole, on rank 0
+        if self.name != "torch-fsdp":
+            save_checkpoint(path, self.model, self.optimizer, progress, extra)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0's alone
+        model, optimizer = get_state_dict(self.module, self.optimizer, options=options)
+        if dist.get_rank() == 0:
+            state = {"model": model, "optimizer": optimizer, "step": progress.step}
+            torch.save(state, path.with_suffix(".tmp"))
+            path.with_suffix(".tmp").replace(path)
+        dist.barrier()
+
+    def load(self, path: Path) -> int:
+        """Resume from `save`'s checkpoint (every rank calls it); the step it was saved at."""
+        if self.name != "torch-fsdp":
+            return load_checkpoint(path, self.model, self.optimizer).progress.step
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        state = torch.load(path, weights_only=True)
+        options = StateDictOptions(full_state_dict=True)  # each rank cuts its own shards
+        set_state_dict(
+            self.module,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=options,
+        )
+        return state["step"]
 
 
 def build_gpt(config: GPTConfig, seed: int) -> GPT:
@@ -68,15 +128,37 @@ def build_gpt(config: GPTConfig, seed: int) -> GPT:
 
 
 def build_replica(
-    design: str, config: GPTConfig, seed: int, lr: float, weight_decay: float
+    design: str,
+    config: GPTConfig,
+    seed: int,
+    lr: float,
+    weight_decay: float,
+    precision: str = "fp32",
 ) -> Replica:
-    """A fresh GPT under `design` (one of DESIGNS), with AdamW and the two parameter groups."""
+    """A fresh GPT under `design` (one of DESIGNS), with AdamW and the two parameter groups,
+    computing in `precision` ("fp32", or "bf16" with fp32 masters; the fp32 design: fp32)."""
     module = build_gpt(config, seed)
     params = list(module.parameters())
-    if design == "zero3":
+    precision = "fp32" if design == "fp32" else precision
+    bf16 = precision == "bf16"
+    if bf16 and design in ("torch", "one-process"):
+        raise ValueError(
+            f"no {design} replica in bf16: torch's DDP mixed precision needs CUDA events ('cpu "
+            "backend doesn't support events'), and one process has no wrapper to cast for it. "
+            "Under bf16 torch's fully_shard (torch-fsdp) is the reference."
+        )
+    if design in ("zero3", "torch-fsdp"):
+        if design == "zero3":
+            shard = fully_shard
+            policy = MixedPrecisionPolicy(BF16, torch.float32) if bf16 else None
+        else:
+            from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy  # slow import
+            from torch.distributed.fsdp import fully_shard as shard
+
+            policy = TorchPolicy(BF16, torch.float32) if bf16 else TorchPolicy()
         for block in module.blocks:
-            fully_shard(block)  # the blocks first, then the root for the embeddings and norm
-        fully_shard(module)
+            shard(block, mp_policy=policy)  # the blocks first, then the root: embeddings, norm
+        shard(module, mp_policy=policy)
         params = list(module.parameters())  # now this rank's shards
     groups = parameter_groups(module, weight_decay)
     if design in ("zero1", "zero2"):
@@ -85,19 +167,24 @@ def build_replica(
         optimizer = torch.optim.AdamW(groups, lr=lr, betas=BETAS)
     # ZeRO-2 and fully_shard: a rank holds only its share of the gradients, so the norm is a
     # sum over the ranks. Everywhere else every rank holds them all: torch's own clipping.
+    # torch's fully_shard holds DTensors, whose norm torch's clip_grad_norm_ sums over the ranks.
     clip = sharded_clip_grad_norm_ if design in ("zero2", "zero3") else nn.utils.clip_grad_norm_
 
     def clip_mine(max_norm: float) -> torch.Tensor:
         return clip(params, max_norm)
 
-    if design == "zero3":
-        return Replica(design, module, module, optimizer, _no_gradient_sync(module), clip_mine)
+    if design in ("zero3", "torch-fsdp"):
+        no_sync = _no_gradient_sync(module)
+        return Replica(design, module, module, optimizer, no_sync, clip_mine, precision)
     if design == "one-process":
         return Replica(design, module, module, optimizer, nullcontext, clip_mine)
-    model = DistributedDataParallel(module) if design == "torch" else MiniDDP(module)
+    if design == "torch":
+        model = DistributedDataParallel(module)
+    else:
+        model = MiniDDP(module, mixed_precision=MixedPrecision(BF16) if bf16 else None)
     if design == "zero2":
         model.register_comm_hook(optimizer, reduce_scatter_hook)
-    return Replica(design, model, module, optimizer, model.no_sync, clip_mine)
+    return Replica(design, model, module, optimizer, model.no_sync, clip_mine, precision)
 
 
 def _no_gradient_sync(module: nn.Module) -> Callable[[], AbstractContextManager]:
@@ -183,24 +270,36 @@ def ascii_curves(curves: dict[str, list[float]], width: int = 60, height: int = 
 
 
 def say_memory(replica: Replica, psi: int, world: int) -> bool:
-    """Each rank's bytes after the last step, by kind, beside the formula's (chapter 08);
-    whether they are equal on this rank. Every rank must call it."""
+    """Each rank's bytes after the last step, by kind, beside the formula's (chapter 08;
+    miniddp/sharding/memory.py for bf16's); whether they are equal on this rank. Every rank
+    must call it."""
     params = list(replica.module.parameters())
     mine = params  # under fully_shard: this rank's padded shards
     if isinstance(replica.optimizer, ZeroRedundancyOptimizer):
         rank = replica.optimizer.rank
         mine = [p for p in params if replica.optimizer.owner_of(p) == rank]
-    measured = measure_memory(params, replica.optimizer, ddp_buckets(replica.model))
-    formula = Formula(replica.name, psi, len(mine), world)
+    copies = ddp_compute_copies(replica.model)  # MiniDDP's bf16 copies, kept between steps
+    measured = measure_memory(params, replica.optimizer, ddp_buckets(replica.model), copies)
+    # fully_shard casts each gathered unit afresh and frees it after use: no copy stays.
+    dtype = BF16 if replica.precision == "bf16" and replica.name != "zero3" else None
+    formula = Formula(replica.name, psi, len(mine), world, param_dtype=dtype)
     expected = formula.expected(sum(p.numel() for p in mine))
     kinds = ("parameters", "gradients", "buckets", "optimizer_state")
+    kinds += ("compute_copies",) * (dtype is not None)
     line = "  ".join(f"{kind} {fmt_bytes(getattr(measured, kind))}" for kind in kinds)
     line += f"  = {fmt_bytes(measured.total)}"
     if measured != expected:
         formula = "  ".join(f"{kind} {fmt_bytes(getattr(expected, kind))}" for kind in kinds)
         line += f"\n    but the formula says {formula}"
-    say(f"{replica.name}: each rank's bytes after the last step, counted from the storages:")
+    say(
+        f"{replica.name} ({replica.precision}): each rank's bytes after the last step, counted "
+        "from the storages:"
+    )
     say_all_ranks(f"{line}{'' if measured != expected else ': the formula, to the byte'}")
-    ddp = Formula("ddp", psi, len(params), world).expected()
-    say(f"plain DDP's formula for the same model: {fmt_bytes(ddp.total)} on every rank")
+    bf16 = BF16 if replica.precision == "bf16" else None
+    ddp = Formula("ddp", psi, len(params), world, param_dtype=bf16).expected()
+    say(
+        f"plain DDP's formula for the same model ({replica.precision}): {fmt_bytes(ddp.total)} "
+        "on every rank"
+    )
     return measured == expected
