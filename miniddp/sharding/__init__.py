@@ -6,6 +6,7 @@ zero2.py               ZeRO-2: a comm hook that reduce-scatters each bucket onto
 fully_shard.py         ZeRO-3: each rank keeps 1/W of every parameter, gathered around its module
 sharded_parameters.py  one fully_shard unit: its shards, and the collectives that move them
 prefetch.py            fully_shard's overlap: the next unit's gather, the last reduce-scatter
+unit_lanes.py          a recorded fully_shard step as lanes: compute, all-gather, reduce-scatter
 mixed_precision.py     fully_shard's MixedPrecisionPolicy: bf16 compute, fp32 masters
 units.py               fully_shard's units by number, and the mistakes it refuses at the call
 full_state.py          a fully sharded model's and optimizer's full state, out and back in
