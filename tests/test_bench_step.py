@@ -83,6 +83,7 @@ def test_the_interval_of_a_paired_median_narrows_with_more_iterations():
     assert paired_ratio_interval([2.0], [1.0]) == (2.0, 2.0)
 
 
+@pytest.mark.slow  # 17 s, a whole benchmark; its arithmetic and refusals are tested above
 def test_a_tiny_run_reports_every_variant_with_paired_ratios(tmp_path):
     report_path = tmp_path / "step.json"
     command = [sys.executable, "-m", "miniddp.bench", "step", "--models", "deep",

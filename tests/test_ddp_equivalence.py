@@ -95,7 +95,7 @@ def run_and_check(rank_pools, world_size: int, spec: TrainSpec) -> None:
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@property_settings(max_examples=50)
+@property_settings(max_examples=30)
 @given(spec=train_specs())
 def test_matches_torch_ddp_and_single_process(rank_pools, world_size, spec):
     run_and_check(rank_pools, world_size, spec)

@@ -139,7 +139,7 @@ def write_script(tmp_path: Path, text: str = HELLO, name: str = "hello.py") -> s
     return str(script)
 
 
-@pytest.mark.slow  # 29 s; chapter 07 also runs on one node in test_tutorials
+@pytest.mark.slow  # 29 s; the default suite launches two emulated nodes below (a lost rank)
 def test_chapter_07_runs_on_two_emulated_nodes(tmp_path: Path) -> None:
     launcher = launch(["--emulate-nodes", "2", "tutorials/07_multinode.py"], tmp_path)
     output = finish(launcher)

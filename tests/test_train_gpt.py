@@ -89,6 +89,7 @@ def test_torch_ddp_and_zero1_train_bit_for_bit_as_miniddp(uninterrupted: str) ->
     assert "Verified on 2 ranks" in uninterrupted
 
 
+@pytest.mark.slow  # 21 s; tests/test_failover.py resumes bit-identically under torchrun too
 def test_crashed_and_restarted_run_ends_as_the_uninterrupted_one(
     uninterrupted: str, tmp_path: Path
 ) -> None:

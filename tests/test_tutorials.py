@@ -85,9 +85,16 @@ def torchrun(chapter: Path, nproc: int) -> list[str]:
     ]
 
 
-# Run with `pytest -m slow`: 14b's timed bubbles take half a minute (its orders and bits are
-# checked in the default suite by tests/test_pipeline_interleaved.py).
-SLOW_CHAPTERS = {"14b_interleaved_zero_bubble.py"}
+# Run with `pytest -m slow`, each a long run whose checks the default suite makes elsewhere:
+# 04's claims are timings over the simulated link (its gradients against torch's DDP:
+# tests/test_link.py); 07's ranks on emulated nodes (tests/test_multinode.py); 14's and 14b's
+# orders on the logical clock and their bits (tests/test_pipeline*.py).
+SLOW_CHAPTERS = {
+    "04_overlap.py",
+    "07_multinode.py",
+    "14_pipeline_parallel.py",
+    "14b_interleaved_zero_bubble.py",
+}
 
 
 @pytest.mark.parametrize(
@@ -121,7 +128,8 @@ def test_launch_sh_runs_the_readmes_chapter_and_prints_no_warning(tmp_path: Path
     assert not warnings, "\n".join(warnings)
 
 
-@pytest.mark.parametrize("nproc", [3, pytest.param(4, marks=pytest.mark.slow)])  # 4: oversubscribed
+# -m slow: an odd world's collectives are tests/test_collectives.py's at W = 3; 4 oversubscribes
+@pytest.mark.parametrize("nproc", [pytest.param(n, marks=pytest.mark.slow) for n in (3, 4)])
 def test_collectives_chapter_runs_on_three_and_four_ranks(nproc: int, tmp_path: Path) -> None:
     """Chapter 01 is written for 4 ranks: trees two levels deep, a ring of four chunks. On 3 (the
     FAQ's odd number of ranks) a tree step has an idle sender and recursive doubling an extra
