@@ -376,6 +376,7 @@ def profile_a_step(out_dir: str) -> None:
     dist.destroy_process_group()  # local: no collective
 
 
+@pytest.mark.slow  # 10 s under torch's profiler; the trace's own shape is tested above
 def test_profiler_trace_shows_buckets_beside_gloos_all_reduce(tmp_path):
     command = [sys.executable, "-m", "tests.test_timeline", str(tmp_path)]
     returncode, output = run_ranks_like_torchrun(command, 2, child_env(tmp_path), timeout=120)
