@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from miniddp import tensor_parallel as tp
+from miniddp.observe.activation_memory import SavedActivations
 from tests.tensor_parallel_tasks import local, local_grad, scaled_difference, shard_dim, torch_mesh
 
 
@@ -131,17 +132,11 @@ def without_f_on_replicated_parameters(spec: SPSpec) -> dict:
 
 
 def saved_bytes(module: nn.Module, x: torch.Tensor) -> int:
-    """The bytes autograd keeps for backward from `module`'s forward (distinct storages)."""
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if not isinstance(t, nn.Parameter):  # weights are the model's, not activations
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    """The bytes autograd keeps for backward from `module`'s forward (distinct storages, the
+    weights left out: miniddp/observe/activation_memory.py)."""
+    with SavedActivations(module) as saved:
         module(x)
-    return sum(storages.values())
+    return saved.total
 
 
 def norm_and_dropout_memory(width: int, length: int) -> dict[str, int]:

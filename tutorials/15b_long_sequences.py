@@ -50,6 +50,7 @@ from miniddp.context_parallel import (
 )
 from miniddp.job.env import init_distributed
 from miniddp.models.gpt import GPT, GPTConfig
+from miniddp.observe.activation_memory import SavedActivations
 from miniddp.observe.link import Link
 from miniddp.observe.link_sends import p2p_link
 from miniddp.tensor_parallel import SequenceParallel, TransformerBlock, parallelize_module, plan_for
@@ -67,22 +68,12 @@ SPLITS = ("none", "batch", "sequence")  # one process, data parallel, context pa
 
 
 def saved_bytes(function, *inputs) -> int:
-    """The bytes autograd keeps for backward from `function(*inputs)`, each storage once. A
-    module's weights are the model's, not activations: their storages are left out, views of
-    them included (a Linear saves weight.t(), a sequence-parallel LayerNorm f(weight))."""
-    weights = function.parameters() if isinstance(function, nn.Module) else ()
-    model = {p.untyped_storage().data_ptr() for p in weights}
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in model:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    """The bytes autograd keeps for backward from `function(*inputs)`, each storage once; a
+    module's weights are the model's, not activations (miniddp/observe/activation_memory.py)."""
+    model = function if isinstance(function, nn.Module) else nn.Module()
+    with SavedActivations(model) as saved:
         function(*inputs)
-    return sum(storages.values())
+    return saved.total
 
 
 def explicit_attention(q, k, v):

@@ -26,8 +26,8 @@ Two things a model must get right, and neither is attention's:
   divided by the *global* token count needs a sum over CP, and an average only over DP.
 
 Attention dropout is refused: each rank would draw its own masks for blocks the one-process
-model draws in another order, and ring attention has none. Use dropout 0 in attention (as
-torchtitan's context-parallel runs do), or eval().
+model draws in another order, and ring attention has none. Use dropout 0 in attention, or
+eval().
 """
 
 from __future__ import annotations
