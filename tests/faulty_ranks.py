@@ -249,9 +249,9 @@ def _fully_shard_step(
     import torch
     from torch import nn
 
+    import miniddp.collectives as collectives
     from miniddp import fully_shard
     from miniddp.sharding.sharded_parameters import ShardedParameters
-    from miniddp.sharding.units import check_every_rank_gathers
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 1))
@@ -261,8 +261,9 @@ def _fully_shard_step(
     start_gather = ShardedParameters.start_gather
 
     def die_after_the_check(unit: ShardedParameters, dtype=None):
-        check_every_rank_gathers(unit)  # every rank agrees to gather it...
-        report("fault")
+        numbers = torch.empty(unit.world_size, dtype=torch.int64)  # the gather's own check:
+        collectives.all_gather_into_tensor(numbers, torch.tensor([unit.number]), unit.group)
+        report("fault")  # every rank agrees to gather it...
         os._exit(1)  # ...and this one never sends its shard
 
     def step(number: int) -> None:

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from miniddp.observe.overlap_model import predict_step, uniform_buckets
+from miniddp.observe.overlap_model import predict_step, predict_zero3_step, uniform_buckets
 
 MS = 1e-3
 
@@ -40,3 +40,25 @@ def test_buckets_that_fall_behind_queue_one_at_a_time() -> None:
 def test_uniform_buckets_cover_the_total(total: int, count: int) -> None:
     sizes = uniform_buckets(total, total / count)
     assert len(sizes) == count and sum(sizes) == total and max(sizes) - min(sizes) <= 1
+
+
+def test_zero3_without_prefetch_exposes_every_transfer() -> None:
+    """4 units, 1 ms forward and 2 ms backward each; gathers 1.5 ms, reduce-scatters 1 ms:
+    12 ms of compute, then 4 x (1.5 + 1.5 + 1) ms of transfers, one after another."""
+    step = predict_zero3_step(4, 1 * MS, 2 * MS, 1.5 * MS, 1 * MS, prefetch=False)
+    assert step.step_s == pytest.approx(12 * MS + 16 * MS)
+    assert step.exposed_s == pytest.approx(16 * MS) and step.overlap == 0
+
+
+def test_zero3_prefetch_hides_all_but_the_first_gathers_and_the_last_reduce_scatter() -> None:
+    """Compute outlasts every transfer beside it: forward waits only for unit 1's gather,
+    backward for unit 4's, and the last reduce-scatter comes after backward."""
+    step = predict_zero3_step(4, 2 * MS, 4 * MS, 1 * MS, 1 * MS)
+    assert step.step_s == pytest.approx(24 * MS + 1 * MS + 1 * MS + 1 * MS)
+    assert step.overlap == pytest.approx(1 - 3 / 12)
+
+
+def test_zero3_prefetch_on_a_link_bound_step_leaves_the_link_busy_end_to_end() -> None:
+    """No compute at all: the transfers queue on one link, so prefetch cannot shorten it."""
+    step = predict_zero3_step(4, 0.0, 0.0, 1.5 * MS, 1 * MS)
+    assert step.step_s == pytest.approx(4 * (1.5 + 1.5 + 1) * MS)

@@ -17,8 +17,17 @@ from tests.harness.processes import child_env, run_in_own_session
 @pytest.mark.slow  # 17 s, 4 ranks; the formulas are checked in test_sharding*
 def test_the_report_matches_every_formula_at_w_1_2_and_4(tmp_path):
     report_path = tmp_path / "sharding.json"
-    command = [sys.executable, "-m", "miniddp.bench", "sharding", "--width", "8", "--depth", "2",
-               "--iters", "3", "--json", str(report_path)]  # fmt: skip
+    tiny = ["--width", "8", "--depth", "2", "--iters", "3"]
+    prefetch = [
+        "--link",
+        "alpha=1ms,bandwidth=1gbit",
+        "--prefetch-iters",
+        "2",
+        "--prefetch-batch",
+        "8",
+    ]
+    command = [sys.executable, "-m", "miniddp.bench", "sharding", *tiny, *prefetch]
+    command += ["--json", str(report_path)]
     returncode, output = run_in_own_session(command, child_env(tmp_path), timeout=240)
     assert returncode == 0, output[-3000:]
     report = json.loads(report_path.read_text())
@@ -38,3 +47,8 @@ def test_the_report_matches_every_formula_at_w_1_2_and_4(tmp_path):
             numbers = 2 * 2 * others * UNIT_NUMBER_BYTES
             assert row["sent"] == 3 * others * row["owned_elements"] * 4 + numbers
     assert set(report["ratios"]) == {"zero1", "zero2", "zero3"}
+    prefetched, peak = report["prefetch"], report["prefetch"]["peak_full_bytes"]
+    assert peak["prefetch"] == 2 * peak["no prefetch"] > 0  # two units full at most, or one
+    assert len(prefetched["seconds"]["prefetch"]) == 2 == len(prefetched["compute_s"]["prefetch"])
+    for measured, model in prefetched["exposed_measured_and_model"].values():
+        assert measured > 0 and model > 0  # the link's 1 ms a message is never free

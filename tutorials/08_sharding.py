@@ -55,7 +55,7 @@ KINDS = ("parameters", "gradients", "buckets", "optimizer_state")
 RUNS: dict[str, dict] = {}  # stage -> what train(stage) returned on this rank
 # Section 7: a link on which one unit's all-gather takes about as long as its forward here
 LINK = Link.parse("alpha=200us,bandwidth=300mbit")
-UNITS, WIDTH, BATCH = 4, 256, 512
+UNITS, WIDTH, BATCH = 4, 256, 2048  # a unit's forward about as long as a gather over LINK
 LINK_STEPS = 5  # the first learns the units' order, the second runs with it; then 3 timed
 
 
@@ -220,6 +220,7 @@ def main() -> None:
     add_plot_option(parser)
     args = parser.parse_args()
     env = init_distributed()
+    torch.set_num_threads(1)  # one intra-op thread per rank: the ranks share the cores
     world = env.world_size
     psi = sum(p.numel() for p in build_model().parameters())
     for stage in ("ddp", "zero1", "zero2", "zero3"):
@@ -359,9 +360,9 @@ def main() -> None:
         for kind in ("forward", "backward")
     )
     transfer = LINK.seconds((world - 1) * unit_bytes / world)  # one gather or reduce-scatter
-    check = LINK.seconds((world - 1) * UNIT_NUMBER_BYTES)
+    gather = transfer + LINK.seconds((world - 1) * UNIT_NUMBER_BYTES)  # its check in front
     model_of = {
-        name: predict_zero3_step(UNITS, forward_s, backward_s, transfer, transfer, check, on)
+        name: predict_zero3_step(UNITS, forward_s, backward_s, gather, transfer, on)
         for name, on in (("no prefetch", False), ("prefetch", True))
     }
     ms = lambda seconds: f"{seconds * 1e3:5.1f} ms"  # noqa: E731
@@ -384,9 +385,9 @@ def main() -> None:
         benchmark, python -m miniddp.bench sharding --link ..., pairs them). The model
         (miniddp/observe/overlap_model.py): each unit's compute beside the next transfer,
         max(compute, transfer) per pair of units, plus the first gather of each pass and the
-        last reduce-scatter; the 8-byte check before each gather stays exposed. What it leaves
-        out is the idle time, when no unit computes and nothing is on the link: the checks
-        (each a round trip that waits for the slower rank), the casts and copies around each
+        last reduce-scatter; each gather's 8-byte check travels in front of it, in its turn on
+        the communication thread (miniddp/sharding/units.py). What it leaves out is the idle
+        time, when no unit computes and nothing is on the link: the casts and copies around each
         collective, and on this shared machine the wake-ups of three threads per collective
         (training, communication, the link's). The steps are longer than the model's by about
         that; the figure (--plot) shows where. Memory:

@@ -195,6 +195,9 @@ def report(rows: list[dict], times: dict[str, list[float]] | None) -> dict:
     return summary
 
 
+PREFETCH_BATCH = 2048  # at width 256, a unit's forward takes ~3.5 ms here: one gather's time
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m miniddp.bench sharding",
@@ -219,6 +222,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=20,
         help="paired steps of the prefetch section (default 20)",
     )
+    parser.add_argument(
+        "--prefetch-batch",
+        type=positive,
+        default=PREFETCH_BATCH,
+        help=f"samples per rank in the prefetch section (default {PREFETCH_BATCH}: a unit's "
+        "forward about as long as its gather over alpha=200us,bandwidth=300mbit)",
+    )
     args = parser.parse_args(argv)
     if "link" not in args:
         try:
@@ -231,6 +241,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
     env = init_distributed()
+    torch.set_num_threads(1)  # one intra-op thread per rank: the ranks share the cores
     rows = []
     for world in [w for w in (1, 2, 4) if w <= env.world_size]:
         group = dist.new_group(list(range(world)))  # every rank takes part in creating it

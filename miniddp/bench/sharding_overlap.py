@@ -1,20 +1,30 @@
 """The prefetch section of `python -m miniddp.bench sharding --link ...`: a ZeRO-3 step with
 fully_shard's prefetch on against off, on 2 ranks over the simulated link, paired; each one's
 exposed communication against the alpha-beta model's prediction (observe/overlap_model.py's
-predict_zero3_step); and, from one recorded step of each (sharding/unit_lanes.py), the most full
-parameters alive at once and the share of the transfers' time under compute, chapter 04's
-overlap fraction.
+predict_zero3_step); the most full parameters alive at once; and the share of the transfers'
+time under compute, chapter 04's overlap fraction.
 
-The model is fed U equal units of n shard bytes per rank, W ranks, a link of latency alpha and
-bandwidth B (miniddp/observe/link.py), and the step time C over a free link, split 1 : 2 between
-forward and backward (c_f = C/3U, c_b = 2C/3U per unit); each transfer takes
-alpha + (W-1) n / B, each unit's 8-byte check (units.py) alpha + (W-1) 8 / B.
+Every timed step is recorded (sharding/unit_lanes.py: a few events a unit), so that each one's
+compute is measured, not assumed: the union of its units' forward and backward spans. The step
+is the forward and backward (the optimizer's step, the same in both variants, is left out), and
+
+    exposed communication = step - compute     (waiting for the link, and the casts, copies and
+                                                thread wake-ups around each collective)
+
+The model is fed what no-prefetch's steps measured of each unit's forward and backward (compute
+alone: nothing runs beside it), U units of n shard bytes per rank, W ranks, a link of latency
+alpha and bandwidth B (miniddp/observe/link.py): each reduce-scatter takes alpha + (W-1) n / B,
+each gather as much and its 8-byte check (units.py) alpha + (W-1) 8 / B more, in front of it.
+
+Why not the step over a free link as "the compute": that step still
+runs every collective over gloo, ~1-2 ms each here, which the link's delay then hides (a Work
+over the link completes when both are done). Counted as compute, it made no-prefetch look 30 %
+cheaper than the model, and prefetch's gain smaller.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import time
 
 import torch
@@ -30,85 +40,95 @@ from miniddp.sharding.unit_lanes import recording, summarize, unit_timeline
 from miniddp.sharding.units import UNIT_NUMBER_BYTES
 
 VARIANTS = ("prefetch", "no prefetch")
-# "bare": a link that costs nothing, so that the compute includes what simulating a link costs
-# here (a delivery thread's wake-ups: about 20 ms a step on this 2-core machine, under load)
-FREE_LINK = Link(alpha=0.0, bandwidth=1e18)
 
 
 def time_prefetch(model_of, args: argparse.Namespace, group: dist.ProcessGroup) -> dict:
-    """Seconds per step of "bare" (prefetch on, over FREE_LINK: the compute) and of the two
-    variants over the link, interleaved; the slowest rank's. Then one recorded step of each
-    variant: its peak of full parameters and its overlap, rank 0's."""
-    x = torch.randn(args.batch, args.width)
+    """Each variant's steps over the link, interleaved and recorded: the step (the slowest
+    rank's), and on rank 0 its compute, its peak of full parameters and its overlap; and what
+    no-prefetch's units computed, per unit, for the model."""
+    x = torch.randn(args.prefetch_batch, args.width)
     models = {}
-    for name in ("bare", *VARIANTS):
+    for name in VARIANTS:
         model = model_of()
         for layer in model:
             fully_shard(layer, process_group=group)
         models[name] = fully_shard(model, process_group=group)
-        models[name].set_prefetch(name != "no prefetch")
+        models[name].set_prefetch(name == "prefetch")
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-3) for name, m in models.items()}
-    seconds = {name: [] for name in models}
+    steps = {name: [] for name in models}
 
-    def step(name: str, recorded: dict | None = None) -> None:
+    def step(name: str) -> None:
         dist.barrier(group)
-        link = FREE_LINK if name == "bare" else args.link
-        with simulated_link(link, also=(miniddp.collectives,)), contextlib.ExitStack() as stack:
-            if recorded is not None:
-                recorded[name] = stack.enter_context(recording(models[name]))
-            start = time.perf_counter()
-            models[name](x).pow(2).mean().backward()
+        with simulated_link(args.link, also=(miniddp.collectives,)):
+            with recording(models[name]) as recorded:
+                start = time.perf_counter()
+                models[name](x).pow(2).mean().backward()
+                seconds = time.perf_counter() - start
             optimizers[name].step()
             optimizers[name].zero_grad()
-            seconds[name].append(time.perf_counter() - start)
+        steps[name].append((seconds, recorded))
 
     for iteration in range(2 + args.prefetch_iters):  # two warm-up steps: the order is known
         for name in rotated(list(models), iteration):
             step(name)
-    times = torch.tensor([seconds[name][2:] for name in models], dtype=torch.float64)
+    timed = {name: done[2:] for name, done in steps.items()}
+    times = torch.tensor([[s for s, _ in timed[name]] for name in VARIANTS], dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-    recorded: dict = {}
-    for name in VARIANTS:
-        step(name, recorded)
-    summaries = {name: summarize(unit_timeline(r.events)) for name, r in recorded.items()}
+    timelines = {name: [unit_timeline(r.events) for _, r in timed[name]] for name in VARIANTS}
+    summaries = {name: [summarize(t) for t in timelines[name]] for name in VARIANTS}
+    per_unit = {  # no-prefetch's compute, one unit's forward and backward, each step
+        kind: [
+            sum(s.duration for s in t.spans if s.name.startswith(kind)) / len(model)
+            for t in timelines["no prefetch"]
+        ]
+        for kind in ("forward", "backward")
+    }
     return {
-        "seconds": {name: times[i].tolist() for i, name in enumerate(models)},
-        "peak_full_bytes": {name: r.peak_full_bytes for name, r in recorded.items()},
-        "overlap": {name: summary.overlap for name, summary in summaries.items()},
-        "idle_s": {name: summary.idle_s for name, summary in summaries.items()},
+        "seconds": {name: times[i].tolist() for i, name in enumerate(VARIANTS)},
+        "compute_s": {name: [s.compute_s for s in summaries[name]] for name in VARIANTS},
+        "unit_compute_s": per_unit,
+        "peak_full_bytes": {
+            name: max(r.peak_full_bytes for _, r in timed[name]) for name in VARIANTS
+        },
+        "overlap": {name: median([s.overlap for s in summaries[name]]) for name in VARIANTS},
+        "idle_s": {name: median([s.idle_s for s in summaries[name]]) for name in VARIANTS},
     }
 
 
 def predicted(
-    link: Link, bare: float, units: int, shard_bytes: int, world: int
+    link: Link, forward: float, backward: float, units: int, shard_bytes: int, world: int
 ) -> dict[str, PredictedZero3Step]:
     """The model's step with prefetch off and on (see the module docstring)."""
     transfer = link.seconds((world - 1) * shard_bytes)
-    check = link.seconds((world - 1) * UNIT_NUMBER_BYTES)
-    forward, backward = bare / (3 * units), 2 * bare / (3 * units)
+    gather = transfer + link.seconds((world - 1) * UNIT_NUMBER_BYTES)  # its check in front
     return {
-        name: predict_zero3_step(units, forward, backward, transfer, transfer, check, on)
+        name: predict_zero3_step(units, forward, backward, gather, transfer, on)
         for name, on in (("prefetch", True), ("no prefetch", False))
     }
 
 
 def report_prefetch(recorded: dict, link: Link, units: int, shard_bytes: int, world: int) -> dict:
     """`recorded`: what time_prefetch returned."""
-    times = recorded["seconds"]
-    median = {name: sorted(s)[len(s) // 2] for name, s in times.items()}
-    steps = predicted(link, median["bare"], units, shard_bytes, world)
-    model = {name: step.step_s for name, step in steps.items()}
+    times, compute = recorded["seconds"], recorded["compute_s"]
+    forward, backward = (median(recorded["unit_compute_s"][k]) for k in ("forward", "backward"))
+    model = predicted(link, forward, backward, units, shard_bytes, world)
     speedup = paired_ratio(times["no prefetch"], times["prefetch"])
     low, high = paired_ratio_interval(times["no prefetch"], times["prefetch"])
+    transfer = link.seconds((world - 1) * shard_bytes)
+    ms = lambda seconds: f"{seconds * 1e3:6.2f} ms"  # noqa: E731
     print(f"\nZeRO-3 prefetch over the link ({link}), 2 ranks, {units} units of {shard_bytes:,} B")
-    print(f"  over a free link (the compute) {median['bare'] * 1e3:7.2f} ms")
+    print(
+        f"  a unit computes {ms(forward)} forward, {ms(backward)} backward (no prefetch's); "
+        f"a transfer takes {ms(transfer)}"
+    )
     exposed = {}
     for name in VARIANTS:
-        exposed[name] = (median[name] - median["bare"], model[name] - median["bare"])
+        exposed_s = [step - busy for step, busy in zip(times[name], compute[name])]
+        exposed[name] = (median(exposed_s), model[name].exposed_s)
         measured, expected = exposed[name]
         print(
-            f"  {name:<12} step {median[name] * 1e3:8.2f} ms, exposed communication "
-            f"{measured * 1e3:7.2f} ms, model {expected * 1e3:7.2f} ms "
+            f"  {name:<12} step {ms(median(times[name]))} (model {ms(model[name].step_s)}), "
+            f"exposed communication {ms(measured)}, model {ms(expected)} "
             f"({measured / expected:.2f}x the model)"
         )
     print(f"  prefetch speedup, paired: {speedup:.2f}x  [{low:.2f}, {high:.2f}]")
@@ -120,16 +140,10 @@ def report_prefetch(recorded: dict, link: Link, units: int, shard_bytes: int, wo
         peak = recorded["peak_full_bytes"][name]
         print(
             f"  {name:<12} full parameters at most {peak:,} B ({peak / unit_bytes:.2f} units), "
-            f"{recorded['overlap'][name]:.0%} of transfers under compute"
+            f"{recorded['overlap'][name]:.0%} of transfers under compute (model "
+            f"{model[name].overlap:.0%}), idle {ms(recorded['idle_s'][name])}"
         )
-        print(
-            f"  {'':<12} idle (nothing computing, nothing on the link) "
-            f"{recorded['idle_s'][name] * 1e3:.1f} ms: checks, copies, wake-ups"
-        )
-    overlap = steps["prefetch"].overlap
-    print(
-        f"  (one recorded step each, on rank 0; the model's overlap with prefetch: {overlap:.0%})"
-    )
+    print("  (rank 0's recorded steps; idle: nothing computing, nothing on the link)")
     return {
         **recorded,
         "speedup": speedup,
@@ -137,6 +151,10 @@ def report_prefetch(recorded: dict, link: Link, units: int, shard_bytes: int, wo
         "exposed_measured_and_model": exposed,
         "hidden_fraction": hidden,
     }
+
+
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def shard_bytes_per_unit(model: nn.Sequential, world: int) -> int:

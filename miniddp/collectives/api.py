@@ -158,8 +158,15 @@ def all_gather_into_tensor(
     input_tensor: torch.Tensor,
     group: ProcessGroup | None = None,
     async_op: bool = False,
+    *,
+    precondition: Callable[[], None] | None = None,
 ) -> Work | None:
-    """`all_gather` into one tensor of W times the input's size, in group rank order."""
+    """`all_gather` into one tensor of W times the input's size, in group rank order.
+
+    `precondition` (MiniDDP's, not torch's) runs in the gather's turn, just before it, once
+    every collective issued before it has run: it may read their outputs, and raise to call
+    the gather off (every rank must decide alike, from what they all received). fully_shard
+    checks there that every rank gathers the same unit (sharding/units.py)."""
     peers = Peers(group, "all_gather/ring")
     if output_tensor.numel() != peers.size * input_tensor.numel():
         raise ValueError(
@@ -168,6 +175,8 @@ def all_gather_into_tensor(
         )
 
     def gather(flat: torch.Tensor) -> None:
+        if precondition is not None:
+            precondition()
         chunks = list(flat.tensor_split(peers.size))
         chunks[peers.rank].copy_(input_tensor.reshape(-1))
         ring.run(peers, chunks, ReduceOp.SUM, ring.all_gather_steps(peers))

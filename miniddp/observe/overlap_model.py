@@ -76,12 +76,11 @@ class PredictedZero3Step:
     step_s: float
     compute_s: float
     comm_s: float  # the all-gathers and reduce-scatters, one after another on the link
-    checks_s: float  # the blocking 8-byte checks before each gather: exposed by design
 
     @property
     def exposed_s(self) -> float:
         """The all-gathers' and reduce-scatters' time that no compute hides."""
-        return self.step_s - self.compute_s - self.checks_s
+        return self.step_s - self.compute_s
 
     @property
     def overlap(self) -> float:
@@ -94,27 +93,26 @@ def predict_zero3_step(
     backward_s: float,
     gather_s: float,
     reduce_s: float,
-    check_s: float,
     prefetch: bool = True,
 ) -> PredictedZero3Step:
     """A chain of `units` alike, each computing `forward_s` and `backward_s`, each gather taking
-    `gather_s` on the link and each reduce-scatter `reduce_s`, each gather after a blocking
-    check of `check_s`. Without prefetch every transfer is exposed:
+    `gather_s` on the link (its 8-byte check included: the two travel in one turn,
+    sharding/units.py) and each reduce-scatter `reduce_s`. Without prefetch every transfer is
+    exposed:
 
-        U (c_f + c_b) + U (2k + 2 AG + RS)
+        U (c_f + c_b) + U (2 AG + RS)
 
     With it, unit i+1's gather travels while unit i computes; in backward, with the reduce-scatter
     of unit i-1 (one link: the two queue). Exposed: the first gather of each pass, the last
     reduce-scatter, and whatever a transfer outlasts the compute beside it:
 
-        forward   U k + AG + (U-1) max(c_f, AG) + c_f
-        backward  U k + AG + (U-1) max(c_b, AG + RS) + c_b + RS
+        forward   AG + (U-1) max(c_f, AG) + c_f
+        backward  AG + (U-1) max(c_b, AG + RS) + c_b + RS
     """
     compute = units * (forward_s + backward_s)
-    comm, checks = units * (2 * gather_s + reduce_s), 2 * units * check_s
+    comm = units * (2 * gather_s + reduce_s)
     if not prefetch:
-        return PredictedZero3Step(compute + checks + comm, compute, comm, checks)
+        return PredictedZero3Step(compute + comm, compute, comm)
     forward = gather_s + (units - 1) * max(forward_s, gather_s) + forward_s
     backward = gather_s + (units - 1) * max(backward_s, gather_s + reduce_s) + backward_s
-    step = checks + forward + backward + reduce_s
-    return PredictedZero3Step(step, compute, comm, checks)
+    return PredictedZero3Step(forward + backward + reduce_s, compute, comm)

@@ -16,13 +16,13 @@ parameters at once: the one computing and the one arriving (and its parents', ga
 their own forward ends). Without prefetch, one.
 
 Why, in backward, the gather of the unit after next is issued at the end of a unit's backward,
-before its reduce-scatter, rather than when the next unit's backward begins: each gather starts
-with a blocking 8-byte check that every rank gathers the same unit (units.py), and a blocking
-collective waits its turn behind everything in flight. Issued after the reduce-scatter, it would
-wait for it, and the next unit's compute would overlap nothing. The checks are the price of that
-safety: each is a round trip that waits for the slower rank, with the link idle. Over the
-simulated link on a loaded 2-core machine, they and the thread wake-ups around each collective
-are most of what keeps a step from the alpha-beta model (chapter 08 measures this idle time).
+before its reduce-scatter, rather than when the next unit's backward begins: one communication
+thread runs every collective in issue order (torch's FSDP2 has a stream for each kind). Issued
+after the reduce-scatter, the gather would wait behind it, and the next unit's backward would
+wait for both; issued before, it arrives first, and the reduce-scatter travels while that
+backward computes. Each gather carries its own check that every rank gathers the same unit
+(units.py), in the same turn: it costs the link one more round trip of 8 bytes, not the caller
+a blocking wait.
 
 Bits: a prefetched gather moves the same shards as one issued on demand, and a reduce-scatter
 finished later adds the same values into `.grad` as autograd would have: the same bits. A

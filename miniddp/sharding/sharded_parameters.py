@@ -25,7 +25,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 import miniddp.collectives as collectives
 from miniddp.job.faults import wait_for
 from miniddp.sharding.mixed_precision import MixedPrecisionPolicy
-from miniddp.sharding.units import check_every_rank_gathers
+from miniddp.sharding.units import gather_once_every_rank_agrees
 
 
 @dataclass
@@ -75,14 +75,13 @@ class ShardedParameters:
 
     def start_gather(self, dtype: torch.dtype | None = None) -> InFlight:
         """Issue the all-gather of every shard (one collective for all), in `dtype`: by default
-        the compute dtype (mixed_precision.py). Every rank first checks, blocking, that the
-        others gather this unit too (units.check_every_rank_gathers)."""
-        check_every_rank_gathers(self)
+        the compute dtype (mixed_precision.py). The gather itself first checks that every
+        rank gathers this unit (units.gather_once_every_rank_agrees)."""
         world, length = self.world_size, sum(s.numel() for s in self.shards)
         dtype, device = dtype or self.compute_dtype, self.shards[0].device
         gathered = torch.empty(world * length, dtype=dtype, device=device)
         mine = torch.cat([s.detach().to(dtype) for s in self.shards])  # cast before the gather
-        work = collectives.all_gather_into_tensor(gathered, mine, self.group, async_op=True)
+        work = gather_once_every_rank_agrees(self, gathered, mine)
         return InFlight(work, gathered, f"all-gather of {self.name} ({gathered.nbytes:,} bytes)")
 
     def finish_gather(self, gathering: InFlight) -> list[torch.Tensor]:

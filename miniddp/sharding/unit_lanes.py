@@ -94,7 +94,7 @@ class UnitSummary:
     compute_s: float  # some unit computing
     comm_s: float  # some collective in flight (two at once count once)
     hidden_s: float  # of which while some unit computed
-    idle_s: float  # neither: the blocking checks, casts and copies, threads waking up
+    idle_s: float  # neither: casts and copies around collectives, threads waking up
 
     @property
     def exposed_s(self) -> float:
