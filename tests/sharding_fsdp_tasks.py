@@ -244,3 +244,31 @@ def skip_a_unit_on_rank_1() -> None:
         model(torch.randn(3, 4)).sum().backward()
     else:
         model[2](torch.randn(3, 8)).sum().backward()
+
+
+def optimizer_in_backward(kind: str, spec: FsdpSpec) -> dict:
+    """Each parameter steps with its own SGD in a post-accumulate-grad hook, the moment its
+    gradient is complete (torch's optimizer-in-backward recipe); "plain" steps after backward.
+    fully_shard writes each shard's `.grad` itself, so it must run the hooks itself."""
+    library = "torch" if kind == "torch" else "ours"
+    model = shard(library, build_model(spec), spec)
+    calls = []
+    if kind == "plain":
+        whole = torch.optim.SGD(model.parameters(), lr=spec.lr)
+    else:
+        for param in model.parameters():
+            optimizer = torch.optim.SGD([param], lr=spec.lr)
+
+            def step_now(param: torch.Tensor, optimizer=optimizer) -> None:
+                calls.append(param.grad is not None)
+                optimizer.step()
+                optimizer.zero_grad()
+
+            param.register_post_accumulate_grad_hook(step_now)
+    for step in range(spec.steps):
+        x, y = batch(spec, dist.get_rank(), step, 0)
+        nn.functional.mse_loss(model(x), y).backward()
+        if kind == "plain":
+            whole.step()
+            whole.zero_grad()
+    return {"params": full_parameters(library, model), "calls": calls}

@@ -207,3 +207,19 @@ def test_a_unit_skipped_on_one_rank_is_named_on_every_rank(pool2):
         assert outcome.type_name == "CollectiveFailed", outcome
         assert f"cannot be gathered on rank {rank}" in outcome.message
         assert "fully_shard unit" in outcome.message and "skipped on one rank" in outcome.message
+
+
+def test_post_accumulate_grad_hooks_run_on_the_shards_as_torchs_fully_shard_runs_them(pool2):
+    """An optimizer stepping inside backward, from each shard's post-accumulate-grad hook:
+    each hook runs once a step with the shard's gradient set, and the training is bitwise
+    the same loop stepping after backward, and torch's fully_shard's doing the same."""
+    spec = sharding_fsdp_tasks.FsdpSpec()
+    units = len(spec.widths) - 1
+    kinds = ("ours", "plain", "torch")
+    runs = {k: pool2.run(sharding_fsdp_tasks.optimizer_in_backward, k, spec) for k in kinds}
+    for rank in range(2):
+        ours, plain, torchs = (runs[k][rank] for k in kinds)
+        assert ours["calls"] == [True] * (2 * units * spec.steps)  # weight and bias, each step
+        assert ours["calls"] == torchs["calls"]
+        for a, b, c in zip(ours["params"], plain["params"], torchs["params"]):
+            assert torch.equal(a, b) and torch.equal(a, c)

@@ -78,7 +78,7 @@ class _Unshard(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, state: ShardedParameters, prefetcher: Prefetcher, *shards: torch.Tensor
+        ctx: Any, state: ShardedParameters, prefetcher: Prefetcher, anchor: torch.Tensor
     ) -> tuple:
         ctx.state, ctx.prefetcher = state, prefetcher
         full = prefetcher.unshard_for_forward(state)
@@ -99,7 +99,7 @@ class _Unshard(torch.autograd.Function):
             ctx.prefetcher.reduce_after_backward(state, list(grads))  # it fills the .grads
         else:
             state.accumulated = list(grads)
-        return (None, None, *[None] * len(grads))
+        return None, None, None
 
 
 class FullyShardedModule:
@@ -268,10 +268,18 @@ def _before_forward(module: nn.Module, args: Any, kwargs: dict) -> tuple[Any, di
     if prefetcher.root is module:
         prefetcher.begin_forward()
     if state is not None:
-        state.full = list(_Unshard.apply(state, prefetcher, *state.shards))
+        state.full = list(_Unshard.apply(state, prefetcher, _anchor(state)))
         state.place(state.full)
         state.gathered = True
     return module._mp_policy.cast_inputs(args, kwargs)
+
+
+def _anchor(state: ShardedParameters) -> torch.Tensor:
+    """What ties a unit's full parameters into autograd's graph, so that _Unshard.backward
+    runs: an empty leaf, not the shards. Autograd then never visits the shards (the Prefetcher
+    writes their .grad), so it never runs their post-accumulate-grad hooks early, before their
+    gradient exists; finish_reduce_scatter runs them once it does, as FSDP2 does."""
+    return torch.empty(0, requires_grad=any(shard.requires_grad for shard in state.shards))
 
 
 def _after_forward(module: nn.Module, args: Any, output: Any) -> Any:

@@ -125,13 +125,17 @@ class ShardedParameters:
 
     def finish_reduce_scatter(self, reducing: InFlight) -> None:
         """Wait for `reducing`, and add each shard's piece into its `.grad` in the shard's
-        dtype, as autograd would have (None: set it; else add in place)."""
+        dtype, as autograd would have (None: set it; else add in place). Then run the shard's
+        post-accumulate-grad hooks (an optimizer stepping in backward, say): autograd never
+        accumulates into a shard, so it would not run them; torch's FSDP2 runs them here too."""
         reduced = reducing.wait(self.group).split([s.numel() for s in self.shards])
         for shard, piece in zip(self.shards, reduced):
             if shard.grad is None:
                 shard.grad = piece.to(shard.dtype)
             else:
                 shard.grad += piece
+            for hook in (getattr(shard, "_post_accumulate_grad_hooks", None) or {}).values():
+                hook(shard)
 
     def unshard(self, piece: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         """One tensor cut like a shard (an optimizer state, say), gathered to `shape`."""
