@@ -59,6 +59,7 @@ from miniddp.models.gpt import GPT, GPTConfig
 from miniddp.observe.link import Link, simulated_link, wire_bytes
 from miniddp.parallelize import ParallelGPT, parallelize
 from miniddp.pipeline.bubble import ascii_chart
+from miniddp.pipeline.step_checks import CheckRow
 from miniddp.sharding import MemoryPerRank, ddp_buckets, measure_memory
 
 WORLD = 8
@@ -213,7 +214,10 @@ def traffic_formula(c: GPTConfig, layout: Layout, stage: int) -> list[Traffic]:
             sent.append(Traffic("pp", "activations to the next stage", m, n * h))
         if not first:
             sent.append(Traffic("pp", "gradients to the stage before", m, n * h))
-        sent.append(Traffic("pp", "the schedule's check, 5 int64 a stage", 1, 5 * pp, 8, pp))
+        fields = len(CheckRow._fields)  # what each stage checks before a step (step_checks.py)
+        sent.append(
+            Traffic("pp", f"the schedule's check, {fields} int64 a stage", 1, fields * pp, 8, pp)
+        )
         if first or last:
             tied = c.vocab_size * h // tp
             sent.append(Traffic("pp", "the tied embedding's gradient", 1, tied, ranks=2))

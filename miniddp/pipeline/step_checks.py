@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import zlib
 from enum import IntEnum
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -107,6 +108,18 @@ def schedule_id(schedule_name: str) -> int:
     return zlib.crc32(schedule_name.encode()) & 0x7FFFFFFF
 
 
+class CheckRow(NamedTuple):
+    """What each stage adds to the check before a step: one all-reduce of these int64s."""
+
+    problem: int  # a Problem's code (NONE: nothing wrong here)
+    a: int  # its two numbers
+    b: int
+    n_microbatches: int
+    schedule: int  # schedule_id of its class
+    trains: int  # step() (1) or eval() (0)
+    without_grad: int  # step() called under torch.no_grad()
+
+
 def gather_rows(row: list[int], what: str, group: dist.ProcessGroup | None, device) -> list:
     """Every rank's `row` of integers, on every rank: each fills its own row of a zero table
     and one all-reduce (SUM) adds them up."""
@@ -131,10 +144,15 @@ def check_on_every_stage(
     this rank's step trains (else it runs forward only)."""
     problem, a, b, *detail = found
     grad_off = backward and not torch.is_grad_enabled()
-    mine = [int(problem), a, b, n_microbatches, schedule_id(schedule_name), backward, grad_off]
-    rows = gather_rows(mine, "the pipeline step's check of its inputs", group, device)
+    mine = CheckRow(
+        int(problem), a, b, n_microbatches, schedule_id(schedule_name), backward, grad_off
+    )
+    rows = [
+        CheckRow(*row)
+        for row in gather_rows(list(mine), "the pipeline step's check of its inputs", group, device)
+    ]
     here = dist.get_rank(group)
-    without_grad = [str(rank) for rank, row in enumerate(rows) if row[6]]
+    without_grad = [str(rank) for rank, row in enumerate(rows) if row.without_grad]
     if without_grad:
         raise RuntimeError(
             f"schedule.step() was called under torch.no_grad() (on {who} "
@@ -147,22 +165,24 @@ def check_on_every_stage(
         for rank, (code, a, b, *_) in enumerate(rows)
         if code != Problem.NONE
     ]
-    counts = sorted({row[3] for row in rows})
+    counts = sorted({row.n_microbatches for row in rows})
     if len(counts) > 1:
-        per_stage = ", ".join(f"stage {stage}: {row[3]}" for stage, row in enumerate(rows))
+        per_stage = ", ".join(
+            f"stage {stage}: {row.n_microbatches}" for stage, row in enumerate(rows)
+        )
         lines.append(
             f"the stages' schedules have different n_microbatches ({per_stage}): "
             "build every stage's schedule with the same n_microbatches"
         )
-    if len({row[5] for row in rows}) > 1:
-        trains = [str(rank) for rank, row in enumerate(rows) if row[5]]
-        forward = [str(rank) for rank, row in enumerate(rows) if not row[5]]
+    if len({row.trains for row in rows}) > 1:
+        trains = [str(rank) for rank, row in enumerate(rows) if row.trains]
+        forward = [str(rank) for rank, row in enumerate(rows) if not row.trains]
         lines.append(
             f"{who} {', '.join(trains)} called step() to train, {who} {', '.join(forward)} "
             "runs forward only (eval(), or a schedule with loss_fn=None): call step() on "
             "every stage, each schedule built with a loss_fn, or eval() on every stage"
         )
-    if len({row[4] for row in rows}) > 1:
+    if len({row.schedule for row in rows}) > 1:
         lines.append(
             "the stages run different schedule classes (e.g. GPipe on one, 1F1B on another): "
             "their sends would not match; use one schedule class everywhere"
