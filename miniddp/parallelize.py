@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from miniddp.data_parallel.compute_copies import ComputeInCopies, MixedPrecision
 from miniddp.data_parallel.ddp import MiniDDP
 from miniddp.job.faults import wait_for
 from miniddp.mesh import DeviceMesh
@@ -57,7 +58,7 @@ from miniddp.models.gpt import GPT
 from miniddp.pipeline import PipelineStage, Schedule1F1B
 from miniddp.pipeline.schedule import PipelineSchedule
 from miniddp.placement import Stage, carry_over, mark
-from miniddp.sharding import fully_shard
+from miniddp.sharding import MixedPrecisionPolicy, fully_shard
 from miniddp.tensor_parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -149,7 +150,10 @@ class ParallelGPT:
 def next_character_loss(
     logits: torch.Tensor, targets: torch.Tensor, mesh: DeviceMesh
 ) -> torch.Tensor:
-    """The mean next-character cross-entropy, from whole or vocabulary-sharded logits."""
+    """The mean next-character cross-entropy, from whole or vocabulary-sharded logits, in fp32
+    whatever the logits' dtype (under bf16, torchtitan's cast: the loss sums V exponentials
+    and N tokens, and its gradient, softmax - onehot, is then rounded to bf16 once)."""
+    logits = logits.float()  # fp32 logits: the same tensor
     if mesh["tp"].size() > 1:
         return vocab_parallel_cross_entropy(logits, targets, mesh["tp"].get_group())
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
@@ -177,9 +181,11 @@ def parallelize(
     n_microbatches: int = 4,
     data_parallel: str = "ddp",
     device: torch.device | str = "cpu",
+    mixed_precision: MixedPrecision | None = None,
 ) -> ParallelGPT:
     """Split `model` (built alike on every rank) over `mesh`, whose axes are named from
-    ("pp", "dp", "tp"), any of them of size 1; `data_parallel` is "ddp" (MiniDDP) or "fsdp"."""
+    ("pp", "dp", "tp"), any of them of size 1; `data_parallel` is "ddp" (MiniDDP) or "fsdp";
+    `mixed_precision` computes in its param_dtype on fp32 masters (the module docstring)."""
     if sorted(mesh.mesh_dim_names) != sorted(AXES):
         raise ValueError(
             f"parallelize needs a mesh with the axes {AXES} (any may have size 1), got "
@@ -203,14 +209,18 @@ def parallelize(
     blocks = range(index * layers // pp, (index + 1) * layers // pp)
     part = GPTStage(model, blocks, first=index == 0, last=index == pp - 1)
 
-    # 3. Data parallelism over "dp", around exactly what this rank holds.
-    module = part
+    # 3. Data parallelism over "dp", around exactly what this rank holds; it casts for mixed
+    # precision, and without it (dp = 1) ComputeInCopies does what MiniDDP would.
+    module: nn.Module = part
     if dp > 1 and data_parallel == "ddp":
-        module = MiniDDP(part, process_group=mesh["dp"].get_group())
+        module = MiniDDP(part, process_group=mesh["dp"].get_group(), mixed_precision=mixed_precision)
     elif dp > 1:
+        policy = None if mixed_precision is None else as_policy(mixed_precision)
         for block in part.blocks.values():
-            fully_shard(block, process_group=mesh["dp"].get_group())
-        module = fully_shard(part, process_group=mesh["dp"].get_group())
+            fully_shard(block, process_group=mesh["dp"].get_group(), mp_policy=policy)
+        module = fully_shard(part, process_group=mesh["dp"].get_group(), mp_policy=policy)
+    elif mixed_precision is not None:
+        module = ComputeInCopies(part, mixed_precision)
 
     schedule, tied = None, None
     if pp > 1:
@@ -218,6 +228,13 @@ def parallelize(
         schedule = Schedule1F1B(stage, n_microbatches, partial(next_character_loss, mesh=mesh))
         tied = _tie_first_and_last_stage(part, mesh)
     return ParallelGPT(part, module, mesh, schedule, tied)
+
+
+def as_policy(mixed_precision: MixedPrecision) -> MixedPrecisionPolicy:
+    """MiniDDP's MixedPrecision as fully_shard's policy: the same two dtypes, torch's names."""
+    return MixedPrecisionPolicy(
+        param_dtype=mixed_precision.param_dtype, reduce_dtype=mixed_precision.reduce_dtype
+    )
 
 
 def first_and_last_stage_group(
