@@ -30,6 +30,36 @@ so seed TP ranks alike (the same seed everywhere is simplest). The attention's d
 draws per local head, and TP's bits differ from one process's wherever dropout is on; with
 dropout 0.0 (chapter 15) every composition trains as one process does, within rounding.
 
+Mixed precision, `parallelize(..., mixed_precision=MixedPrecision(torch.bfloat16))`: one policy
+for both data parallelisms (MiniDDP's `mixed_precision`; fully_shard's MixedPrecisionPolicy with
+the same param_dtype and reduce_dtype). The masters stay fp32, and every step casts them to
+bf16 for forward and backward, so:
+
+    outside forward/backward   fp32 masters: what the optimizer steps, clip_grad_norm_ reads,
+                               TiedAcrossStages sums (after backward, each master's .grad is
+                               fp32) and a checkpoint saves
+    inside                     bf16 parameters, activations, and what crosses between stages
+                               (a stage's output is bf16; the borders send what they are given,
+                               their header names its dtype, and the gradient coming back is
+                               bf16 too); the loss in fp32, from logits cast up (next_character_
+                               loss), TP's vocabulary-sharded ones included
+    gradients                  each microbatch's bf16 gradient is added into an fp32 sum; the
+                               average over "dp" in reduce_dtype (fp32: a sum, then one division)
+
+With dp = 1 there is no DP wrapper to cast, and ComputeInCopies (compute_copies.py) does MiniDDP's
+casts and folds without the reduction: the same copies and the same fp32 sums a MiniDDP replica
+makes, so a mesh with dp = 1 and one with dp > 1 differ by the average alone. (torch.autocast
+would cast per op, and keep some, LayerNorm's, in fp32: other bits than every dp > 1 mesh's.)
+
+TP's all-reduces run in bf16: Megatron's g sums the ranks' partial products, each already rounded
+to bf16 by its matmul, and the sum is rounded to bf16 once more (2^-9 relative); f's sums the
+input gradients the same way. Megatron does the same. Reducing in fp32 would remove only that
+last rounding of the three (each partial, then the sum, then the next op's own) and double the
+bytes of the one collective that waits inside every layer: not worth it. So with TP a run is
+within rounding of one process in bf16 (tests/test_parallelize_mixed_precision.py measures it),
+and without TP every stage computes one process's bits: DP x PP trains bit for bit as one
+process does with the same mixed precision, under MiniDDP and fully_shard alike.
+
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
     parts = parallelize(GPT(config), mesh, n_microbatches=4)
     optimizer = torch.optim.AdamW(parts.parameters(), lr=3e-4)
@@ -151,9 +181,10 @@ def next_character_loss(
     logits: torch.Tensor, targets: torch.Tensor, mesh: DeviceMesh
 ) -> torch.Tensor:
     """The mean next-character cross-entropy, from whole or vocabulary-sharded logits, in fp32
-    whatever the logits' dtype (under bf16, torchtitan's cast: the loss sums V exponentials
-    and N tokens, and its gradient, softmax - onehot, is then rounded to bf16 once)."""
-    logits = logits.float()  # fp32 logits: the same tensor
+    at least (bf16 logits are cast up, as torchtitan does: the loss sums V exponentials and N
+    tokens, which bf16's 8 bits would round at each addition; its gradient, softmax - onehot,
+    is rounded to bf16 once, on its way back into the head)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp64 stays fp64
     if mesh["tp"].size() > 1:
         return vocab_parallel_cross_entropy(logits, targets, mesh["tp"].get_group())
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
@@ -213,7 +244,9 @@ def parallelize(
     # precision, and without it (dp = 1) ComputeInCopies does what MiniDDP would.
     module: nn.Module = part
     if dp > 1 and data_parallel == "ddp":
-        module = MiniDDP(part, process_group=mesh["dp"].get_group(), mixed_precision=mixed_precision)
+        module = MiniDDP(
+            part, process_group=mesh["dp"].get_group(), mixed_precision=mixed_precision
+        )
     elif dp > 1:
         policy = None if mixed_precision is None else as_policy(mixed_precision)
         for block in part.blocks.values():

@@ -217,8 +217,8 @@ def round_trip(
     scenario: Scenario, parts: ParallelGPT, optimizer: torch.optim.Optimizer, path: Path
 ) -> dict[str, Any]:
     """Save on every rank, load into a fresh parallelized GPT: what the file holds (the dtypes
-    of its floating-point tensors: model, Adam's moments and step counts) and whether the fresh one holds this one's parameters and Adam's
-    moments, bit for bit, in fp32."""
+    of its floating-point tensors: the model, Adam's moments and step counts), and whether the
+    fresh one holds this one's parameters and moments, bit for bit, in fp32."""
     save_checkpoint(path, parts.model, optimizer, Progress(step=STEPS, epoch=0, batches_done=STEPS))
     fresh = build(scenario)
     fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=LR)
@@ -249,6 +249,4 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
 def run_scenarios(scenarios: list[Scenario], checkpoint: str | None = None) -> list[dict]:
     """Several scenarios in one pool run (a pool's start is what costs); the first one saves
     and loads a checkpoint at `checkpoint` when given."""
-    return [
-        train(s, checkpoint if index == 0 else None) for index, s in enumerate(scenarios)
-    ]
+    return [train(s, checkpoint if index == 0 else None) for index, s in enumerate(scenarios)]

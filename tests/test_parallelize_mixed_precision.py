@@ -17,6 +17,8 @@ The spec, on 4 ranks (8 under -m slow):
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -45,10 +47,13 @@ FOUR_RANKS = [  # the first saves and loads a checkpoint
     Scenario((1, 2, 2)),
     Scenario((1, 2, 2), "fsdp"),
 ]
-BITWISE = {s for s in FOUR_RANKS if s.shape[2] == 1}  # no TP: every stage computes one process's
+EIGHT_RANKS = [Scenario((2, 2, 2)), Scenario((2, 2, 2), "fsdp")]  # under -m slow
+BITWISE = {s for s in FOUR_RANKS + EIGHT_RANKS if s.shape[2] == 1}  # no TP: one process's bits
+SCENARIOS = FOUR_RANKS + [pytest.param(s, marks=pytest.mark.slow) for s in EIGHT_RANKS]
 SAME_BITS = [  # pairs that compute the same bits: DP's wrapper aside, the same slices and sums
     (Scenario((2, 2, 1)), Scenario((2, 2, 1), "fsdp")),
     (Scenario((1, 2, 2)), Scenario((1, 2, 2), "fsdp")),
+    pytest.param((Scenario((2, 2, 2)), Scenario((2, 2, 2), "fsdp")), marks=pytest.mark.slow),
 ]
 
 
@@ -61,14 +66,21 @@ def four_ranks(rank_pools, tmp_path_factory) -> dict[Scenario, dict]:
 
 
 @pytest.fixture(scope="module")
-def references() -> dict[tuple, dict]:
-    """One process, for each mesh shape, in bf16 and fp32."""
-    shapes = {s.shape for s in FOUR_RANKS}
-    return {
-        (shape, precision): tasks.one_process(shape, precision)
-        for shape in shapes
-        for precision in ("bf16", "fp32")
-    }
+def eight_ranks(rank_pools) -> dict[Scenario, dict]:
+    per_rank = rank_pools(8).run(tasks.run_scenarios, EIGHT_RANKS, timeout=240)
+    return {s: [rank[i] for rank in per_rank] for i, s in enumerate(EIGHT_RANKS)}
+
+
+def results_of(request: pytest.FixtureRequest, scenario: Scenario) -> list[dict]:
+    """Every rank's result for `scenario`, from the pool run of its size (8: only under -m slow)."""
+    pools = "eight_ranks" if scenario in EIGHT_RANKS else "four_ranks"
+    return request.getfixturevalue(pools)[scenario]
+
+
+@functools.cache
+def one_process(shape: tuple[int, int, int], precision: str) -> dict:
+    """One process, for a mesh of this shape, in bf16 or fp32 (computed once)."""
+    return tasks.one_process(shape, precision)
 
 
 def check_dtypes(results: list[dict], scenario: Scenario) -> None:
@@ -104,31 +116,36 @@ def largest_gap(result: dict, reference: dict) -> float:
     return max(gaps)
 
 
-@pytest.mark.parametrize("scenario", FOUR_RANKS, ids=lambda s: s.name)
-def test_fp32_masters_outside_bf16_inside_and_between_stages(four_ranks, scenario):
-    check_dtypes(four_ranks[scenario], scenario)
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
+def test_fp32_masters_outside_bf16_inside_and_between_stages(request, scenario):
+    check_dtypes(results_of(request, scenario), scenario)
 
 
-@pytest.mark.parametrize("scenario", FOUR_RANKS, ids=lambda s: s.name)
-def test_training_in_bf16_is_one_process_s_with_the_same_mixed_precision(
-    four_ranks, references, scenario
-):
-    results, reference = four_ranks[scenario], references[scenario.shape, "bf16"]
-    fp32 = references[scenario.shape, "fp32"]
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
+def test_training_in_bf16_is_one_process_s_with_the_same_mixed_precision(request, scenario):
+    results = results_of(request, scenario)
+    reference, fp32 = (one_process(scenario.shape, p) for p in ("bf16", "fp32"))
     dp, tp = scenario.shape[1], scenario.shape[2]
     bitwise = scenario in BITWISE
     assert len(last_stage(results)) == dp * tp
     for rank, result in enumerate(results):
         for step, (loss, norm) in enumerate(zip(result["losses"], result["norms"])):
             expected = reference["norms"][step]
-            record_max(f"parallelize {scenario.name}: norm / one bf16 process's - 1", abs(norm / expected - 1))
+            record_max(
+                f"parallelize {scenario.name}: norm / one bf16 process's - 1",
+                abs(norm / expected - 1),
+            )
             assert norm == pytest.approx(expected, rel=NORM_TOLERANCE[bitwise]), f"step {step}"
             if loss is None:
                 continue
             expected = reference["losses"][step][rank // tp % dp]
             in_fp32 = fp32["losses"][step][rank // tp % dp]
-            record_max(f"parallelize {scenario.name}: |loss - one bf16 process's|", abs(loss - expected))
-            record_max(f"parallelize {scenario.name}: |loss - one fp32 process's|", abs(loss - in_fp32))
+            record_max(
+                f"parallelize {scenario.name}: |loss - one bf16 process's|", abs(loss - expected)
+            )
+            record_max(
+                f"parallelize {scenario.name}: |loss - one fp32 process's|", abs(loss - in_fp32)
+            )
             assert loss == pytest.approx(expected, abs=LOSS_TOLERANCE[bitwise]), f"step {step}"
             assert loss == pytest.approx(in_fp32, abs=BF16_LOSS_TOLERANCE), f"step {step}"
         gap = largest_gap(result, reference)
@@ -137,8 +154,8 @@ def test_training_in_bf16_is_one_process_s_with_the_same_mixed_precision(
 
 
 @pytest.mark.parametrize("pair", SAME_BITS, ids=lambda pair: f"{pair[0].shape}")
-def test_minddp_and_fully_shard_compute_the_same_bits(four_ranks, pair):
-    ddp, fsdp = (four_ranks[s] for s in pair)
+def test_minddp_and_fully_shard_compute_the_same_bits(request, pair):
+    ddp, fsdp = (results_of(request, s) for s in pair)
     for rank, (a, b) in enumerate(zip(ddp, fsdp, strict=True)):
         assert a["losses"] == b["losses"], f"rank {rank}'s losses"
         # clip_grad_norm_ adds fully_shard's flat pieces in another order than whole tensors

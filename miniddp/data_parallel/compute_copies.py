@@ -51,8 +51,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from enum import Enum
+from functools import partial
 from typing import Any
 
 import torch
