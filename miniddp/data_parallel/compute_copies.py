@@ -228,15 +228,15 @@ class ComputeInCopies(nn.Module):
         super().__init__()
         self.module = module
         trainable = [p for p in module.parameters() if p.requires_grad]
-        self.copies = ComputeCopies(module, policy, trainable)
-        fold = self.copies.fold_then(lambda index, master: None)
+        self._copies = ComputeCopies(module, policy, trainable)  # as MiniDDP names it
+        fold = self._copies.fold_then(lambda index, master: None)
         self._hooks = [
             copy.register_post_accumulate_grad_hook(partial(fold, index))
-            for index, copy in enumerate(self.copies.trainable_copies)
+            for index, copy in enumerate(self._copies.trainable_copies)
         ]
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        inputs, kwargs = self.copies.before_forward(inputs, kwargs)
+        inputs, kwargs = self._copies.before_forward(inputs, kwargs)
         output = self.module(*inputs, **kwargs)
-        self.copies.after_forward(output)
+        self._copies.after_forward(output)
         return output
