@@ -22,6 +22,12 @@ All of it through one call, miniddp.parallelize.parallelize (tensor parallelism,
 pipeline split, then MiniDDP; read it first). The figure is drawn by miniddp/figures/three_d.py
 (`python -m miniddp.figures --only 15`).
 
+`--precision bf16` adds section 7: the 3-D layout trained again, bf16 compute on fp32 masters
+(parallelize's mixed_precision), its loss beside the fp32 run's and its bytes per rank. Measured
+over the default 8 steps: the two losses part by at most 1.9e-3 nats (the check allows 0.01); a
+rank holds 318 KiB against fp32's 290 (the bf16 copy adds 2 bytes an element) and half the
+activations (41.5 KiB against 82.0 on the first stage).
+
 Any other number of ranks is refused, naming the command. Measured on 2 cores shared with other
 jobs (load average about 15): the default run took 36-51 s from the first line to the last, and
 1.2-1.6 minutes with torchrun and 8 processes importing torch; the quick run 17 s, 30-50 s in
@@ -83,9 +89,10 @@ LATENCY_BOUND = "alpha=1ms,bandwidth=10gbit"
 ROUNDS = 3  # timed steps per layout and link, interleaved
 CLEAR_WIN = 1.3  # the model's faster layout is checked only when it predicts this much of a win
 # --precision bf16: its loss against the fp32 run's, each step. bf16 keeps 8 significant bits,
-# so the logits (and every activation) round by up to 2^-9 relative, about 7e-3 nats at a loss
-# near 3.5; the runs then take slightly other AdamW steps, and part a little more each step.
-BF16_LOSS_TOLERANCE = 0.03
+# so the logits (and every activation) round by up to 2^-9 relative, about 8e-3 nats at the
+# first step's loss near 4.4; the runs then take slightly other AdamW steps, and part a little
+# more each step, while the loss falls. Measured over the default 8 steps: at most 1.9e-3.
+BF16_LOSS_TOLERANCE = 0.01
 FIGURE = "docs/figures/15_three_d.png"
 
 

@@ -43,6 +43,11 @@ The buckets count their bytes in reduce_dtype (layout.py): with reduce_dtype=flo
 layout is fp32 DDP's; with bfloat16, a bucket of the same cap holds twice the elements, so
 there are about half as many buckets (as many as tensor boundaries allow).
 
+A pipeline stage runs several forwards before their backwards: the cast is made again only
+once a master has moved (before_forward says why). Without data parallelism, ComputeInCopies
+(at the end) gives a module the same copies and folds, with no reduction: parallelize.py's
+mixed precision at dp = 1.
+
 A forward with grad enabled whose backward never runs leaves the copies in the module until
 the next forward: evaluate under `torch.no_grad()`, which puts the masters back at once.
 """
