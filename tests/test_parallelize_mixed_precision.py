@@ -6,10 +6,10 @@ The spec, on 4 ranks (8 under -m slow):
   the loss in fp32; every gradient the optimizer, clip_grad_norm_ and a checkpoint see is fp32.
 - Without TP, a stage computes exactly what one process computes with the same mixed precision
   (tests/parallelize_mixed_precision_tasks.py writes it out), so DP x PP trains bit for bit as
-  it does, under MiniDDP and fully_shard alike: the losses, the norms, the parameters after
-  3 AdamW steps.
+  it does, under MiniDDP and fully_shard alike: the losses and the parameters after 3 AdamW
+  steps (the norm, clip_grad_norm_'s, to 1e-6: the stages add their squares apart).
 - With TP a rank computes a slice, and the partial products are summed in bf16 (the all-reduce
-  of Megatron's g, parallelize.py's docstring): within BF16_TP_TOLERANCE of one process. But
+  of Megatron's g, parallelize.py's docstring): within the tolerances below of one process. But
   MiniDDP and fully_shard over the same TP slices compute the same bits: their sums over 2
   replicas have two terms, which gloo adds in either order alike.
 - bf16 trains as fp32 does, within BF16_LOSS_TOLERANCE a step.
