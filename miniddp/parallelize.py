@@ -30,6 +30,36 @@ so seed TP ranks alike (the same seed everywhere is simplest). The attention's d
 draws per local head, and TP's bits differ from one process's wherever dropout is on; with
 dropout 0.0 (chapter 15) every composition trains as one process does, within rounding.
 
+Mixed precision, `parallelize(..., mixed_precision=MixedPrecision(torch.bfloat16))`: one policy
+for both data parallelisms (MiniDDP's `mixed_precision`; fully_shard's MixedPrecisionPolicy with
+the same param_dtype and reduce_dtype). The masters stay fp32, and every step casts them to
+bf16 for forward and backward, so:
+
+    outside forward/backward   fp32 masters: what the optimizer steps, clip_grad_norm_ reads,
+                               TiedAcrossStages sums (after backward, each master's .grad is
+                               fp32) and a checkpoint saves
+    inside                     bf16 parameters, activations, and what crosses between stages
+                               (a stage's output is bf16; the borders send what they are given,
+                               their header names its dtype, and the gradient coming back is
+                               bf16 too); the loss in fp32, from logits cast up (next_character_
+                               loss), TP's vocabulary-sharded ones included
+    gradients                  each microbatch's bf16 gradient is added into an fp32 sum; the
+                               average over "dp" in reduce_dtype (fp32: a sum, then one division)
+
+With dp = 1 there is no DP wrapper to cast, and ComputeInCopies (compute_copies.py) does MiniDDP's
+casts and folds without the reduction: the same copies and the same fp32 sums a MiniDDP replica
+makes, so a mesh with dp = 1 and one with dp > 1 differ by the average alone. (torch.autocast
+would cast per op, and keep some, LayerNorm's, in fp32: other bits than every dp > 1 mesh's.)
+
+TP's all-reduces run in bf16: Megatron's g sums the ranks' partial products, each already rounded
+to bf16 by its matmul, and the sum is rounded to bf16 once more (2^-9 relative); f's sums the
+input gradients the same way. Megatron does the same. Reducing in fp32 would remove only that
+last rounding of the three (each partial, then the sum, then the next op's own) and double the
+bytes of the one collective that waits inside every layer: not worth it. So with TP a run is
+within rounding of one process in bf16 (tests/test_parallelize_mixed_precision.py measures it),
+and without TP every stage computes one process's bits: DP x PP trains bit for bit as one
+process does with the same mixed precision, under MiniDDP and fully_shard alike.
+
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
     parts = parallelize(GPT(config), mesh, n_microbatches=4)
     optimizer = torch.optim.AdamW(parts.parameters(), lr=3e-4)
@@ -50,6 +80,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from miniddp.data_parallel.compute_copies import ComputeInCopies, MixedPrecision
 from miniddp.data_parallel.ddp import MiniDDP
 from miniddp.job.faults import wait_for
 from miniddp.mesh import DeviceMesh
@@ -57,7 +88,7 @@ from miniddp.models.gpt import GPT
 from miniddp.pipeline import PipelineStage, Schedule1F1B
 from miniddp.pipeline.schedule import PipelineSchedule
 from miniddp.placement import Stage, carry_over, mark
-from miniddp.sharding import fully_shard
+from miniddp.sharding import MixedPrecisionPolicy, fully_shard
 from miniddp.tensor_parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -149,7 +180,11 @@ class ParallelGPT:
 def next_character_loss(
     logits: torch.Tensor, targets: torch.Tensor, mesh: DeviceMesh
 ) -> torch.Tensor:
-    """The mean next-character cross-entropy, from whole or vocabulary-sharded logits."""
+    """The mean next-character cross-entropy, from whole or vocabulary-sharded logits, in fp32
+    at least (bf16 logits are cast up, as torchtitan does: the loss sums V exponentials and N
+    tokens, which bf16's 8 bits would round at each addition; its gradient, softmax - onehot,
+    is rounded to bf16 once, on its way back into the head)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp64 stays fp64
     if mesh["tp"].size() > 1:
         return vocab_parallel_cross_entropy(logits, targets, mesh["tp"].get_group())
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
@@ -177,9 +212,11 @@ def parallelize(
     n_microbatches: int = 4,
     data_parallel: str = "ddp",
     device: torch.device | str = "cpu",
+    mixed_precision: MixedPrecision | None = None,
 ) -> ParallelGPT:
     """Split `model` (built alike on every rank) over `mesh`, whose axes are named from
-    ("pp", "dp", "tp"), any of them of size 1; `data_parallel` is "ddp" (MiniDDP) or "fsdp"."""
+    ("pp", "dp", "tp"), any of them of size 1; `data_parallel` is "ddp" (MiniDDP) or "fsdp";
+    `mixed_precision` computes in its param_dtype on fp32 masters (the module docstring)."""
     if sorted(mesh.mesh_dim_names) != sorted(AXES):
         raise ValueError(
             f"parallelize needs a mesh with the axes {AXES} (any may have size 1), got "
@@ -203,14 +240,20 @@ def parallelize(
     blocks = range(index * layers // pp, (index + 1) * layers // pp)
     part = GPTStage(model, blocks, first=index == 0, last=index == pp - 1)
 
-    # 3. Data parallelism over "dp", around exactly what this rank holds.
-    module = part
+    # 3. Data parallelism over "dp", around exactly what this rank holds; it casts for mixed
+    # precision, and without it (dp = 1) ComputeInCopies does what MiniDDP would.
+    module: nn.Module = part
     if dp > 1 and data_parallel == "ddp":
-        module = MiniDDP(part, process_group=mesh["dp"].get_group())
+        module = MiniDDP(
+            part, process_group=mesh["dp"].get_group(), mixed_precision=mixed_precision
+        )
     elif dp > 1:
+        policy = None if mixed_precision is None else as_policy(mixed_precision)
         for block in part.blocks.values():
-            fully_shard(block, process_group=mesh["dp"].get_group())
-        module = fully_shard(part, process_group=mesh["dp"].get_group())
+            fully_shard(block, process_group=mesh["dp"].get_group(), mp_policy=policy)
+        module = fully_shard(part, process_group=mesh["dp"].get_group(), mp_policy=policy)
+    elif mixed_precision is not None:
+        module = ComputeInCopies(part, mixed_precision)
 
     schedule, tied = None, None
     if pp > 1:
@@ -218,6 +261,13 @@ def parallelize(
         schedule = Schedule1F1B(stage, n_microbatches, partial(next_character_loss, mesh=mesh))
         tied = _tie_first_and_last_stage(part, mesh)
     return ParallelGPT(part, module, mesh, schedule, tied)
+
+
+def as_policy(mixed_precision: MixedPrecision) -> MixedPrecisionPolicy:
+    """MiniDDP's MixedPrecision as fully_shard's policy: the same two dtypes, torch's names."""
+    return MixedPrecisionPolicy(
+        param_dtype=mixed_precision.param_dtype, reduce_dtype=mixed_precision.reduce_dtype
+    )
 
 
 def first_and_last_stage_group(

@@ -167,6 +167,18 @@ def test_the_three_d_chapter_runs_quickly_on_eight_ranks(tmp_path: Path) -> None
     assert "FAILED" not in output
 
 
+@pytest.mark.slow  # 40 s; the default suite trains bf16 compositions: test_parallelize_mixed_...
+def test_the_three_d_chapter_trains_in_bf16_beside_fp32(tmp_path: Path) -> None:
+    """--precision bf16: section 7 trains the 3-D layout again in bf16 on fp32 masters, and
+    checks its loss against fp32's, its bytes against the formula, and the masters' dtype."""
+    args = ("--precision", "bf16", "--steps", "2", "--link", "none")
+    returncode, output = run_chapter(THREE_D, 8, tmp_path, *args)
+    assert "7. The same 3-D run in bf16, on fp32 masters" in output, tail(output)
+    for check in ("bf16 loss within", "bf16 memory per rank", "bf16: parameters fp32"):
+        assert re.search(rf"ok  {re.escape(check)}", output), f"{check}:\n{tail(output)}"
+    assert returncode == 0, f"{THREE_D.name} exited with {returncode}:\n{tail(output)}"
+
+
 @pytest.mark.slow  # 1-2 minutes: 8 steps, then two layouts timed over the simulated link
 def test_the_three_d_chapter_default_run_draws_its_step(tmp_path: Path) -> None:
     figures = tmp_path / "figures"

@@ -43,6 +43,11 @@ The buckets count their bytes in reduce_dtype (layout.py): with reduce_dtype=flo
 layout is fp32 DDP's; with bfloat16, a bucket of the same cap holds twice the elements, so
 there are about half as many buckets (as many as tensor boundaries allow).
 
+A pipeline stage runs several forwards before their backwards: the cast is made again only
+once a master has moved (before_forward says why). Without data parallelism, ComputeInCopies
+(at the end) gives a module the same copies and folds, with no reduction: parallelize.py's
+mixed precision at dp = 1.
+
 A forward with grad enabled whose backward never runs leaves the copies in the module until
 the next forward: evaluate under `torch.no_grad()`, which puts the masters back at once.
 """
@@ -52,6 +57,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from functools import partial
 from typing import Any
 
 import torch
@@ -142,15 +148,29 @@ class ComputeCopies:
             if master is not None and id(master) in copy_of
         ]
         self.holds = Holds.MASTERS
+        self._cast_from: list[tuple[int, int]] = []  # the masters' versions at the last cast
         if policy.buffer_dtype is not None:
             for buffer in module.buffers():
                 if buffer.is_floating_point():
                     buffer.data = buffer.data.to(policy.buffer_dtype)  # the same object, as torch
 
     def before_forward(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Cast every master into its copy, put the copies in the module, and cast the inputs."""
-        with torch.no_grad():
-            torch._foreach_copy_(self.copies, self.masters)
+        """Cast every master into its copy (if a master changed since the last cast), put the
+        copies in the module, and cast the inputs.
+
+        Why only then: a pipeline stage runs several microbatches' forwards before their
+        backwards (1F1B: F0 F1 B0 F2 B1 ...), and each graph saved the copies it computed with.
+        Casting again in place would overwrite tensors a pending backward needs (autograd
+        refuses: "modified by an inplace operation"), and to the same values: the masters move
+        only at the optimizer's step, after every backward. A master's version counter says
+        whether it moved: every in-place write bumps it (the optimizer's step, load_state_dict,
+        a copy_ under no_grad; `param.data = t` too), all but one through `.data`
+        (`param.data.copy_(t)`, which autograd does not see, and nothing here does)."""
+        versions = [(m._version, m.data_ptr()) for m in self.masters]
+        if versions != self._cast_from:
+            with torch.no_grad():
+                torch._foreach_copy_(self.copies, self.masters)
+            self._cast_from = versions
         self._put(Holds.COPIES)
         dtype = self.policy.param_dtype
 
@@ -196,3 +216,32 @@ class ComputeCopies:
         for sub, name, master, copy in self._slots:
             setattr(sub, name, copy if holds is Holds.COPIES else master)
         self.holds = holds
+
+
+class ComputeInCopies(nn.Module):
+    """`module` computing in `policy.param_dtype` on its fp32 masters, with no data parallelism:
+    the casts and swaps MiniDDP(module, mixed_precision=policy) makes, and its fold of each
+    copy's gradient into the master's fp32 `.grad`, without the buckets and the all-reduce.
+
+    For a rank that holds no replica to average with (a TP x PP mesh, dp = 1): it computes
+    exactly what one MiniDDP replica computes, so a mesh with dp = 1 and one with dp > 1 differ
+    by the average alone. No `no_sync` here: a pipeline stage reads its presence as data
+    parallelism inside (pipeline/stage.py), and there is nothing to hold back.
+    """
+
+    def __init__(self, module: nn.Module, policy: MixedPrecision) -> None:
+        super().__init__()
+        self.module = module
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        self._copies = ComputeCopies(module, policy, trainable)  # as MiniDDP names it
+        fold = self._copies.fold_then(lambda index, master: None)
+        self._hooks = [
+            copy.register_post_accumulate_grad_hook(partial(fold, index))
+            for index, copy in enumerate(self._copies.trainable_copies)
+        ]
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        inputs, kwargs = self._copies.before_forward(inputs, kwargs)
+        output = self.module(*inputs, **kwargs)
+        self._copies.after_forward(output)
+        return output
