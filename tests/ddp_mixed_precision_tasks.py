@@ -30,6 +30,7 @@ class MpSpec:
     batch: int = 4
     lr: float = 0.01
     reduce_dtype: torch.dtype = torch.float32
+    fused: bool = False  # torch's fused AdamW: it writes the masters without a version bump
 
 
 def build_model(spec: MpSpec) -> nn.Sequential:
@@ -62,7 +63,7 @@ def train_miniddp(spec: MpSpec, optimizer_kind: str = "plain") -> dict:
     gradients and the parameters of every step, and the memory before the last step."""
     model, ddp = wrap(spec)
     if optimizer_kind == "plain":
-        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, fused=spec.fused)
     else:
         optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=spec.lr)
     if optimizer_kind == "zero2":
@@ -106,7 +107,7 @@ def train_by_hand(spec: MpSpec) -> dict:
     masters = build_model(spec)
     for p in masters.parameters():  # rank 0's weights, as MiniDDP starts from
         dist.broadcast(p.data, src=0)
-    optimizer = torch.optim.AdamW(masters.parameters(), lr=spec.lr)
+    optimizer = torch.optim.AdamW(masters.parameters(), lr=spec.lr, fused=spec.fused)
     world = dist.get_world_size()
     outputs, grads, params = [], [], []
     for step in range(spec.steps):

@@ -34,10 +34,14 @@ def assert_bitwise(ours: list, reference: list, what: str) -> None:
             assert torch.equal(a, b), f"{what}: tensor {index} differs at step {step}"
 
 
-@pytest.mark.parametrize("reduce_dtype", [torch.float32, BF16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("accumulation", [1, 3], ids=["synced", "no_sync"])
-def test_bitwise_the_hand_written_reference(pool2, reduce_dtype, accumulation):
-    spec = MpSpec(accumulation=accumulation, reduce_dtype=reduce_dtype)
+@pytest.mark.parametrize(
+    "reduce_dtype, accumulation, fused",
+    [(torch.float32, 1, False), (BF16, 1, False), (torch.float32, 3, False), (BF16, 3, False)]
+    + [(torch.float32, 1, True)],  # a fused step moves the masters unseen by autograd
+    ids=["fp32-synced", "bf16-synced", "fp32-no_sync", "bf16-no_sync", "fused-adamw"],
+)
+def test_bitwise_the_hand_written_reference(pool2, reduce_dtype, accumulation, fused):
+    spec = MpSpec(accumulation=accumulation, reduce_dtype=reduce_dtype, fused=fused)
     for rank, result in enumerate(pool2.run(tasks.against_the_hand_written_reference, spec)):
         ours, reference = result["ours"], result["reference"]
         assert_bitwise(ours["outputs"], reference["outputs"], f"rank {rank} outputs (bf16)")

@@ -43,10 +43,10 @@ The buckets count their bytes in reduce_dtype (layout.py): with reduce_dtype=flo
 layout is fp32 DDP's; with bfloat16, a bucket of the same cap holds twice the elements, so
 there are about half as many buckets (as many as tensor boundaries allow).
 
-A pipeline stage runs several forwards before their backwards: the cast is made again only
-once a master has moved (before_forward says why). Without data parallelism, ComputeInCopies
-(at the end) gives a module the same copies and folds, with no reduction: parallelize.py's
-mixed precision at dp = 1.
+A pipeline stage runs several forwards before their backwards: each casts again, in a way
+autograd does not see as a change (before_forward says why). Without data parallelism,
+ComputeInCopies (at the end) gives a module the same copies and folds, with no reduction:
+parallelize.py's mixed precision at dp = 1.
 
 A forward with grad enabled whose backward never runs leaves the copies in the module until
 the next forward: evaluate under `torch.no_grad()`, which puts the masters back at once.
@@ -148,29 +148,23 @@ class ComputeCopies:
             if master is not None and id(master) in copy_of
         ]
         self.holds = Holds.MASTERS
-        self._cast_from: list[tuple[int, int]] = []  # the masters' versions at the last cast
         if policy.buffer_dtype is not None:
             for buffer in module.buffers():
                 if buffer.is_floating_point():
                     buffer.data = buffer.data.to(policy.buffer_dtype)  # the same object, as torch
 
     def before_forward(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Cast every master into its copy (if a master changed since the last cast), put the
-        copies in the module, and cast the inputs.
+        """Cast every master into its copy, put the copies in the module, and cast the inputs.
 
-        Why only then: a pipeline stage runs several microbatches' forwards before their
-        backwards (1F1B: F0 F1 B0 F2 B1 ...), and each graph saved the copies it computed with.
-        Casting again in place would overwrite tensors a pending backward needs (autograd
-        refuses: "modified by an inplace operation"), and to the same values: the masters move
-        only at the optimizer's step, after every backward. A master's version counter says
-        whether it moved: every in-place write bumps it (the optimizer's step, load_state_dict,
-        a copy_ under no_grad; `param.data = t` too), all but one through `.data`
-        (`param.data.copy_(t)`, which autograd does not see, and nothing here does)."""
-        versions = [(m._version, m.data_ptr()) for m in self.masters]
-        if versions != self._cast_from:
-            with torch.no_grad():
-                torch._foreach_copy_(self.copies, self.masters)
-            self._cast_from = versions
+        The cast writes through `.data`, which autograd does not count as a change. Why: a
+        pipeline stage runs several microbatches' forwards before their backwards (1F1B: F0 F1
+        B0 F2 B1 ...), and each graph saved the copies it computed with. An in-place cast bumps
+        their version counters, and autograd would refuse a pending backward ("modified by an
+        inplace operation"), though it writes the same values: the masters move only at the
+        optimizer's step, after every backward. (Casting only when a master's version moved
+        would miss a fused optimizer's step: torch's AdamW(fused=True) bumps no counter.)"""
+        with torch.no_grad():
+            torch._foreach_copy_([copy.data for copy in self.copies], self.masters)
         self._put(Holds.COPIES)
         dtype = self.policy.param_dtype
 
