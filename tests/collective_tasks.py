@@ -247,3 +247,21 @@ def single_rank_collectives() -> dict:
     results["all_gather"] = gathered[0]
     results["model"] = collectives.fit_cost_model()
     return results
+
+
+def labelled_gathers(odd_rank: int, odd_numel: int) -> dict:
+    """Three labelled all-gathers on every rank: one where all agree (label 7, 5 elements
+    each), then one where `odd_rank` sends label 9 and `odd_numel` elements, shorter or longer
+    than the others' 5 (room for 8: the largest any may send), then all agree again."""
+    seen = []
+    rank, world = dist.get_rank(), dist.get_world_size()
+    outputs = []
+    for round, odd in enumerate((False, True, False)):
+        numel = odd_numel if odd and rank == odd_rank else 5
+        label = 9 if odd and rank == odd_rank else 7
+        output = torch.full((world * numel,), -1.0)
+        mine = torch.arange(numel, dtype=torch.float32) + 10 * rank + 100 * round
+        labelled = collectives.Labelled(label, room_bytes=8 * 4, check=seen.append)
+        collectives.all_gather_into_tensor(output, mine, labelled=labelled)
+        outputs.append(output)
+    return {"labels": seen, "outputs": outputs}

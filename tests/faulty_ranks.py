@@ -249,7 +249,6 @@ def _fully_shard_step(
     import torch
     from torch import nn
 
-    import miniddp.collectives as collectives
     from miniddp import fully_shard
     from miniddp.sharding.sharded_parameters import ShardedParameters
 
@@ -260,17 +259,15 @@ def _fully_shard_step(
     fully_shard(model)
     start_gather = ShardedParameters.start_gather
 
-    def die_after_the_check(unit: ShardedParameters, dtype=None):
-        numbers = torch.empty(unit.world_size, dtype=torch.int64)  # the gather's own check:
-        collectives.all_gather_into_tensor(numbers, torch.tensor([unit.number]), unit.group)
-        report("fault")  # every rank agrees to gather it...
-        os._exit(1)  # ...and this one never sends its shard
+    def die_instead_of_gathering(unit: ShardedParameters, dtype=None):
+        report("fault")  # the others have issued this gather, prefetched: it never completes
+        os._exit(1)
 
     def step(number: int) -> None:
         if number == FAULT_STEP and args.fault == EXIT_DURING_PREFETCH and args.rank == args.victim:
             unit_2 = model[1]._sharded
             ShardedParameters.start_gather = lambda unit, dtype=None: (
-                die_after_the_check(unit) if unit is unit_2 else start_gather(unit, dtype)
+                die_instead_of_gathering(unit) if unit is unit_2 else start_gather(unit, dtype)
             )
         model(torch.randn(4, 8)).square().mean().backward()
         with torch.no_grad():

@@ -39,6 +39,7 @@ from tests.collective_tasks import (
     Case,
     async_collectives_in_flight,
     count_traffic,
+    labelled_gathers,
     make_input,
     run_case,
     single_rank_collectives,
@@ -569,3 +570,22 @@ def test_your_ring_keeps_the_rings_promise(rank_pools, your_ring, world_size):
 @given(data=st.data())
 def test_your_ring_matches_torch(rank_pools, your_ring, world_size, data):
     check_ring_values(rank_pools, your_ring, world_size, data.draw(cases("all_reduce", world_size)))
+
+
+@pytest.mark.parametrize("odd_numel", [3, 8], ids=["shorter", "longer"])
+def test_a_labelled_all_gather_shows_every_label_and_survives_pieces_of_other_sizes(
+    rank_pools, odd_numel
+):
+    """fully_shard's gathers (sharding/units.py): on 3 ranks, rank 1 gathers something else,
+    of another size. gloo would abort on a message longer than its receive; with room for the
+    largest, every rank sees every label, copies only the pieces labelled as its own, and the
+    next gather, where all agree again, is whole."""
+    results = rank_pools(3).run(labelled_gathers, 1, odd_numel, timeout=60)
+    for rank, result in enumerate(results):
+        assert result["labels"] == [[7, 7, 7], [7, 9, 7], [7, 7, 7]], rank
+        whole = [torch.arange(5.0) + 10 * r + 200 for r in range(3)]
+        assert torch.equal(result["outputs"][2], torch.cat(whole))
+        if rank != 1:  # the odd piece is not copied; the agreeing ones are
+            odd = result["outputs"][1].view(3, 5)
+            assert torch.equal(odd[1], torch.full((5,), -1.0))
+            assert torch.equal(odd[2 - rank], torch.arange(5.0) + 10 * (2 - rank) + 100)

@@ -360,9 +360,8 @@ def main() -> None:
         for kind in ("forward", "backward")
     )
     transfer = LINK.seconds((world - 1) * unit_bytes / world)  # one gather or reduce-scatter
-    gather = transfer + LINK.seconds((world - 1) * UNIT_NUMBER_BYTES)  # its check in front
-    model_of = {
-        name: predict_zero3_step(UNITS, forward_s, backward_s, gather, transfer, on)
+    model_of = {  # a gather's 8-byte label rides in its messages (units.py)
+        name: predict_zero3_step(UNITS, forward_s, backward_s, transfer, transfer, on)
         for name, on in (("no prefetch", False), ("prefetch", True))
     }
     ms = lambda seconds: f"{seconds * 1e3:5.1f} ms"  # noqa: E731
@@ -385,13 +384,14 @@ def main() -> None:
         benchmark, python -m miniddp.bench sharding --link ..., pairs them). The model
         (miniddp/observe/overlap_model.py): each unit's compute beside the next transfer,
         max(compute, transfer) per pair of units, plus the first gather of each pass and the
-        last reduce-scatter; each gather's 8-byte check travels in front of it, in its turn on
-        the communication thread (miniddp/sharding/units.py). What it leaves out is the idle
-        time, when no unit computes and nothing is on the link: the casts and copies around each
-        collective, and on this shared machine the wake-ups of three threads per collective
-        (training, communication, the link's). The steps are longer than the model's by about
-        that; the figure (--plot) shows where. Memory:
-        prefetch holds two units' full parameters at most, the one computing and the one
+        last reduce-scatter (each gather's 8-byte label, which lets every rank check that all
+        gather the same unit, rides in its messages: miniddp/sharding/units.py). What it
+        leaves out: the idle time, when no unit computes and nothing is on the link (the casts
+        and copies around each collective, the wake-ups of three threads per collective), and
+        that under the simulated link the real transfer needs a core too. Here two ranks'
+        compute fills both cores, so a gather issued beside compute waits for a time slice; a
+        GPU's copy engines do not. The figure (--plot) shows where. Memory: prefetch holds two
+        units' full parameters at most, the one computing and the one
         arriving; without it, one. The same bits either way, and the same bytes sent.
 
         ZeRO-2 needs no such change: its reduce_scatter_hook is a MiniDDP comm hook, so each

@@ -16,6 +16,7 @@ that failed half-way through a collective would leave the others waiting), picks
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -153,20 +154,29 @@ def all_gather(
     return submit(gather, list(tensor_list), async_op)
 
 
+@dataclass(frozen=True)
+class Labelled:
+    """MiniDDP's, not torch's: an all-gather whose every input travels with its rank's `label`,
+    in the same message, each receive with room for `room_bytes` (the largest input any rank
+    may send instead: ring.labelled_all_gather says why). Once every input has arrived,
+    `check(labels)` sees every rank's label in rank order, and raises to refuse the gather:
+    on every rank, since they all see the same labels. fully_shard labels each gather with its
+    unit's number (sharding/units.py)."""
+
+    label: int
+    room_bytes: int
+    check: Callable[[list[int]], None]
+
+
 def all_gather_into_tensor(
     output_tensor: torch.Tensor,
     input_tensor: torch.Tensor,
     group: ProcessGroup | None = None,
     async_op: bool = False,
     *,
-    precondition: Callable[[], None] | None = None,
+    labelled: Labelled | None = None,
 ) -> Work | None:
-    """`all_gather` into one tensor of W times the input's size, in group rank order.
-
-    `precondition` (MiniDDP's, not torch's) runs in the gather's turn, just before it, once
-    every collective issued before it has run: it may read their outputs, and raise to call
-    the gather off (every rank must decide alike, from what they all received). fully_shard
-    checks there that every rank gathers the same unit (sharding/units.py)."""
+    """`all_gather` into one tensor of W times the input's size, in group rank order."""
     peers = Peers(group, "all_gather/ring")
     if output_tensor.numel() != peers.size * input_tensor.numel():
         raise ValueError(
@@ -175,11 +185,13 @@ def all_gather_into_tensor(
         )
 
     def gather(flat: torch.Tensor) -> None:
-        if precondition is not None:
-            precondition()
         chunks = list(flat.tensor_split(peers.size))
         chunks[peers.rank].copy_(input_tensor.reshape(-1))
-        ring.run(peers, chunks, ReduceOp.SUM, ring.all_gather_steps(peers))
+        if labelled is None:
+            ring.run(peers, chunks, ReduceOp.SUM, ring.all_gather_steps(peers))
+        else:
+            labels = ring.labelled_all_gather(peers, chunks, labelled.label, labelled.room_bytes)
+            labelled.check(labels)
 
     return _issue(gather, output_tensor, [output_tensor], async_op)
 

@@ -97,3 +97,44 @@ def run(
             if receive == peers.rank:
                 finish_average(chunks[receive], op, peers.size)
     wait_all(*sent)
+
+
+LABEL_BYTES = 8  # an int64 leading each message of labelled_all_gather
+
+
+def labelled_all_gather(
+    peers: Peers, chunks: list[torch.Tensor], label: int, room_bytes: int
+) -> list[int]:
+    """The ring all-gather (all_gather_steps), each message led by its rank's `label`, and
+    received into `room_bytes` (the largest chunk any rank may send instead of its own).
+    Returns every rank's label, in group rank order.
+
+    What it is for: ranks that disagree about what they gather (fully_shard's units,
+    sharding/units.py) may have chunks of different sizes, and gloo aborts the process when a
+    message is longer than its receive (it takes a shorter one). With room for the largest,
+    every message lands; its label says whose it is. A chunk whose label is not ours is not
+    copied into place (its size may be another), but passed on whole, so that every rank sees
+    every label. No round trip more than the data's own: the label rides in its message."""
+    right, left = (peers.rank + 1) % peers.size, (peers.rank - 1) % peers.size
+    labels = [label] * peers.size
+    own = chunks[peers.rank].reshape(-1).view(torch.uint8)
+    message = torch.cat([torch.tensor([label], dtype=torch.int64).view(torch.uint8), own])
+    inboxes = [
+        torch.empty(LABEL_BYTES + room_bytes, dtype=torch.uint8, device=own.device)
+        for _ in range(peers.size - 1)
+    ]
+    arriving = [peers.receive(left, inbox) for inbox in inboxes]
+    sent = []
+    for index, (send, receive, _) in enumerate(all_gather_steps(peers)):
+        sent.append(peers.send(index + 1, right, message, f"chunk {send} (labelled)"))
+        wait_all(arriving[index])
+        inbox = inboxes[index]
+        labels[receive] = int(inbox[:LABEL_BYTES].view(torch.int64))
+        place = chunks[receive].reshape(-1).view(torch.uint8)
+        if labels[receive] == label:
+            place.copy_(inbox[LABEL_BYTES:][: place.numel()])
+            message = inbox[: LABEL_BYTES + place.numel()]
+        else:
+            message = inbox  # another size, perhaps: all of it goes on
+    wait_all(*sent)
+    return labels

@@ -96,8 +96,7 @@ def predict_zero3_step(
     prefetch: bool = True,
 ) -> PredictedZero3Step:
     """A chain of `units` alike, each computing `forward_s` and `backward_s`, each gather taking
-    `gather_s` on the link (its 8-byte check included: the two travel in one turn,
-    sharding/units.py) and each reduce-scatter `reduce_s`. Without prefetch every transfer is
+    `gather_s` on the link and each reduce-scatter `reduce_s`. Without prefetch every transfer is
     exposed:
 
         U (c_f + c_b) + U (2 AG + RS)

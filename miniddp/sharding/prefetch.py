@@ -20,9 +20,8 @@ before its reduce-scatter, rather than when the next unit's backward begins: one
 thread runs every collective in issue order (torch's FSDP2 has a stream for each kind). Issued
 after the reduce-scatter, the gather would wait behind it, and the next unit's backward would
 wait for both; issued before, it arrives first, and the reduce-scatter travels while that
-backward computes. Each gather carries its own check that every rank gathers the same unit
-(units.py), in the same turn: it costs the link one more round trip of 8 bytes, not the caller
-a blocking wait.
+backward computes. Each gather's messages carry its unit's number, so that every rank checks
+that all gather the same unit (units.py) at no round trip more.
 
 Bits: a prefetched gather moves the same shards as one issued on demand, and a reduce-scatter
 finished later adds the same values into `.grad` as autograd would have: the same bits. A

@@ -2,10 +2,10 @@
 
 Every fully_shard call is a unit, numbered in call order per process group: the same numbers
 on every rank, since every rank shards the same model in the same order (fully_shard checks the
-shapes). The numbers name units in errors, and let each gather check first, in its own turn on
-the communication thread, that every rank gathers the same unit. This module also refuses, at
-the call, what would shard wrongly later: a child after its ancestor, a parameter tied across
-units, a submodule called outside its unit.
+shapes). The numbers name units in errors, and label each rank's piece of a gather, so that
+every rank sees whether all gather the same unit. This module also refuses, at the call, what
+would shard wrongly later: a child after its ancestor, a parameter tied across units, a
+submodule called outside its unit.
 """
 
 from __future__ import annotations
@@ -32,11 +32,13 @@ class Unit(Protocol):
     shards: list[nn.Parameter]
 
     @property
+    def compute_dtype(self) -> torch.dtype: ...
+
+    @property
     def world_size(self) -> int: ...
 
 
-UNIT_NUMBER_BYTES = 8  # what each rank sends each other rank before a gather (an int64)
-NOT_RECEIVED = -1  # units are numbered from 1
+UNIT_NUMBER_BYTES = collectives.ring.LABEL_BYTES  # what leads each piece of a gather: an int64
 UNIT_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # shard -> its unit
 _BY_NUMBER: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (ranks, n) -> unit
 _count: dict[tuple[int, ...], int] = {}  # fully_shard calls so far, per group (by its ranks)
@@ -66,39 +68,47 @@ def is_fully_sharded(module: nn.Module) -> bool:
 def gather_once_every_rank_agrees(
     unit: Unit, output: torch.Tensor, mine: torch.Tensor
 ) -> collectives.Work:
-    """Issue `unit`'s all-gather of `mine` into `output`, guarded, and return at once.
+    """Issue `unit`'s all-gather of `mine` into `output`, each rank's piece labelled with its
+    unit's number, and return at once.
 
     A unit skipped on one rank (a branch in the forward) would pair this unit's all-gather with
     another unit's there: gloo aborts the process when the sizes differ ("Received data size
-    doesn't match expected size"), and mixes parameters silently when they do not. So first an
-    all-gather of each rank's unit number (8 bytes), and the data gather's precondition reads
-    it: every rank sees the same numbers, so on a mismatch every rank calls its gather off and
-    raises, naming both units (the error reaches whoever waits for the gather).
+    doesn't match expected size"), and mixes parameters silently when they do not. So each
+    rank's piece travels with its unit number (UNIT_NUMBER_BYTES), every receive has room for
+    the largest piece any unit of the group sends, and once all have arrived every rank sees
+    every number: on a mismatch every rank raises, naming both units (the error reaches
+    whoever waits for the gather).
 
-    Both are issued async, one after the other, and the communication thread runs them in that
-    order: the caller goes on computing while the check and the data travel. Checked on the
-    caller's thread instead, each gather began with a blocking round trip that waited for
-    everything in flight before it and for the slower rank: a prefetched gather was exposed
-    again (stubbed out, a step over the bench's link went from 784 ms to 546 ms).
-
-    A check that did not finish (a rank failed during it) leaves NOT_RECEIVED in its place: the
-    gather then goes ahead, fails on the same rank, and wait_for names it."""
-    numbers = torch.full((unit.world_size,), NOT_RECEIVED)  # UNIT_NUMBER_BYTES from each
-    collectives.all_gather_into_tensor(
-        numbers, torch.tensor([unit.number]), unit.group, async_op=True
+    Why in the gather's own messages: checked first, as a blocking 8-byte all-gather on the
+    caller's thread, each gather waited for everything in flight before it and for the slower
+    rank, and a prefetched gather was exposed again (stubbed out, a step over the bench's link
+    went from 784 ms to 546 ms). As a separate all-gather on the communication thread, it
+    still cost a round trip more per gather: on 2 busy cores, each waits for a time slice."""
+    labelled = collectives.Labelled(
+        label=unit.number,
+        room_bytes=largest_piece_bytes(unit.group),
+        check=lambda labels: refuse_a_different_unit(unit, labels),
     )
     return collectives.all_gather_into_tensor(
-        output,
-        mine,
-        unit.group,
-        async_op=True,
-        precondition=lambda: refuse_a_different_unit(unit, numbers.tolist()),
+        output, mine, unit.group, async_op=True, labelled=labelled
+    )
+
+
+def largest_piece_bytes(group: dist.ProcessGroup | None) -> int:
+    """The most bytes one rank's piece of any unit over `group` can take: its shards, in the
+    widest of their dtypes and their compute dtype (a gather moves one or the other)."""
+    key = members(group)
+    return max(
+        sum(s.numel() for s in unit.shards)
+        * max(max(s.element_size() for s in unit.shards), unit.compute_dtype.itemsize)
+        for (ranks_of, _), unit in list(_BY_NUMBER.items())
+        if ranks_of == key and unit.shards
     )
 
 
 def refuse_a_different_unit(unit: Unit, numbers: list[int]) -> None:
     """Raise on every rank if any rank's unit number (numbers[r]) is not `unit`'s."""
-    elsewhere = {r: n for r, n in enumerate(numbers) if n not in (unit.number, NOT_RECEIVED)}
+    elsewhere = {r: n for r, n in enumerate(numbers) if n != unit.number}
     if elsewhere:
         here = dist.get_rank(unit.group)
         others = ranks(sorted(elsewhere))
