@@ -58,9 +58,6 @@ def build_gpt() -> GPT:
     return GPT(CONFIG)
 
 
-# --- the reference: one process --------------------------------------------------------------
-
-
 def replica_gradients(
     model: GPT, batch: torch.Tensor, microbatches: int, untie: bool, precision: str
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -123,9 +120,6 @@ def _one_process(shape: tuple[int, int, int], precision: str) -> dict[str, Any]:
         optimizer.zero_grad()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"losses": losses, "norms": norms, "params": params}
-
-
-# --- the parallel run ------------------------------------------------------------------------
 
 
 class Dtypes:

@@ -133,9 +133,6 @@ LAYOUTS = [  # every (pp, dp, tp) of 8 ranks this GPT allows: tp divides the hea
 ]
 
 
-# --- the formulas -------------------------------------------------------------------------------
-
-
 def stage_elements(c: GPTConfig, layout: Layout, stage: int) -> int:
     """Parameter elements on a rank of `stage`. A block is Ψ = 12H² + 13H (qkv 3H² + 3H, proj
     H² + H, up 4H² + 4H, down 4H² + H, two LayerNorms 4H); TP splits 12H² + 7H of it and
@@ -256,9 +253,6 @@ def link_seconds(sent: list[Traffic], layout: Layout, link: Link, sends: bool = 
         inside = traffic.axis == "tp" or traffic.kind == "send"
         total += seconds * (stretch if inside else 1.0)
     return total
-
-
-# --- measuring ----------------------------------------------------------------------------------
 
 
 class SavedForBackward:
@@ -430,9 +424,6 @@ def timed_step(run: Run, windows: torch.Tensor, link: Link | None) -> float:
     seconds = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     return seconds.item()
-
-
-# --- the sections -------------------------------------------------------------------------------
 
 
 def ascii_mesh(groups: dict[str, list[list[int]]]) -> str:
