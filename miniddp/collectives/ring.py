@@ -114,7 +114,9 @@ def labelled_all_gather(
     message is longer than its receive (it takes a shorter one). With room for the largest,
     every message lands; its label says whose it is. A chunk whose label is not ours is not
     copied into place (its size may be another), but passed on whole, so that every rank sees
-    every label. No round trip more than the data's own: the label rides in its message."""
+    every label. No round trip more than the data's own: the label rides in its message.
+    (`traffic` counts what was sent exactly, and, received, the room: gloo does not say how
+    much of it a message filled.)"""
     right, left = (peers.rank + 1) % peers.size, (peers.rank - 1) % peers.size
     labels = [label] * peers.size
     own = chunks[peers.rank].reshape(-1).view(torch.uint8)
