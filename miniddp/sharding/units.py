@@ -98,11 +98,15 @@ def largest_piece_bytes(group: dist.ProcessGroup | None) -> int:
     """The most bytes one rank's piece of any unit over `group` can take: its shards, in the
     widest of their dtypes and their compute dtype (a gather moves one or the other)."""
     key = members(group)
+    units = [unit for (ranks_of, _), unit in list(_BY_NUMBER.items()) if ranks_of == key]
     return max(
-        sum(s.numel() for s in unit.shards)
-        * max(max(s.element_size() for s in unit.shards), unit.compute_dtype.itemsize)
-        for (ranks_of, _), unit in list(_BY_NUMBER.items())
-        if ranks_of == key and unit.shards
+        (
+            sum(s.numel() for s in unit.shards)
+            * max(max(s.element_size() for s in unit.shards), unit.compute_dtype.itemsize)
+            for unit in units
+            if unit.shards
+        ),
+        default=0,
     )
 
 
