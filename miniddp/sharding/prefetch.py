@@ -13,7 +13,9 @@ for that unit, as in torch. The first step has no previous order: it gathers on 
 
 Memory: a chain of units with reshard_after_forward=True holds at most two units' full
 parameters at once: the one computing and the one arriving (and its parents', gathered until
-their own forward ends). Without prefetch, one.
+their own forward ends). Without prefetch, one. Beside them, while a gather travels, its
+receives: W-1 pieces the size of the group's largest unit's, 1/W of a unit each (units.py says
+why a receive needs that room).
 
 Why, in backward, the gather of the unit after next is issued at the end of a unit's backward,
 before its reduce-scatter, rather than when the next unit's backward begins: one communication
