@@ -62,3 +62,13 @@ def test_zero3_prefetch_on_a_link_bound_step_leaves_the_link_busy_end_to_end() -
     """No compute at all: the transfers queue on one link, so prefetch cannot shorten it."""
     step = predict_zero3_step(4, 0.0, 0.0, 1.5 * MS, 1 * MS)
     assert step.step_s == pytest.approx(4 * (1.5 + 1.5 + 1) * MS)
+
+
+def test_zero3_host_overhead_adds_once_per_collective_with_prefetch_or_without() -> None:
+    """LogP's o: 3U collectives, each costing the host 0.5 ms that no overlap hides."""
+    for prefetch in (False, True):
+        bare = predict_zero3_step(4, 2 * MS, 4 * MS, 1 * MS, 1 * MS, prefetch)
+        host = predict_zero3_step(4, 2 * MS, 4 * MS, 1 * MS, 1 * MS, prefetch, overhead_s=0.5 * MS)
+        assert host.step_s == pytest.approx(bare.step_s + 12 * 0.5 * MS)
+        assert host.exposed_s == pytest.approx(bare.exposed_s)  # the transfers' share is the same
+        assert host.beyond_compute_s == pytest.approx(bare.exposed_s + 6 * MS)

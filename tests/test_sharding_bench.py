@@ -50,5 +50,5 @@ def test_the_report_matches_every_formula_at_w_1_2_and_4(tmp_path):
     prefetched, peak = report["prefetch"], report["prefetch"]["peak_full_bytes"]
     assert peak["prefetch"] == 2 * peak["no prefetch"] > 0  # two units full at most, or one
     assert len(prefetched["seconds"]["prefetch"]) == 2 == len(prefetched["compute_s"]["prefetch"])
-    for measured, model in prefetched["exposed_measured_and_model"].values():
+    for measured, model in prefetched["beyond_compute_measured_and_model"].values():
         assert measured > 0 and model > 0  # the link's 1 ms a message is never free

@@ -360,13 +360,15 @@ def main() -> None:
         for kind in ("forward", "backward")
     )
     transfer = LINK.seconds((world - 1) * unit_bytes / world)  # one gather or reduce-scatter
+    host = summarize(linked["no prefetch"]["timeline"]).idle_s / (3 * UNITS)  # LogP's o
     model_of = {  # a gather's 8-byte label rides in its messages (units.py)
-        name: predict_zero3_step(UNITS, forward_s, backward_s, transfer, transfer, on)
+        name: predict_zero3_step(UNITS, forward_s, backward_s, transfer, transfer, on, host)
         for name, on in (("no prefetch", False), ("prefetch", True))
     }
     ms = lambda seconds: f"{seconds * 1e3:5.1f} ms"  # noqa: E731
     say(f"  a unit computes {ms(forward_s)} forward, {ms(backward_s)} backward (no prefetch's);")
-    say(f"  one all-gather or reduce-scatter takes {ms(transfer)} on the link")
+    say(f"  one all-gather or reduce-scatter takes {ms(transfer)} on the link;")
+    say(f"  the host spends {ms(host)} around each (no prefetch's idle / {3 * UNITS} collectives)")
     for name, run in linked.items():
         summary, model = summarize(run["timeline"]), model_of[name]
         say(
@@ -385,12 +387,13 @@ def main() -> None:
         (miniddp/observe/overlap_model.py): each unit's compute beside the next transfer,
         max(compute, transfer) per pair of units, plus the first gather of each pass and the
         last reduce-scatter (each gather's 8-byte label, which lets every rank check that all
-        gather the same unit, rides in its messages: miniddp/sharding/units.py). What it
-        leaves out: the idle time, when no unit computes and nothing is on the link (the casts
-        and copies around each collective, the wake-ups of three threads per collective), and
-        that under the simulated link the real transfer needs a core too. Here two ranks'
-        compute fills both cores, so a transfer beside compute shares one with it (a gather of
-        this size took 0.36 ms alone, 1 to 4 ms beside a matmul); a GPU's copy engines do not.
+        gather the same unit, rides in its messages: miniddp/sharding/units.py). Alpha-beta
+        leaves out the host's own time around each collective, which no overlap hides: issuing
+        it, the casts and copies, the wake-ups of three threads (LogP's o). Measured on the step
+        without prefetch, where nothing runs beside it, o then predicts the step with prefetch.
+        What is left over is mostly this machine's: two ranks' compute fills both cores, so a
+        real transfer under the simulated one shares a core with compute (a gather of this size
+        took 0.36 ms alone, 1 to 4 ms beside a matmul); a GPU's copy engines do not.
         The figure (--plot) shows where. Memory: prefetch holds two units' full parameters at
         most, the one computing and the one arriving; without it, one. The same bits either
         way, and the same bytes sent.

@@ -8,21 +8,21 @@ Each variant runs over the link and over a free one (no latency, no bandwidth li
 interleaved, and every timed step is recorded (sharding/unit_lanes.py: a few events a unit), so
 that its compute is measured, not assumed: the union of its units' forward and backward spans.
 A step is the forward and backward (the optimizer's step, the same everywhere, is left out).
-Two measures of exposed communication, beside the model's:
 
-    the link adds    step over the link - step over a free link (paired): what the model models
-    all but compute  step - compute: the link's share, and this machine's own, the idle time
-                     (casts, copies, wake-ups) and the real transfers under the simulated ones
+The model (observe/overlap_model.py's predict_zero3_step) is alpha-beta plus LogP's o. Its
+inputs: each unit's forward and backward, and the host's time per collective, both measured on
+the steps without prefetch, where nothing runs beside them (o: their idle time, no unit
+computing and nothing on the link, divided by their 3U collectives); U units of n shard bytes
+per rank, W ranks, and the link's latency alpha and bandwidth B (miniddp/observe/link.py): each
+gather and each reduce-scatter takes alpha + (W-1) n / B (a gather's 8-byte label, units.py,
+rides in its messages). It then predicts the steps with prefetch, where nothing of theirs was
+fitted. Compared:
 
-The model is fed what no-prefetch's steps measured of each unit's forward and backward (compute
-alone: nothing runs beside it), U units of n shard bytes per rank, W ranks, a link of latency
-alpha and bandwidth B (miniddp/observe/link.py): each gather and each reduce-scatter takes
-alpha + (W-1) n / B (a gather's 8-byte label, units.py, rides in its messages).
-
-Why the two bracket the model on this machine: over the free link the real transfers still
-run over gloo, and with two ranks computing on 2 cores each waits for a time slice, a few ms;
-over the link, the link's delay hides them (a Work over the link completes when both are done).
-So "the link adds" comes out under the model, and "all but compute" over it.
+    beyond compute   step - compute, against the model's: its exposed transfers and its o's
+    the link adds    step over the link - step over a free link (paired), against the model's
+                     exposed transfers; it comes out under them, because over the free link the
+                     real gloo transfers still cost (two ranks computing on 2 cores: a transfer
+                     shares a core), and over the link its delay hides them
 """
 
 from __future__ import annotations
@@ -101,12 +101,18 @@ def time_prefetch(model_of, args: argparse.Namespace, group: dist.ProcessGroup) 
 
 
 def predicted(
-    link: Link, forward: float, backward: float, units: int, shard_bytes: int, world: int
+    link: Link,
+    forward: float,
+    backward: float,
+    units: int,
+    shard_bytes: int,
+    world: int,
+    host: float = 0.0,
 ) -> dict[str, PredictedZero3Step]:
     """The model's step with prefetch off and on (see the module docstring)."""
     transfer = link.seconds((world - 1) * shard_bytes)  # a gather's label rides along: 8 B
     return {
-        name: predict_zero3_step(units, forward, backward, transfer, transfer, on)
+        name: predict_zero3_step(units, forward, backward, transfer, transfer, on, host)
         for name, on in (("prefetch", True), ("no prefetch", False))
     }
 
@@ -115,7 +121,8 @@ def report_prefetch(recorded: dict, link: Link, units: int, shard_bytes: int, wo
     """`recorded`: what time_prefetch returned."""
     times, compute = recorded["seconds"], recorded["compute_s"]
     forward, backward = (median(recorded["unit_compute_s"][k]) for k in ("forward", "backward"))
-    model = predicted(link, forward, backward, units, shard_bytes, world)
+    host = recorded["idle_s"]["no prefetch"] / (3 * units)  # LogP's o: see the module docstring
+    model = predicted(link, forward, backward, units, shard_bytes, world, host)
     speedup = paired_ratio(times["no prefetch"], times["prefetch"])
     low, high = paired_ratio_interval(times["no prefetch"], times["prefetch"])
     transfer = link.seconds((world - 1) * shard_bytes)
@@ -123,27 +130,32 @@ def report_prefetch(recorded: dict, link: Link, units: int, shard_bytes: int, wo
     print(f"\nZeRO-3 prefetch over the link ({link}), 2 ranks, {units} units of {shard_bytes:,} B")
     print(
         f"  a unit computes {ms(forward)} forward, {ms(backward)} backward (no prefetch's); "
-        f"a transfer takes {ms(transfer)}"
+        f"a transfer takes {ms(transfer)}; the host {ms(host)} a collective"
     )
-    exposed, beyond = {}, {}
+    beyond, added = {}, {}
     for name in VARIANTS:
-        added = [a - b for a, b in zip(times[name], times[name + FREE])]  # paired
-        exposed[name] = (median(added), model[name].exposed_s)
-        beyond[name] = median([step - busy for step, busy in zip(times[name], compute[name])])
-        measured, expected = exposed[name]
+        beyond[name] = (
+            median([step - busy for step, busy in zip(times[name], compute[name])]),
+            model[name].beyond_compute_s,
+        )
+        added[name] = median([a - b for a, b in zip(times[name], times[name + FREE])])  # paired
+        measured, expected = beyond[name]
         print(
             f"  {name:<12} step {ms(median(times[name]))} (model {ms(model[name].step_s)}); "
-            f"the link adds {ms(measured)}, model {ms(expected)} "
+            f"beyond compute {ms(measured)}, model {ms(expected)} "
             f"({measured / expected:.2f}x the model)"
         )
         print(
-            f"  {'':<12} over a free link {ms(median(times[name + FREE]))}; all but compute "
-            f"{ms(beyond[name])}"
+            f"  {'':<12} over a free link {ms(median(times[name + FREE]))}: the link adds "
+            f"{ms(added[name])} (the model's exposed transfers: {ms(model[name].exposed_s)})"
         )
     print(f"  prefetch speedup, paired: {speedup:.2f}x  [{low:.2f}, {high:.2f}]")
-    comm = exposed["no prefetch"][0]
-    hidden = 1 - exposed["prefetch"][0] / comm if comm > 0 else float("nan")
-    print(f"  overlap: prefetch hides {hidden:.0%} of the communication exposed without it")
+    exposed = {name: beyond[name][0] - model[name].host_s for name in VARIANTS}
+    hidden = 1 - exposed["prefetch"] / exposed["no prefetch"]
+    print(
+        f"  overlap: prefetch hides {hidden:.0%} of the transfers exposed without it (model "
+        f"{1 - model['prefetch'].exposed_s / model['no prefetch'].exposed_s:.0%})"
+    )
     unit_bytes = world * shard_bytes
     for name in VARIANTS:
         peak = recorded["peak_full_bytes"][name]
@@ -157,8 +169,9 @@ def report_prefetch(recorded: dict, link: Link, units: int, shard_bytes: int, wo
         **recorded,
         "speedup": speedup,
         "interval": [low, high],
-        "exposed_measured_and_model": exposed,
-        "all_but_compute_s": beyond,
+        "beyond_compute_measured_and_model": beyond,
+        "link_adds_s": added,
+        "host_s": host,
         "hidden_fraction": hidden,
     }
 

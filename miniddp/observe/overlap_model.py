@@ -76,11 +76,17 @@ class PredictedZero3Step:
     step_s: float
     compute_s: float
     comm_s: float  # the all-gathers and reduce-scatters, one after another on the link
+    host_s: float = 0.0  # the host's own time per collective, all of them (overhead_s below)
+
+    @property
+    def beyond_compute_s(self) -> float:
+        """All of the step that is not compute: the exposed transfers and the host's time."""
+        return self.step_s - self.compute_s
 
     @property
     def exposed_s(self) -> float:
         """The all-gathers' and reduce-scatters' time that no compute hides."""
-        return self.step_s - self.compute_s
+        return self.beyond_compute_s - self.host_s
 
     @property
     def overlap(self) -> float:
@@ -94,6 +100,7 @@ def predict_zero3_step(
     gather_s: float,
     reduce_s: float,
     prefetch: bool = True,
+    overhead_s: float = 0.0,
 ) -> PredictedZero3Step:
     """A chain of `units` alike, each computing `forward_s` and `backward_s`, each gather taking
     `gather_s` on the link and each reduce-scatter `reduce_s`. Without prefetch every transfer is
@@ -107,11 +114,18 @@ def predict_zero3_step(
 
         forward   AG + (U-1) max(c_f, AG) + c_f
         backward  AG + (U-1) max(c_b, AG + RS) + c_b + RS
+
+    `overhead_s` is LogP's o (Culler et al., 1993): the host's time per collective, which no
+    overlap hides because the host spends it (issuing it, casting and copying around it, the
+    threads that hand it on waking up). Alpha-beta leaves it out; each of the 3U collectives
+    adds it to the step, with prefetch or without. A bench measures it where nothing else runs
+    beside it, on the step without prefetch, and the model then predicts the one with it.
     """
     compute = units * (forward_s + backward_s)
     comm = units * (2 * gather_s + reduce_s)
+    host = 3 * units * overhead_s
     if not prefetch:
-        return PredictedZero3Step(compute + comm, compute, comm)
+        return PredictedZero3Step(compute + comm + host, compute, comm, host)
     forward = gather_s + (units - 1) * max(forward_s, gather_s) + forward_s
     backward = gather_s + (units - 1) * max(backward_s, gather_s + reduce_s) + backward_s
-    return PredictedZero3Step(forward + backward + reduce_s, compute, comm)
+    return PredictedZero3Step(forward + backward + reduce_s + host, compute, comm, host)
