@@ -83,7 +83,7 @@ def gather_once_every_rank_agrees(
     caller's thread, each gather waited for everything in flight before it and for the slower
     rank, and a prefetched gather was exposed again (stubbed out, a step over the bench's link
     went from 784 ms to 546 ms). As a separate all-gather on the communication thread, it
-    still cost a round trip more per gather: on 2 busy cores, each waits for a time slice."""
+    still cost a round trip more per gather, on cores that compute beside it."""
     labelled = collectives.Labelled(
         label=unit.number,
         room_bytes=largest_piece_bytes(unit.group),
