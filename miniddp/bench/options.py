@@ -7,15 +7,20 @@ after the relaunch, the same mistake costs every rank its start-up and ends in a
     parser.add_argument("--json", type=writable_file)      # its folder must exist
     parser.add_argument("--trace-dir", type=writable_folder)  # or one that can be made
 
-Every benchmark takes the same two, `--iters N` and `--json PATH`: add_iters_and_json.
+Every benchmark takes the same two, `--iters N` and `--json PATH`: add_iters_and_json. Those
+that time over the simulated link take `--link` (add_link_option), whose default is read from
+$MINIDDP_LINK after parsing, so that a bad value there is named as the variable's.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+from miniddp.observe.link import ENVIRONMENT_VARIABLE, EXAMPLE, BadLink, Link
 
 
 def whole_number(at_least: int) -> Callable[[str], int]:
@@ -93,3 +98,24 @@ def add_iters_and_json(
     parser.add_argument(
         "--json", metavar="PATH", type=writable_file, help="also write the results here"
     )
+
+
+def add_link_option(parser: argparse.ArgumentParser, used_for: str, without: str) -> None:
+    """`--link`: a simulated link (miniddp/observe/link.py) for `used_for`; not given,
+    $MINIDDP_LINK's, else none (`without`). Call link_or_environment after parse_args."""
+    parser.add_argument(
+        "--link",
+        type=Link.parse,
+        default=argparse.SUPPRESS,  # not given: read by link_or_environment
+        help=f"a simulated link for {used_for}, e.g. {EXAMPLE} (default: "
+        f"${ENVIRONMENT_VARIABLE}, else none: {without})",
+    )
+
+
+def link_or_environment(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Set args.link from $MINIDDP_LINK when --link was not given (None when neither is)."""
+    if "link" not in args:
+        try:
+            args.link = Link.parse(os.environ.get(ENVIRONMENT_VARIABLE))
+        except BadLink as error:
+            parser.error(f"${ENVIRONMENT_VARIABLE} (the default of --link): {error}")

@@ -12,9 +12,10 @@ Runs on 4 ranks (relaunched under torchrun) and forms groups of the first 1, 2 a
     time      on the 2-rank group: each of ours against torch's nearest design, interleaved and
               paired as in `bench step` (median of per-iteration ratios, 95% interval)
     prefetch  with --link: on the 2-rank group, ZeRO-3 with fully_shard's prefetch on against
-              off over the simulated link, paired, and each one's exposed communication against
-              the alpha-beta model's; from one recorded step of each, the most full parameters
-              alive at once and the overlap fraction (miniddp/bench/sharding_overlap.py)
+              off over the simulated link, paired, and each one's time beyond compute against
+              the model's (alpha-beta plus the host's time per collective); from the recorded
+              steps, the most full parameters alive at once and the overlap fraction
+              (miniddp/bench/sharding_overlap.py)
 
 The model is an MLP of fp32 Linear layers, trained with AdamW.
 """
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import torch
@@ -31,7 +31,12 @@ import torch.distributed as dist
 from torch import nn
 
 from miniddp import MiniDDP, ZeroRedundancyOptimizer, fully_shard
-from miniddp.bench.options import add_iters_and_json, whole_number
+from miniddp.bench.options import (
+    add_iters_and_json,
+    add_link_option,
+    link_or_environment,
+    whole_number,
+)
 from miniddp.bench.paired import (
     SAME_SPEED_AS_TORCH,
     paired_ratio,
@@ -42,7 +47,6 @@ from miniddp.bench.sharding_overlap import report_prefetch, shard_bytes_per_unit
 from miniddp.collectives import traffic
 from miniddp.data_parallel.default_hooks import all_reduce_hook
 from miniddp.job.env import cleanup, init_distributed
-from miniddp.observe.link import ENVIRONMENT_VARIABLE, EXAMPLE, BadLink, Link
 from miniddp.sharding import Formula, ddp_buckets, measure_memory, reduce_scatter_hook
 
 STAGES = ("ddp", "zero1", "zero2", "zero3")
@@ -209,13 +213,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--depth", type=positive, default=4, help="Linear layers (default 4)")
     parser.add_argument("--batch", type=positive, default=32, help="samples per rank (default 32)")
     add_iters_and_json(parser, 20, "timed steps (0 skips)", least=0)
-    parser.add_argument(
-        "--link",
-        type=Link.parse,
-        default=argparse.SUPPRESS,
-        help=f"a simulated link for the prefetch section, e.g. {EXAMPLE} (default: "
-        f"${ENVIRONMENT_VARIABLE}, else none: no prefetch section)",
-    )
+    add_link_option(parser, "the prefetch section", "no prefetch section")
     parser.add_argument(
         "--prefetch-iters",
         type=whole_number(at_least=1),
@@ -230,11 +228,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "forward about as long as its gather over alpha=200us,bandwidth=300mbit)",
     )
     args = parser.parse_args(argv)
-    if "link" not in args:
-        try:
-            args.link = Link.parse(os.environ.get(ENVIRONMENT_VARIABLE))
-        except BadLink as error:
-            parser.error(f"${ENVIRONMENT_VARIABLE} (the default of --link): {error}")
+    link_or_environment(parser, args)
     return args
 
 

@@ -30,7 +30,13 @@ import torch.distributed as dist
 from torch import nn
 
 from miniddp.bench import backend_for
-from miniddp.bench.options import whole_number, writable_file, writable_folder
+from miniddp.bench.options import (
+    add_link_option,
+    link_or_environment,
+    whole_number,
+    writable_file,
+    writable_folder,
+)
 from miniddp.bench.paired import (
     SAME_SPEED_AS_TORCH,
     paired_ratio,
@@ -42,7 +48,7 @@ from miniddp.bench.paired import (
 from miniddp.bench.variants import VARIANT_HELP, VARIANTS
 from miniddp.bench.workloads import Workload, workloads
 from miniddp.job.env import cleanup, init_distributed
-from miniddp.observe.link import ENVIRONMENT_VARIABLE, EXAMPLE, BadLink, Link, simulated_link
+from miniddp.observe.link import simulated_link
 from miniddp.observe.timeline import gather, recording, split_steps, summarize
 from miniddp.observe.timeline_views import write_chrome_trace
 
@@ -235,13 +241,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--json", metavar="PATH", type=writable_file, help="also write every figure here"
     )
-    parser.add_argument(
-        "--link",
-        type=Link.parse,
-        default=argparse.SUPPRESS,  # not given: $MINIDDP_LINK's, read below
-        help=f"a simulated link for every variant, e.g. {EXAMPLE} (default: "
-        f"${ENVIRONMENT_VARIABLE}, else none: the bare machine)",
-    )
+    add_link_option(parser, "every variant", "the bare machine")
     parser.add_argument(
         "--device",
         choices=("cpu", "cuda"),
@@ -250,11 +250,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "rank has a GPU of its own, else over gloo, ranks sharing the GPUs",
     )
     args = parser.parse_args(argv)
-    if "link" not in args:
-        try:
-            args.link = Link.parse(os.environ.get(ENVIRONMENT_VARIABLE))
-        except BadLink as error:
-            parser.error(f"${ENVIRONMENT_VARIABLE} (the default of --link): {error}")
+    link_or_environment(parser, args)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device (torch.cuda.is_available() is False)")
     args.models = args.models.split(",")
