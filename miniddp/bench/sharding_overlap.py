@@ -1,8 +1,7 @@
 """The prefetch section of `python -m miniddp.bench sharding --link ...`: a ZeRO-3 step with
 fully_shard's prefetch on against off, on 2 ranks over the simulated link, paired; each one's
-exposed communication against the alpha-beta model's prediction (observe/overlap_model.py's
-predict_zero3_step); the most full parameters alive at once; and the share of the transfers'
-time under compute, chapter 04's overlap fraction.
+time beyond compute against the model's prediction (below); the most full parameters alive at
+once; and the share of the transfers' time under compute, chapter 04's overlap fraction.
 
 Each variant runs over the link and over a free one (no latency, no bandwidth limit),
 interleaved, and every timed step is recorded (sharding/unit_lanes.py: a few events a unit), so
