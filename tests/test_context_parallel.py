@@ -13,8 +13,11 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from miniddp.context_parallel import chunks_of, stats_for, step_blocks
+from miniddp.context_parallel.kernels import kernel_for
 from tests import context_parallel_tasks as tasks
 from tests.context_parallel_tasks import AttentionSpec
 from tests.harness.measurements import record_max
@@ -138,3 +141,34 @@ def test_averaging_over_dp_alone_is_caught(rank_pools):
     run = tasks.GPTRun(mesh_shape=(2, 2), averaged_over="dp")
     for result in rank_pools(4).run(tasks.dp_times_cp_gpt, run):
         assert result["params"] > 1e-4, result
+
+
+@pytest.mark.parametrize(
+    "device, dtype, kernel",
+    [
+        ("cpu", torch.float32, "cpu flash"),
+        ("cpu", torch.bfloat16, "cpu flash"),
+        ("cuda", torch.bfloat16, "cuda flash"),
+        ("cuda", torch.float16, "cuda flash"),
+        ("cuda", torch.float32, "cuda efficient"),
+    ],
+)
+def test_the_block_kernel_is_the_devices(device, dtype, kernel):
+    """ring_attention calls the kernel of its tensors' device (kernels.py): the CPU-only flash
+    kernel would fail on a GPU. The CUDA kernels themselves run in tests/test_cuda.py."""
+    assert kernel_for(device, dtype).name == kernel
+
+
+def test_a_device_without_a_kernel_is_named():
+    with pytest.raises(NotImplementedError, match="no block kernel for meta tensors"):
+        kernel_for("meta", torch.float32)
+
+
+def test_the_cpu_kernel_returns_sdpas_output_and_the_log_sum_exp():
+    """The merge needs lse = log Z: out and lse against F.scaled_dot_product_attention and the
+    scores' logsumexp, written out."""
+    q, k, v = torch.randn(3, 1, 2, 6, 8, dtype=torch.float64)
+    out, lse = kernel_for("cpu", q.dtype).forward(q, k, v, False, None)
+    scores = q @ k.transpose(-1, -2) / 8**0.5
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v))
+    torch.testing.assert_close(lse, scores.logsumexp(-1))

@@ -10,7 +10,7 @@ The merge: attention of query q over keys split into blocks b is
     out = sum_b sum_{j in b} exp(s_j) v_j / Z,     s_j = scale q.k_j,    Z = sum_b Z_b
 
 with Z_b = sum_{j in b} exp(s_j). Each block alone gives out_b = (sum_{j in b} exp(s_j) v_j)/Z_b
-and its log-sum-exp lse_b = log Z_b (the CPU flash kernel returns both). Then
+and its log-sum-exp lse_b = log Z_b (the device's flash kernel returns both: kernels.py). Then
 
     lse = log(Z_1 + Z_2) = logaddexp(lse_1, lse_2)
     out = (Z_1 out_1 + Z_2 out_2) / Z = exp(lse_1 - lse) out_1 + exp(lse_2 - lse) out_2
@@ -57,10 +57,9 @@ import torch.distributed as dist
 
 from miniddp.collectives.comm_thread import Work, submit
 from miniddp.collectives.peers import Peers
+from miniddp.context_parallel.kernels import kernel_for
 from miniddp.context_parallel.sequence import chunks_of, group_size_and_rank
 from miniddp.job.faults import wait_for
-
-aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
@@ -172,6 +171,7 @@ class _RingAttention(torch.autograd.Function):
         merge_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
         kv = torch.cat([k.reshape(-1), v.reshape(-1)])
         spare = torch.empty_like(kv)
+        kernel = kernel_for(q.device, q.dtype)
         outs: list = [None] * slots
         lses: list = [None] * slots
         for step in range(size):
@@ -182,13 +182,12 @@ class _RingAttention(torch.autograd.Function):
                 work = _post(peers, step + 1, [(kv, what)], [spare])
             key, value = kv[: k.numel()].view(k.shape), kv[k.numel() :].view(v.shape)
             for b in step_blocks(rank, size, step, is_causal, load_balance):
-                o, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+                o, lse = kernel.forward(
                     _rows(q, chunk, b.q, b.q + 1),
                     _rows(key, chunk, b.k_start, b.k_stop),
                     _rows(value, chunk, b.k_start, b.k_stop),
-                    0.0,
                     b.causal,
-                    scale=scale,
+                    scale,
                 )
                 outs[b.q], lses[b.q] = merge(outs[b.q], lses[b.q], o.to(merge_dtype), lse)
             if work is not None:
@@ -213,6 +212,7 @@ class _RingAttention(torch.autograd.Function):
         chunk = q.shape[2] // len(chunks_of(rank, size, load_balance))
         grad_out = grad_out.contiguous()
         dq = torch.zeros_like(q)
+        kernel = kernel_for(q.device, q.dtype)
         kv = torch.cat([k.reshape(-1), v.reshape(-1)])
         spare = torch.empty_like(kv)
         own = partial = None  # this rank's own dK/dV; the travelling one it adds to and sends
@@ -233,16 +233,15 @@ class _RingAttention(torch.autograd.Function):
             dkey, dvalue = added[: k.numel()].view(k.shape), added[k.numel() :].view(v.shape)
             for b in step_blocks(rank, size, step, is_causal, load_balance):
                 rows, cols = (b.q, b.q + 1), (b.k_start, b.k_stop)
-                dq_b, dk_b, dv_b = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dq_b, dk_b, dv_b = kernel.backward(
                     _rows(grad_out, chunk, *rows),
                     _rows(q, chunk, *rows),
                     _rows(key, chunk, *cols),
                     _rows(value, chunk, *cols),
                     _rows(out, chunk, *rows),
                     _rows(lse, chunk, *rows).contiguous(),
-                    0.0,
                     b.causal,
-                    scale=scale,
+                    scale,
                 )
                 _rows(dq, chunk, *rows).add_(dq_b)
                 _rows(dkey, chunk, *cols).add_(dk_b)
