@@ -402,8 +402,8 @@ def explain_the_gaps(
         barrier whose release reaches the ranks at different moments, and the slowest rank's
         time includes waiting for the other; gloo wakes threads of its own; ours add Python
         (40-60 us to post a message) and the adding. These costs are fixed per step, so where
-        bytes dominate they matter less: gloo over the model is {ratio_small:.0f}x at
-        {fmt_bytes(smallest)} and {ratio_large:.0f}x at {fmt_bytes(largest)}.""")
+        bytes dominate they matter less: gloo over the model is {ratio_small:.1f}x at
+        {fmt_bytes(smallest)} and {ratio_large:.1f}x at {fmt_bytes(largest)}.""")
     say()
     fastest = {
         nbytes: min(ALL_REDUCES, key=lambda short: statistics.median(rounds[short]))

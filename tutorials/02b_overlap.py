@@ -63,8 +63,9 @@ def main() -> None:
         The all-reduce moves from the end (finish_gradient_synchronization) into a hook that
         autograd calls as soon as each gradient is accumulated into .grad, with async_op=True: it
         returns a handle at once and gloo's threads do the sending. A callback queued on the
-        autograd engine runs when backward is over and waits for every handle, so .grad is
-        averaged when loss.backward() returns, as with torch's DDP.""")
+        autograd engine (torch.autograd.Variable._execution_engine.queue_callback(fn): fn runs
+        once, when this backward is over) waits for every handle, so .grad is averaged when
+        loss.backward() returns, as with torch's DDP.""")
     )
 
     section("2. The timeline: rung 1, then rung 2")

@@ -237,7 +237,7 @@ def main() -> None:
     say(
         textwrap.dedent("""
         MiniDDP lives in several files, so the diff pairs each of rung 7's classes and functions
-        with MiniDDP's of the same name, wherever it lives: rung 7's Bucket with buckets.py's,
+        with MiniDDP's of the same name, wherever it lives: rung 7's Bucket with bucket.py's,
         BucketLayout with layout.py's (both in miniddp/data_parallel/), CommHookDDP with MiniDDP.
         The algorithm is rung 7's, written the same way: the same layout, scaling, launch order,
         rebuild, no_sync, unused parameters, hooks and bucket views, so MiniDDP is bitwise torch's

@@ -261,14 +261,21 @@ def explain_bucket_caps(results: dict[str, Timed], link_rate: str) -> None:
     backward = median_ms(one, "backward_s")
     comm = median_ms(one, "comm_s")
     change = median_ms(small, "step_s") - median_ms(one, "step_s")
-    link = f"this {link_rate} link" if link_rate else "this link"
     say()
+    if not link_rate:
+        say_prose(f"""\
+            Nothing slows this link: the one bucket's all-reduce took {comm:.0f} ms against
+            backward's {backward:.0f} ms, and the step changed by {change:+.0f} ms from one
+            bucket to the smallest cap, which is noise as much as anything. There is little to
+            hide here; the story of hiding needs a link that costs something (run with
+            --link-rate or --link, below).""")
+        return
     say_prose(f"""\
-        With one bucket the whole all-reduce starts after backward: on {link} it takes
-        {comm:.0f} ms, backward {backward:.0f} ms, and the step pays both. Smaller buckets start
-        sending while backward still computes the earlier layers, so part of the communication
-        hides behind it (here the step changed by {change:+.0f} ms from one bucket to the
-        smallest cap). Overlap can hide at most backward's own duration: when communication
+        With one bucket the whole all-reduce starts after backward: on this {link_rate} link it
+        takes {comm:.0f} ms, backward {backward:.0f} ms, and the step pays both. Smaller buckets
+        start sending while backward still computes the earlier layers, so part of the
+        communication hides behind it (here the step changed by {change:+.0f} ms from one bucket
+        to the smallest cap). Overlap can hide at most backward's own duration: when communication
         takes longer, the rest stays exposed whatever the bucket size, and very small buckets
         add a fixed cost per message on top (chapter 04 measures that trade-off on one
         machine).""")

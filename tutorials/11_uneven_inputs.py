@@ -96,8 +96,9 @@ def main() -> None:
         textwrap.dedent(f"""\
         Rank r has 2 + r batches: {steps}. In step 3 every rank but rank 0 all-reduces its
         gradients, and rank 0, done with its loop, never joins in. Nothing fails at once:
-        a silent peer only shows when the process group's timeout runs out (gloo's default is 30
-        minutes; a script sets it with init_distributed(timeout=...)). To keep this chapter short,
+        a silent peer only shows when the process group's timeout runs out (torch's default for
+        gloo is 30 minutes; init_distributed, which made this chapter's group, sets 5, and a
+        script sets its own with init_distributed(timeout=...)). To keep this chapter short,
         that first run goes through a separate group whose timeout is {SHORT_TIMEOUT.seconds} s,
         so the default group stays usable afterwards. MiniDDP's wait then says who is missing.""")
     )

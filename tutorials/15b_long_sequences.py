@@ -18,8 +18,8 @@ attention needs every key, and the keys go round a ring.
     6. checks                          output and gradients against one process's SDPA
 
 Exercise: tutorials/exercises/lse_merge.py, the log-sum-exp merge of two partial attentions,
-checked by tests/test_lse_merge.py. The library is miniddp/context_parallel/ (ring.py has the
-maths); the picture is docs/figures/15b_ring_attention.png (`python -m miniddp.figures --only
+checked by tests/test_lse_merge.py. The library is miniddp/context_parallel/ (attention.py has
+the maths); the picture is docs/figures/15b_ring_attention.png (`python -m miniddp.figures --only
 15b`), and `python -m miniddp.bench cp` times the ring against one process and torch's.
 """
 

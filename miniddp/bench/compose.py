@@ -57,7 +57,12 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.nn import functional as F
 
-from miniddp.bench.options import whole_number, writable_file
+from miniddp.bench.options import (
+    add_iters_and_json,
+    add_links_option,
+    links_to_run,
+    whole_number,
+)
 from miniddp.bench.paired import paired_ratio, paired_ratio_interval, quantile, rotated
 from miniddp.job.env import cleanup, init_distributed, launched_by_torchrun
 from miniddp.mesh import init_device_mesh
@@ -399,18 +404,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--length", type=count, default=32, help="tokens per window (default 32)")
     parser.add_argument("--batch", type=count, default=8, help="windows per replica (default 8)")
     parser.add_argument("--microbatches", type=count, default=4, help="m (default 4)")
-    parser.add_argument("--iters", type=count, default=20, help="timed iterations (default 20)")
+    add_iters_and_json(parser, 20, "timed iterations")
     parser.add_argument("--warmup", type=whole_number(at_least=0), default=3)
-    parser.add_argument(
-        "--link",
-        type=Link.parse,
-        action="append",
-        help="'none' or e.g. alpha=1ms,bandwidth=1gbit; repeat to run several "
-        "(default: none, then alpha=1ms,bandwidth=1gbit)",
-    )
-    parser.add_argument(
-        "--json", metavar="PATH", type=writable_file, help="also write the results here"
-    )
+    add_links_option(parser, "every collective and activation")
     args = parser.parse_args(argv)
     pp, _, tp = args.mesh
     problems = []
@@ -448,7 +444,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
-    links = args.link or [None, Link.parse("alpha=1ms,bandwidth=1gbit")]
+    links = links_to_run(args)
     env = init_distributed()
     torch.set_num_threads(1)  # the ranks share the cores
     results = []

@@ -9,7 +9,8 @@ after the relaunch, the same mistake costs every rank its start-up and ends in a
 
 Every benchmark takes the same two, `--iters N` and `--json PATH`: add_iters_and_json. Those
 that time over the simulated link take `--link` (add_link_option), whose default is read from
-$MINIDDP_LINK after parsing, so that a bad value there is named as the variable's.
+$MINIDDP_LINK after parsing, so that a bad value there is named as the variable's; those that
+compare links take it repeated (add_links_option, links_to_run).
 """
 
 from __future__ import annotations
@@ -110,6 +111,24 @@ def add_link_option(parser: argparse.ArgumentParser, used_for: str, without: str
         help=f"a simulated link for {used_for}, e.g. {EXAMPLE} (default: "
         f"${ENVIRONMENT_VARIABLE}, else none: {without})",
     )
+
+
+def add_links_option(parser: argparse.ArgumentParser, crossing: str) -> None:
+    """`--link`, repeatable: the benches that compare the bare machine with a slow link run
+    each link given, by default none and then alpha=1ms,bandwidth=1gbit. `crossing` says what
+    crosses it."""
+    parser.add_argument(
+        "--link",
+        type=Link.parse,
+        action="append",
+        help=f"'none' or e.g. alpha=1ms,bandwidth=1gbit ({crossing} crosses it); repeat to run "
+        "several (default: none, then alpha=1ms,bandwidth=1gbit)",
+    )
+
+
+def links_to_run(args: argparse.Namespace) -> list[Link | None]:
+    """The links add_links_option's `--link` asked for, or its default pair."""
+    return args.link or [None, Link.parse("alpha=1ms,bandwidth=1gbit")]
 
 
 def link_or_environment(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

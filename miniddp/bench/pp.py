@@ -26,7 +26,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from miniddp.bench.options import whole_number, writable_file
+from miniddp.bench.options import (
+    add_iters_and_json,
+    add_links_option,
+    links_to_run,
+    whole_number,
+)
 from miniddp.bench.paired import paired_ratio, paired_ratio_interval, quantile, rotated
 from miniddp.job.env import cleanup, init_distributed
 from miniddp.observe.link import Link
@@ -144,24 +149,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--layers", type=count, default=2, help="Linear+GELU per stage (default 2)")
     parser.add_argument("--batch", type=count, default=64, help="samples per step (default 64)")
     parser.add_argument("--microbatches", type=count, default=4, help="m (default 4)")
-    parser.add_argument("--iters", type=count, default=30, help="timed iterations (default 30)")
+    add_iters_and_json(parser, 30, "timed iterations")
     parser.add_argument("--warmup", type=whole_number(at_least=0), default=3)
-    parser.add_argument(
-        "--link",
-        type=Link.parse,
-        action="append",
-        help="'none' or e.g. alpha=1ms,bandwidth=1gbit; repeat to run several "
-        "(default: none, then alpha=1ms,bandwidth=1gbit)",
-    )
-    parser.add_argument(
-        "--json", metavar="PATH", type=writable_file, help="also write the results here"
-    )
+    add_links_option(parser, "every activation and gradient")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
-    links = args.link or [None, Link.parse("alpha=1ms,bandwidth=1gbit")]
+    links = links_to_run(args)
     init_distributed()
     results = []
     for link in links:

@@ -113,18 +113,6 @@ from miniddp.sharding.full_state import (
 from miniddp.sharding.units import is_fully_sharded
 from miniddp.sharding.zero import ZeroRedundancyOptimizer
 
-__all__ = [
-    "FORMAT",
-    "CheckpointError",
-    "LoadedCheckpoint",
-    "Progress",
-    "capture_rng_state",
-    "load_checkpoint",
-    "read_checkpoint",
-    "restore_rng_state",
-    "save_checkpoint",
-]
-
 SPREAD_SAVES = (
     "This model's state is spread over the ranks (fully sharded, tensor-parallel shards, or a "
     "pipeline's stages): call save_checkpoint on every rank, not under `if rank == 0:` (it "

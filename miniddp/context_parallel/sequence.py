@@ -30,16 +30,9 @@ from miniddp.collectives import all_gather
 from miniddp.job.env import size_and_rank_in
 from miniddp.job.faults import wait_for
 
-HOW_TO_LAUNCH = (
-    "context parallelism needs a process group: start the script with torchrun (e.g. "
-    "`torchrun --nproc_per_node=2 train.py`) and call miniddp.init_distributed() first"
-)
-
 
 def group_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """W and this rank's place in the context-parallel group, or a clear error."""
-    if not dist.is_initialized():
-        raise RuntimeError(HOW_TO_LAUNCH)
     return size_and_rank_in(
         group,
         "context-parallel",

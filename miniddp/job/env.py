@@ -34,7 +34,7 @@ HOW_TO_LAUNCH = (
     "Launch the script with torchrun, for example\n"
     "    torchrun --nproc_per_node=2 your_script.py\n"
     "or ./launch.sh your_script.py, then call miniddp.init_distributed() (or "
-    "torch.distributed.init_process_group) before building MiniDDP."
+    "torch.distributed.init_process_group) first."
 )
 
 
@@ -58,10 +58,14 @@ class DistEnv:
 
 
 def size_and_rank_in(group: dist.ProcessGroup | None, what: str, fix: str) -> tuple[int, int]:
-    """The size of `group` and this rank's place in it, or a clear error where this rank is no
-    member: torch answers rank -1 and size -1 there, and a shard cut or a table sized from
-    them fails later saying nothing useful. `what` names the group ("pipeline"), `fix` how to
-    give each rank its own."""
+    """The size of `group` and this rank's place in it, or a clear error where there is no
+    process group yet, or where this rank is no member: torch answers rank -1 and size -1
+    there, and a shard cut or a table sized from them fails later saying nothing useful.
+    `what` names the group ("pipeline"), `fix` how to give each rank its own."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"A {what} group needs a process group, and none exists. {HOW_TO_LAUNCH}"
+        )
     rank = dist.get_rank(group)
     if rank < 0:
         ranks = ", ".join(map(str, dist.get_process_group_ranks(group)))

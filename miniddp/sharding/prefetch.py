@@ -43,7 +43,9 @@ from miniddp.observe.events import EventRecorder
 from miniddp.sharding.sharded_parameters import InFlight, ShardedParameters
 
 
-class Phase(Enum):
+class TrainingState(Enum):
+    """Where the root stands in a step, in FSDP2's word for it: which order prefetch follows."""
+
     IDLE = "idle"  # between steps, or a unit called on its own: gather on demand, record nothing
     FORWARD = "forward"  # inside the root's forward
     BACKWARD = "backward"  # from the first unit's backward to autograd's end of backward
@@ -62,7 +64,7 @@ class Prefetcher(EventRecorder):
         self._start_event_log()
         self.root = root
         self.enabled = enabled
-        self.phase = Phase.IDLE
+        self.state = TrainingState.IDLE
         self.forward_order: list[ShardedParameters] = []  # the previous forward's
         self.backward_order: list[ShardedParameters] = []
         self._pre: list[ShardedParameters] = []  # this forward's, as it runs
@@ -85,12 +87,12 @@ class Prefetcher(EventRecorder):
 
     def begin_forward(self) -> None:
         self._drop_unused()  # left by a forward that raised
-        self.phase, self._position, self._pre, self._post = Phase.FORWARD, 0, [], []
+        self.state, self._position, self._pre, self._post = TrainingState.FORWARD, 0, [], []
 
     def unshard_for_forward(self, unit: ShardedParameters) -> list[torch.Tensor]:
         """`unit`'s full parameters (gathered ahead, or now); then the next unit's gather."""
         full = self._take(unit)
-        if self.phase is Phase.FORWARD:
+        if self.state is TrainingState.FORWARD:
             self._pre.append(unit)
             if self.enabled:
                 self._prefetch(self._after(unit, self._position, self.forward_order, "forward"))
@@ -100,13 +102,13 @@ class Prefetcher(EventRecorder):
 
     def after_forward(self, unit: ShardedParameters) -> None:
         self._note_unit("forward", "end", unit)
-        if self.phase is Phase.FORWARD:
+        if self.state is TrainingState.FORWARD:
             self._post.append(unit)
 
     def end_forward(self) -> None:
         self._drop_unused()
         self.forward_order, self.backward_order = self._pre, self._post[::-1]
-        self.phase = Phase.IDLE
+        self.state = TrainingState.IDLE
 
     def unshard_for_backward(self, unit: ShardedParameters, full: list[torch.Tensor]) -> None:
         """Before `unit`'s backward: refill the tensors its forward saved, unless
@@ -141,11 +143,11 @@ class Prefetcher(EventRecorder):
         """Queued on autograd's engine by the first unit's backward: runs once it ends."""
         self._finish_reducing()
         self._drop_unused()
-        self.phase = Phase.IDLE
+        self.state = TrainingState.IDLE
 
     def _begin_backward(self) -> None:
-        if self.phase is not Phase.BACKWARD:
-            self.phase, self._position, self._positions = Phase.BACKWARD, 0, {}
+        if self.state is not TrainingState.BACKWARD:
+            self.state, self._position, self._positions = TrainingState.BACKWARD, 0, {}
             Variable._execution_engine.queue_callback(self.end_backward)
 
     def _after(
@@ -163,7 +165,7 @@ class Prefetcher(EventRecorder):
         for unit in units:
             if id(unit) in self._gathers:
                 continue
-            if self.phase is Phase.BACKWARD and not unit.reshard_after_forward:
+            if self.state is TrainingState.BACKWARD and not unit.reshard_after_forward:
                 continue  # its full parameters were kept: nothing to gather
             gathering = self._start_gather(unit)
             gathering.what += ", prefetched"  # what a dead rank's error will name

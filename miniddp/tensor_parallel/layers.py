@@ -104,16 +104,9 @@ from miniddp.job.env import size_and_rank_in
 from miniddp.job.faults import wait_for
 from miniddp.placement import TensorShard, mark
 
-HOW_TO_LAUNCH = (
-    "tensor parallelism needs a process group: start the script with torchrun (e.g. "
-    "`torchrun --nproc_per_node=2 train.py`) and call miniddp.init_distributed() first"
-)
-
 
 def group_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """W and this rank's place in the tensor-parallel group, or a clear error without one."""
-    if not dist.is_initialized():
-        raise RuntimeError(HOW_TO_LAUNCH)
     return size_and_rank_in(
         group,
         "tensor-parallel",

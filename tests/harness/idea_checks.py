@@ -234,7 +234,7 @@ def train_recording_timeline(spec: TrainSpec) -> list[list[tuple[str, int]]]:
 
 
 def check_overlap(rank_pools, implementation: str, world_size: int = 2) -> None:
-    """Exercise 4's idea: all-reduces travel while backward still computes (in the last step:
+    """Exercise 3's idea: all-reduces travel while backward still computes (in the last step:
     torch's layout sends the first step as one bucket)."""
     spec = dataclasses.replace(OVERLAP_SPEC, implementation=implementation)
     results = rank_pools(world_size).run(train_recording_timeline, spec, timeout=120)

@@ -62,7 +62,8 @@ class OverlapDDP(nn.Module):
         TODO 1. Something must wait for this backward's all-reduces once the last gradient is
         in, before `loss.backward()` returns, and a hook cannot know it is the last one. So on
         the first gradient of each backward, arrange for `self._finish_backward` to run when the
-        autograd engine is done with this backward (chapter 02b shows the engine's hook for it).
+        autograd engine is done with this backward: the engine's `queue_callback`, which chapter
+        02b's first section names (its --diff flag prints rung 2 whole: keep it for after).
         TODO 2. This gradient's all-reduce must leave now, while backward goes on computing the
         others: launched, not waited for. Scale it as rung 1 did, so the bits stay torch's, and
         keep what you need to wait for it later. The hook is handed the parameter: which tensor
