@@ -502,6 +502,25 @@ def test_the_no_sync_stub_fails_and_a_solution_passes_its_claims(rank_pools, tmp
     check_no_sync(rank_pools, solved)
 
 
+# The same solution with the buffer rule skipped: rank 0's buffers broadcast before every
+# forward, inside no_sync too. Its gradients are right; only its BatchNorm statistics are not
+# torch's, so the exercise's own command must put BatchNorm in the model to catch it.
+NO_SYNC_SKIPS_THE_BUFFER_RULE = NO_SYNC_SOLVED.replace(
+    "if after_synced and self.broadcast_buffers:", "if self.broadcast_buffers:"
+)
+
+
+def test_the_no_sync_exercises_command_catches_a_solution_that_skips_the_buffer_rule(
+    rank_pools, tmp_path
+):
+    docstring = (EXERCISES / "no_sync.py").read_text()
+    claims = frozenset(re.search(r"--ddp-claims ([\w,-]+)", docstring).group(1).split(","))
+    assert NO_SYNC_SKIPS_THE_BUFFER_RULE != NO_SYNC_SOLVED
+    wrong = f"{write_class(tmp_path, NO_SYNC_SKIPS_THE_BUFFER_RULE)}:NoSyncDDP"
+    with pytest.raises(AssertionError, match="running_mean' differs from torch's"):
+        check_claims(rank_pools, wrong, 2, FIXED_SPEC, claims)
+
+
 # Exercises 1 and 9, checked where their references are: the ring by tests/test_collectives.py's
 # checks (`--ring`), ZeRO-1 by tests/test_sharding.py's against torch's (`--zero1`).
 RING_STUB = f"{EXERCISES / 'ring.py'}:all_reduce"

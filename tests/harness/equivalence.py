@@ -217,7 +217,11 @@ def check_against_torch(results: list[dict], one_dtype: bool = True, layout: boo
                 buffer = name in ours["buffer_names"]
                 assert same(a, b), f"rank {rank} step {step}: '{name}' differs from torch's" + (
                     ". A buffer (BatchNorm's running statistics): torch's DDP overwrites every "
-                    "buffer with rank 0's before each forward; does yours broadcast them?"
+                    "buffer with rank 0's at the start of a forward that follows a synced one "
+                    "(outside no_sync, with grad enabled), and only then: inside no_sync each "
+                    "rank's statistics run on alone until the step's synced forward, and with "
+                    "broadcast_buffers=False they are never broadcast after construction. Does "
+                    "yours broadcast them in the same forwards?"
                     if buffer
                     else ""
                 )

@@ -6,10 +6,12 @@ each rank alone; the next synced backward all-reduces the accumulated sum once. 
 rung 4 (torch's layout), given; the TODOs are only about no_sync. Fill them in, then check:
 
     python -m pytest tests/test_ddp_equivalence.py -x \
-        --ddp tutorials/exercises/no_sync.py:NoSyncDDP --ddp-claims torch-layout,no-sync
+        --ddp tutorials/exercises/no_sync.py:NoSyncDDP --ddp-claims torch-layout,no-sync,batchnorm
 
 The claim trains with k micro-steps, two inside `no_sync()`, against one process and torch's DDP
-doing the same (bit for bit), and counts your all-reduces: none inside `no_sync()`.
+doing the same (bit for bit), and counts your all-reduces: none inside `no_sync()`. `batchnorm`
+puts BatchNorm in the model, so its buffers are compared with torch's too, bit for bit: that is
+what checks TODO 3's rule.
 Stuck? Chapter 05 (tutorials/05_no_sync.py) explains the idea, and where the forward must be.
 Only once your own attempt passes, compare it with rung 5, miniddp/steps/no_sync.py.
 """
