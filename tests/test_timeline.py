@@ -160,6 +160,25 @@ def test_ascii_timeline_draws_two_lanes_per_rank_on_one_axis():
     assert lines[1].startswith("rank 0") and lines[3].startswith("rank 1")
 
 
+def test_a_bucket_in_flight_only_under_an_older_one_is_drawn_where_it_was_launched():
+    """Bucket 1 launched at 3 s and seen done at 5 s with bucket 0 (at the final wait): it is
+    never the oldest in flight, and without a mark of its own the drawing would hide it."""
+    hidden = events(
+        (0.0, "forward", "start"),
+        (1.0, "forward", "end"),
+        (1.0, "backward", "start"),
+        (2.0, "launch", "bucket 0"),
+        (3.0, "launch", "bucket 1"),
+        (4.0, "backward", "end"),
+        (5.0, "wait", "bucket 0"),
+        (5.0, "wait", "bucket 1"),
+        (5.5, "sync", "end"),
+    )
+    (step,) = split_steps(hidden)
+    comm = ascii_timeline([step], width=55).splitlines()[2].split("|")[1]  # 0.1 s a column
+    assert comm[20:30] == "0" * 10 and comm[30] == "1" and comm[31:50] == "0" * 19
+
+
 def test_plot_writes_a_png(tmp_path):
     path = plot(two_ranks(), tmp_path / "t.png", title="two ranks")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

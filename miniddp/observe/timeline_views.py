@@ -35,7 +35,10 @@ def ascii_timeline(
 
     Compute: f forward, b backward, w waiting for the last all-reduces after backward.
     Communication: the bucket's index (0-9, then a-z, A-Z); where several buckets are in flight,
-    the oldest, which is the one gloo works on: launches are queued in order. By default the
+    the oldest, which is the one gloo works on: launches are queued in order. A bucket that is
+    never the oldest (launched and done while an older one was in flight: its completion is
+    often seen only at the final wait, with the older one's) is drawn once, where it was
+    launched, so that no bucket is missing from the picture. By default the
     drawing is LINE characters wide. A design that sends each gradient alone (rungs 1 and 2)
     records one "bucket" per gradient: pass `travels="gradient"` and the legend says what the
     index counts.
@@ -58,12 +61,23 @@ def ascii_timeline(
         for lane in (COMPUTE, COMM):
             spans = [s for s in step.spans if s.lane == lane]
             row = "".join(_cell(spans, t0 + i * cell, t0 + (i + 1) * cell) for i in range(width))
+            row = _show_the_hidden(row, spans, t0, cell)
             who = names[id(step)] if lane == COMPUTE else ""
             lines.append(f"{who:<{indent - lane_width - 2}} {lane:<{lane_width}} |{row}|")
     lines.append(
         f"{'':{indent}} f forward, b backward, w wait after backward; 0-9a-z: {travels} index"
     )
     return "\n".join(lines)
+
+
+def _show_the_hidden(row: str, spans: list[Span], t0: float, cell: float) -> str:
+    """`row` with each span that no cell shows written into the cell of its start."""
+    cells = list(row)
+    for span in spans:
+        label = _label(span)
+        if label not in row:
+            cells[min(max(int((span.start - t0) / cell), 0), len(cells) - 1)] = label
+    return "".join(cells)
 
 
 def _cell(spans: list[Span], start: float, end: float) -> str:
