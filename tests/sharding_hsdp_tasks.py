@@ -60,12 +60,19 @@ def against_torch(
     policy: dict | None = None,
     kinds: tuple[str, ...] = ("ours", "torch", "ddp"),
 ) -> dict:
-    """The full parameters after every step, per kind; our bytes sent and collectives run."""
-    runs = {kind: train(kind, spec, shard(kind, spec, shape, policy)) for kind in kinds}
+    """The full parameters after every step, per kind; our bytes sent and collectives run.
+    Kind "unprefetched": ours with set_prefetch(False), every collective waited for at once."""
+    runs = {}
+    for kind in kinds:
+        library = "ours" if kind == "unprefetched" else kind
+        model = shard(library, spec, shape, policy)
+        if kind == "unprefetched":
+            model.set_prefetch(False)
+        runs[kind] = train(library, spec, model)
     ours = runs["ours"]
     return {
         "params": {kind: run["params"] for kind, run in runs.items()},
-        "sent": ours["sent"],
+        "sent": {kind: run["sent"] for kind, run in runs.items()},
         "collectives": ours["collectives"],
         "shard_elements": sum(p.numel() for p in ours["model"].parameters()),
     }

@@ -23,12 +23,12 @@ BF16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
 
 @pytest.mark.parametrize("policy", [None, BF16], ids=["fp32", "bf16"])
 def test_hsdp_at_2x2_is_torchs_bits_over_adamw_steps(rank_pools, policy):
-    """Prefetch on (the default), one step of two micro-steps without gradient sync between:
-    the parameters after every step are torch's, on every rank; and each rank sends, per step,
+    """Prefetch on (the default) and off: the parameters after every step are torch's, on
+    every rank; and each rank sends, per step,
     two gathers and a reduce-scatter inside its shard pair, 3(S-1)/S of the padded model,
     then the all-reduce of its 1/S shard over its replica pair, 2(R-1)/R of that."""
     spec = FsdpSpec(steps=3)
-    kinds = ("ours", "torch") if policy else ("ours", "torch", "ddp")
+    kinds = ("ours", "torch") if policy else ("ours", "torch", "ddp", "unprefetched")
     for rank, result in enumerate(
         rank_pools(4).run(sharding_hsdp_tasks.against_torch, spec, (2, 2), policy, kinds)
     ):
@@ -40,7 +40,9 @@ def test_hsdp_at_2x2_is_torchs_bits_over_adamw_steps(rank_pools, policy):
             assert difference <= 1e-6
             assert result["shard_elements"] == SHARD
             labels = 2 * UNITS * UNIT_NUMBER_BYTES
-            assert result["sent"] == [(3 * SHARD + SHARD) * 4 + labels] * spec.steps
+            assert_bitwise(params["unprefetched"], params["ours"], f"rank {rank}: no prefetch")
+            for kind in ("ours", "unprefetched"):
+                assert result["sent"][kind] == [(3 * SHARD + SHARD) * 4 + labels] * spec.steps
             assert result["collectives"][0] == [
                 "all_gather/ring",
                 "all_reduce/recursive_doubling",
@@ -58,3 +60,62 @@ def test_hsdp_accumulating_without_sync_is_torchs_bits(rank_pools):
     for rank, result in enumerate(results):
         assert_bitwise(result["params"]["ours"], result["params"]["torch"], f"rank {rank}")
         assert "all_reduce" not in str(result["collectives"][0])
+
+
+def test_a_1d_mesh_is_plain_fsdp_over_it_with_torchs_bits(pool2):
+    spec = FsdpSpec(steps=2)
+    for result in pool2.run(sharding_hsdp_tasks.against_torch, spec, (2,), None, ("ours", "torch")):
+        assert_bitwise(result["params"]["ours"], result["params"]["torch"], "1-D mesh")
+        assert "all_reduce" not in str(result["collectives"])
+
+
+def test_clip_grad_norm_counts_each_shard_once_not_each_replica(rank_pools):
+    """The true norm is that of the averaged gradient, which MiniDDP holds whole on every
+    rank. Each HSDP rank holds 1/S of it, the same 1/S as its replica: summed along the shard
+    axis only, the pieces count once; summed over all four ranks, twice (sqrt 2 too large)."""
+    results = rank_pools(4).run(sharding_hsdp_tasks.clipped_norms, FsdpSpec(), 0.01)
+    for result in results:
+        ours, true = result["norms"]["ours"], result["norms"]["ddp"]
+        assert result["shard_elements"] == SHARD
+        assert torch.equal(ours, results[0]["norms"]["ours"])  # the same bits on every rank
+        record_max("HSDP clip_grad_norm_ vs the true norm, relative", abs(ours / true - 1).item())
+        assert ours == pytest.approx(true.item(), rel=1e-6)
+
+
+def test_a_checkpoint_saved_on_2x2_resumes_on_a_1d_mesh_of_4(rank_pools, tmp_path):
+    """The file holds the full state, gathered over each shard pair (the replicas hold the
+    same): it loads cut in four, bit for bit, and trains on as HSDP would, within rounding
+    (four-way sums in another order)."""
+    path = str(tmp_path / "hsdp.pt")
+    spec = FsdpSpec(steps=2)
+    results = rank_pools(4).run(sharding_hsdp_tasks.resumes_at_another_mesh, spec, path, (4,))
+    for result in results:
+        assert result["shard_elements"] == 35  # ceil(n/4) per parameter: 1/4 now, not 1/2
+        assert_bitwise([result["after"]], [result["before"]], "loaded against saved")
+        difference = largest_difference([result["resumed"]], [result["straight"]])
+        record_max("HSDP resumed on a 1-D mesh of 4 vs straight 2 x 2", difference)
+        assert difference <= 1e-5
+
+
+def test_a_mesh_of_three_axes_is_refused_on_every_rank_naming_the_two_it_takes(pool2):
+    """torch's fully_shard takes 1 or 2 mesh dims; every rank refuses before any collective."""
+    outcomes = pool2.run_expecting_errors(
+        sharding_hsdp_tasks.shard_over_a_mesh_of, (2, 1, 1), ("pp", "dp", "tp")
+    )
+    for outcome in outcomes:
+        assert outcome.type_name == "ValueError", outcome
+        assert "1-D mesh" in outcome.message and "2-D mesh" in outcome.message
+        assert "got 3 axes ('pp', 'dp', 'tp')" in outcome.message
+        assert "mesh[('pp', 'dp')]" in outcome.message
+
+
+def test_a_mesh_and_a_process_group_together_are_refused(pool2):
+    for outcome in pool2.run_expecting_errors(sharding_hsdp_tasks.shard_over_a_mesh_and_a_group):
+        assert outcome.type_name == "ValueError", outcome
+        assert "a mesh or a process_group, not both" in outcome.message
+
+
+def test_torchs_device_mesh_is_refused_naming_ours(pool2):
+    for outcome in pool2.run_expecting_errors(sharding_hsdp_tasks.shard_over_torchs_mesh):
+        assert outcome.type_name == "TypeError", outcome
+        assert "miniddp.mesh.init_device_mesh" in outcome.message
