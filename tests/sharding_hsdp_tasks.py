@@ -14,21 +14,26 @@ from torch import nn
 
 from miniddp import MiniDDP, fully_shard
 from miniddp.mesh import init_device_mesh
+from miniddp.parallelize import HSDP_AXES, parallelize
 from miniddp.sharding import MixedPrecisionPolicy, clip_grad_norm_
+from tests import parallelize_tasks
+from tests.mesh_tasks import mesh_once
 from tests.sharding_fsdp_tasks import FsdpSpec, batch, build_model, full_parameters, train
 
 NAMES = ("replicate", "shard")
 
 
-@functools.cache
 def mesh_of(library: str, shape: tuple[int, ...]):
     """One mesh per library and shape per process: init_device_mesh makes new groups."""
     names = NAMES[-len(shape) :]
-    if library == "ours":
-        return init_device_mesh("cpu", shape, mesh_dim_names=names)
-    from torch.distributed.device_mesh import init_device_mesh as torchs
+    return mesh_once(shape, names) if library == "ours" else _torchs_mesh(shape, names)
 
-    return torchs("cpu", shape, mesh_dim_names=names)
+
+@functools.cache
+def _torchs_mesh(shape: tuple[int, ...], names: tuple[str, ...]):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
 
 
 def shard(kind: str, spec: FsdpSpec, shape: tuple[int, ...], policy: dict | None = None):
@@ -130,3 +135,26 @@ def shard_over_torchs_mesh() -> None:
     from torch.distributed.device_mesh import init_device_mesh as torchs
 
     fully_shard(build_model(FsdpSpec()), mesh=torchs("cpu", (dist.get_world_size(),)))
+
+
+def parallel_gpt_over_hsdp(shape: tuple[int, int, int, int]) -> dict:
+    """tests/parallelize_tasks.py's GPT through parallelize, on a (pp, dp_replicate, dp_shard,
+    tp) mesh: its losses and full parameters after each step, as train_parallel's."""
+    mesh = mesh_once(shape, HSDP_AXES)
+    parts = parallelize(parallelize_tasks.build_gpt(), mesh, data_parallel="fsdp")
+    optimizer = torch.optim.AdamW(parts.parameters(), lr=1e-2)
+    shards = mesh["dp_shard"].size()
+    replicas = mesh["dp_replicate"].size() * shards
+    replica = mesh["dp_replicate"].get_local_rank() * shards + mesh["dp_shard"].get_local_rank()
+    losses = []
+    for step in range(parallelize_tasks.STEPS):
+        windows = parallelize_tasks.windows(step, replicas).tensor_split(replicas)[replica]
+        losses.append(parts.train_step(windows).item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"losses": losses, "params": parallelize_tasks.full_tensors(parts.model, mesh, True)}
+
+
+def parallelize_hsdp_with_ddp() -> None:
+    mesh = mesh_once((1, 1, dist.get_world_size(), 1), HSDP_AXES)
+    parallelize(parallelize_tasks.build_gpt(), mesh)

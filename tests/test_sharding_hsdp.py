@@ -119,3 +119,32 @@ def test_torchs_device_mesh_is_refused_naming_ours(pool2):
     for outcome in pool2.run_expecting_errors(sharding_hsdp_tasks.shard_over_torchs_mesh):
         assert outcome.type_name == "TypeError", outcome
         assert "miniddp.mesh.init_device_mesh" in outcome.message
+
+
+def test_parallelize_takes_torchtitans_dp_replicate_and_dp_shard_and_trains_as_one_process(
+    rank_pools,
+):
+    """The GPT (float64, dropout off) over (pp, dp_replicate, dp_shard, tp) = (1, 2, 2, 1):
+    every step's loss, and every parameter after 3 AdamW steps, are one process's on the
+    global batch, within rounding."""
+    from tests import parallelize_tasks
+
+    results = rank_pools(4).run(sharding_hsdp_tasks.parallel_gpt_over_hsdp, (1, 2, 2, 1))
+    losses, reference = parallelize_tasks.one_process(replicas=4)
+    for step, expected in enumerate(losses):
+        mean = sum(result["losses"][step] for result in results) / 4
+        assert mean == pytest.approx(expected, abs=1e-12), f"step {step}"
+    for result in results:
+        for name, tensor in result["params"].items():
+            expected = reference["token.weight" if name == "head.weight" else name]  # tied
+            difference = (tensor - expected).abs().max().item()
+            record_max(
+                "parallelize over dp_replicate x dp_shard: |param - one process's|", difference
+            )
+            assert difference < 1e-12, f"{name} is off by {difference:.3g}"
+
+
+def test_parallelize_refuses_ddp_over_an_hsdp_mesh(pool2):
+    for outcome in pool2.run_expecting_errors(sharding_hsdp_tasks.parallelize_hsdp_with_ddp):
+        assert outcome.type_name == "ValueError", outcome
+        assert 'data_parallel="fsdp"' in outcome.message
