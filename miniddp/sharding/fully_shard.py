@@ -24,8 +24,9 @@ all-reduce of the 1/S shard over the replicas, the only traffic between them:
 
     per rank and step   3(S-1)/S·Ψ inside the shard group   +   2(R-1)/R·Ψ/S across replicas
 
-against ZeRO-3 over all R·S ranks, whose 3(RS-1)/(RS)·Ψ all cross the slow link somewhere in
-the ring. Memory: 1/S of the model per rank, not 1/(RS). Chapter 08c measures both.
+against ZeRO-3 over all N = R·S ranks, whose every collective is a ring through every node:
+R of its N hops cross between nodes, each carrying 3(N-1)/N·Ψ. Memory: 1/S of the model per
+rank, not 1/N. Chapter 08c measures both.
 
 With `mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)` the shards stay fp32 and the
 rest is bf16: mixed_precision.py says where each dtype lives.
