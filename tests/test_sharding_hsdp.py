@@ -19,9 +19,12 @@ from tests.test_sharding_fsdp import UNITS, assert_bitwise, largest_difference
 
 SHARD = 69  # FsdpSpec()'s 135 elements over 2 shards: ceil(n/2) per parameter, 3 padding
 BF16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+BF16_REDUCED = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.bfloat16}
 
 
-@pytest.mark.parametrize("policy", [None, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "policy", [None, BF16, BF16_REDUCED], ids=["fp32", "bf16", "bf16 reduced in bf16"]
+)
 def test_hsdp_at_2x2_is_torchs_bits_over_adamw_steps(rank_pools, policy):
     """Prefetch on (the default) and off: the parameters after every step are torch's, on
     every rank; and each rank sends, per step,
