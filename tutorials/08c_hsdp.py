@@ -238,9 +238,9 @@ def main() -> None:
             f"{fmt_bytes(across):>10} {fmt_bytes(want_across):>10}")  # fmt: skip
     say_prose("""\
         Across the nodes, per step: HSDP 2(R-1)·Ψ (each rank's 1/S shard, twice over R = 2:
-        2Ψ), ZeRO-3 3R(N-1)/N·Ψ (4.5Ψ) and DDP 2R(N-1)/N·Ψ (3Ψ). HSDP moves the gathers, a
-        third of its traffic each, onto the fast link, and sends across only the reduced
-        shards. Its price: half the model per rank instead of a quarter.""")
+        2Ψ), ZeRO-3 3R(N-1)/N·Ψ (4.5Ψ) and DDP 2R(N-1)/N·Ψ (3Ψ). HSDP keeps its gathers
+        and reduce-scatters on the fast link and sends across only the reduced shards. Its
+        price: half the model per rank instead of a quarter.""")
 
     section("4. A step over two speeds")
     say(f"  inside a node: {INSIDE}; across: {ACROSS} (miniddp.observe.link.TwoSpeed)")
