@@ -30,6 +30,11 @@ so seed TP ranks alike (the same seed everywhere is simplest). The attention's d
 draws per local head, and TP's bits differ from one process's wherever dropout is on; with
 dropout 0.0 (chapter 15) every composition trains as one process does, within rounding.
 
+HSDP, as torchtitan names it: a mesh whose "dp" is two axes, ("pp", "dp_replicate", "dp_shard",
+"tp"), with data_parallel="fsdp", shards over "dp_shard" and replicates over "dp_replicate"
+(fully_shard over the 2-D mesh[("dp_replicate", "dp_shard")]); replica r of the batch is then
+dp_replicate_rank · dp_shard + dp_shard_rank.
+
 Mixed precision, `parallelize(..., mixed_precision=MixedPrecision(torch.bfloat16))`: one policy
 for both data parallelisms (MiniDDP's `mixed_precision`; fully_shard's MixedPrecisionPolicy with
 the same param_dtype and reduce_dtype). The masters stay fp32, and every step casts them to
@@ -98,6 +103,7 @@ from miniddp.tensor_parallel import (
 )
 
 AXES = ("pp", "dp", "tp")
+HSDP_AXES = ("pp", "dp_replicate", "dp_shard", "tp")  # torchtitan's: "dp" as two axes
 
 
 def tensor_parallel_plan(model: GPT) -> dict[str, ParallelStyle]:
@@ -215,16 +221,25 @@ def parallelize(
     mixed_precision: MixedPrecision | None = None,
 ) -> ParallelGPT:
     """Split `model` (built alike on every rank) over `mesh`, whose axes are named from
-    ("pp", "dp", "tp"), any of them of size 1; `data_parallel` is "ddp" (MiniDDP) or "fsdp";
-    `mixed_precision` computes in its param_dtype on fp32 masters (the module docstring)."""
-    if sorted(mesh.mesh_dim_names) != sorted(AXES):
+    ("pp", "dp", "tp"), any of them of size 1, or for HSDP from HSDP_AXES; `data_parallel` is
+    "ddp" (MiniDDP) or "fsdp"; `mixed_precision` computes in its param_dtype on fp32 masters
+    (the module docstring)."""
+    hsdp = sorted(mesh.mesh_dim_names) == sorted(HSDP_AXES)
+    if sorted(mesh.mesh_dim_names) != sorted(AXES) and not hsdp:
         raise ValueError(
-            f"parallelize needs a mesh with the axes {AXES} (any may have size 1), got "
-            f"{mesh.mesh_dim_names}: init_device_mesh(..., mesh_dim_names=('pp', 'dp', 'tp'))"
+            f"parallelize needs a mesh with the axes {AXES} (any may have size 1), or {HSDP_AXES} "
+            f"for HSDP, got {mesh.mesh_dim_names}: init_device_mesh(..., "
+            "mesh_dim_names=('pp', 'dp', 'tp'))"
         )
     if data_parallel not in ("ddp", "fsdp"):
         raise ValueError(f'data_parallel is "ddp" or "fsdp", got {data_parallel!r}')
-    pp, dp, tp = (mesh[axis].size() for axis in AXES)
+    if hsdp and data_parallel != "fsdp":
+        raise ValueError(
+            "a mesh with ('dp_replicate', 'dp_shard') axes is HSDP, which fully_shard runs: "
+            'pass data_parallel="fsdp", or name one "dp" axis for MiniDDP'
+        )
+    dp_mesh = mesh[("dp_replicate", "dp_shard")] if hsdp else mesh["dp"]
+    pp, dp, tp = mesh["pp"].size(), dp_mesh.size(), mesh["tp"].size()
     layers = len(model.blocks)
     if layers < pp:
         raise ValueError(f"{layers} blocks cannot fill {pp} pipeline stages: use pp <= {layers}")
@@ -240,8 +255,9 @@ def parallelize(
     blocks = range(index * layers // pp, (index + 1) * layers // pp)
     part = GPTStage(model, blocks, first=index == 0, last=index == pp - 1)
 
-    # 3. Data parallelism over "dp", around exactly what this rank holds; it casts for mixed
-    # precision, and without it (dp = 1) ComputeInCopies does what MiniDDP would.
+    # 3. Data parallelism over "dp" (HSDP: its two axes), around exactly what this rank holds;
+    # it casts for mixed precision, and without it (dp = 1) ComputeInCopies does what MiniDDP
+    # would.
     module: nn.Module = part
     if dp > 1 and data_parallel == "ddp":
         module = MiniDDP(
@@ -250,8 +266,8 @@ def parallelize(
     elif dp > 1:
         policy = None if mixed_precision is None else as_policy(mixed_precision)
         for block in part.blocks.values():
-            fully_shard(block, process_group=mesh["dp"].get_group(), mp_policy=policy)
-        module = fully_shard(part, process_group=mesh["dp"].get_group(), mp_policy=policy)
+            fully_shard(block, mesh=dp_mesh, mp_policy=policy)
+        module = fully_shard(part, mesh=dp_mesh, mp_policy=policy)
     elif mixed_precision is not None:
         module = ComputeInCopies(part, mixed_precision)
 

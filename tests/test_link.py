@@ -25,7 +25,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from miniddp import MiniDDP
 from miniddp.job.faults import wait_for
-from miniddp.observe.link import Link, LinkQueue, all_reduce_hook, simulated_link, wire_bytes
+from miniddp.observe.link import (
+    Link,
+    LinkQueue,
+    TwoSpeed,
+    all_reduce_hook,
+    simulated_link,
+    wire_bytes,
+)
 from miniddp.observe.link_sends import p2p_link
 from tests.harness.pool import RankPool
 
@@ -175,6 +182,33 @@ def test_all_reduces_over_the_link_sum_correctly_and_arrive_in_turn(pool2: RankP
         first, second, third = result["done_s"]
         assert first >= transfer and second >= 2 * transfer and third >= 3 * transfer
         assert result["restored"]
+
+
+def over_two_speeds(inside: str, across: str, numel: int) -> dict:
+    """Which link each split of the 2 ranks into nodes puts their group on, and when an
+    all-reduce over both ranks, one per node, completes over the two-speed link."""
+    one_node = TwoSpeed(Link.parse(inside), Link.parse(across), ranks_per_node=2)
+    two_nodes = TwoSpeed(Link.parse(inside), Link.parse(across), ranks_per_node=1)
+    tensor = torch.ones(numel)
+    dist.barrier()
+    with simulated_link(two_nodes):
+        start = time.perf_counter()
+        dist.all_reduce(tensor)
+        done = time.perf_counter() - start
+    return {
+        "one node": str(one_node.link_of(None)),
+        "two nodes": str(two_nodes.link_of(None)),
+        "done_s": done,
+        "sum": tensor[0].item(),
+    }
+
+
+def test_two_speeds_put_a_group_that_spans_nodes_on_the_slow_link(pool2: RankPool) -> None:
+    inside, across, numel = "alpha=10us,bandwidth=100gbit", "alpha=1ms,bandwidth=1gbit", 250_000
+    for result in pool2.run(over_two_speeds, inside, across, numel):
+        assert result["one node"] == inside and result["two nodes"] == across
+        slow = Link.parse(across).seconds(wire_bytes("all_reduce", 4 * numel, 2))
+        assert result["done_s"] >= slow and result["sum"] == 2.0
 
 
 def gradients_over_the_link(link_text: str) -> bool:

@@ -30,11 +30,12 @@ TORCH_LOG = re.compile(r"[DIWEF]\d{4} \d\d:\d\d:\d\d")
 # code on a tiny GPT, with its checks, instead.
 # Chapters 02 and 03 (the README's) run through `./launch.sh` below. Chapter 06 has its own
 # tests/test_failover.py: uninterrupted, crashed and restarted by torchrun, and once finished.
-# Chapter 15 needs 8 ranks: its own tests are at the end of this file.
+# Chapter 15 needs 8 ranks, 08c 4: their own tests are at the end of this file.
 OWN_TESTS = {
     "02_naive_ddp.py",
     "03_bucketing.py",
     "06_failover.py",
+    "08c_hsdp.py",
     "12_train_gpt.py",
     "15_three_d_parallel.py",
 }
@@ -198,3 +199,22 @@ def test_the_three_d_chapter_refuses_another_world_size(tmp_path: Path) -> None:
     assert returncode == 1, tail(output)
     assert output.count("torchrun --nproc_per_node=8 tutorials/15_three_d_parallel.py") == 1
     assert "this job has 1" in output and "Traceback" not in output
+
+
+HSDP_CHAPTER = REPO / "tutorials" / "08c_hsdp.py"
+
+
+@pytest.mark.slow  # 4 ranks on 2 cores, timed over the simulated link; the default suite checks
+def test_the_hsdp_chapter_runs_on_four_ranks(tmp_path: Path) -> None:  # test_sharding_hsdp.py
+    returncode, output = run_chapter(HSDP_CHAPTER, 4, tmp_path)
+    assert returncode == 0, f"{HSDP_CHAPTER.name} exited with {returncode}:\n{tail(output)}"
+    assert "Verified on 4 ranks" in output
+    assert not too_wide(output, tmp_path)
+
+
+def test_the_hsdp_chapter_refuses_another_world_size(tmp_path: Path) -> None:
+    env = child_env(tmp_path, drop=(*LAUNCH_VARIABLES, "WORLD_SIZE", "RANK", "LOCAL_RANK"))
+    returncode, output = run_in_own_session([sys.executable, str(HSDP_CHAPTER)], env, 60)
+    assert returncode == 1, tail(output)
+    assert output.count("torchrun --nproc_per_node=4 tutorials/08c_hsdp.py") == 1
+    assert "Traceback" not in output

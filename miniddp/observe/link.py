@@ -26,6 +26,11 @@ the deliveries in a heap and sleeps until the earliest is due.
         model = MiniDDP(net)            # its broadcast and all-reduces cross the link
         torch_ddp.register_comm_hook(None, all_reduce_hook)   # so do torch's DDP's buckets
 
+A cluster has two speeds: a fast link among a node's GPUs, a slow one between nodes.
+`TwoSpeed(inside, across, ranks_per_node)` gives each its own queue: a collective whose group
+lies in one node crosses `inside`; one whose group spans nodes, `across`, the slowest hop of
+its ring, which sets its pace (chapter 08c times HSDP, ZeRO-3 and DDP on one).
+
 It wraps the attributes (`dist.all_reduce`, ...) that MiniDDP, the ladder and the chapters call.
 torch's DDP reduces in C++, past them: `all_reduce_hook` routes its buckets over the link too.
 """
@@ -116,6 +121,24 @@ class Link:
         unit = next((u for u, size in _TIME_UNITS.items() if self.alpha >= size), "ns")
         alpha = self.alpha / float(_TIME_UNITS[unit])  # in the largest unit it fills: 1ms
         return f"alpha={alpha:g}{unit},bandwidth={bits / 1000**power:g}{_BITS[power]}"
+
+
+@dataclass(frozen=True)
+class TwoSpeed:
+    """`inside` among the ranks of one node, `across` between nodes; a node is a run of
+    `ranks_per_node` consecutive ranks, as torchrun numbers them."""
+
+    inside: Link
+    across: Link
+    ranks_per_node: int
+
+    def link_of(self, group: dist.ProcessGroup | None) -> Link:
+        """The link a collective over `group` crosses: `across` if it holds two nodes' ranks."""
+        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        return self.across if len({r // self.ranks_per_node for r in ranks}) > 1 else self.inside
+
+    def __str__(self) -> str:
+        return f"{self.inside} inside a node of {self.ranks_per_node}, {self.across} across"
 
 
 def _quantity(field: str, value: str, text: str) -> float:
@@ -241,22 +264,31 @@ _COLLECTIVES = {  # torch.distributed name -> (wire model, argument holding n by
 }
 
 
-def active_link() -> Link | None:  # the link simulated_link installed, if any
+def active_link() -> Link | TwoSpeed | None:  # the link simulated_link installed, if any
     return getattr(dist.all_reduce, "simulated_link", None)
 
 
 @contextmanager
-def simulated_link(link: Link | None, also: tuple[Any, ...] = ()) -> Iterator[Link | None]:
+def simulated_link(
+    link: Link | TwoSpeed | None, also: tuple[Any, ...] = ()
+) -> Iterator[Link | TwoSpeed | None]:
     """Inside the block, this process's torch.distributed collectives cross `link` (None: the
-    bare machine, nothing changes). Every rank should enter it, with the same link. `also`:
-    modules whose collectives of the same names and arguments cross it too, on the same queue
-    (`miniddp.collectives`, whose ring fully_shard gathers and reduce-scatters on)."""
+    bare machine, nothing changes; TwoSpeed: its two links, a queue each). Every rank should
+    enter it, with the same link. `also`: modules whose collectives of the same names and
+    arguments cross it too, on the same queues (`miniddp.collectives`, whose ring fully_shard
+    gathers and reduce-scatters on)."""
     if link is None:
         yield None
         return
     if active_link() is not None:
         raise RuntimeError("a simulated link is already installed; leave its block first")
-    queue, deliveries = LinkQueue(link), _Deliveries()
+    two = isinstance(link, TwoSpeed)
+    queues = [LinkQueue(speed) for speed in ((link.inside, link.across) if two else (link,))]
+
+    def queue(group: dist.ProcessGroup | None) -> LinkQueue:
+        return queues[two and link.link_of(group) is link.across]
+
+    deliveries = _Deliveries()
     atexit.register(deliveries.stop)
     originals = {
         (module, name): getattr(module, name)
@@ -265,7 +297,7 @@ def simulated_link(link: Link | None, also: tuple[Any, ...] = ()) -> Iterator[Li
         if hasattr(module, name)
     }
     for (module, name), original in originals.items():
-        setattr(module, name, _delayed(original, *_COLLECTIVES[name], queue, deliveries))
+        setattr(module, name, _delayed(original, *_COLLECTIVES[name], link, queue, deliveries))
     try:
         yield link
     finally:
@@ -275,7 +307,14 @@ def simulated_link(link: Link | None, also: tuple[Any, ...] = ()) -> Iterator[Li
         atexit.unregister(deliveries.stop)
 
 
-def _delayed(original: Callable, wire_model: str, sized: str, queue: LinkQueue, deliveries):
+def _delayed(
+    original: Callable,
+    wire_model: str,
+    sized: str,
+    link: Link | TwoSpeed,
+    queue: Callable[[dist.ProcessGroup | None], LinkQueue],
+    deliveries: _Deliveries,
+):
     signature = inspect.signature(original)
 
     def collective_over_the_link(*args: Any, **kwargs: Any) -> LinkWork | None:
@@ -283,10 +322,11 @@ def _delayed(original: Callable, wire_model: str, sized: str, queue: LinkQueue, 
         bound.apply_defaults()
         async_op = bound.arguments["async_op"]
         tensor = bound.arguments[sized]
-        world_size = dist.get_world_size(bound.arguments["group"])
+        group = bound.arguments["group"]
+        world_size = dist.get_world_size(group)
         nbytes = tensor.numel() * tensor.element_size()
         wire = wire_bytes(wire_model, nbytes, world_size)
-        due = queue.deliver_at(time.perf_counter(), wire) if world_size > 1 else -math.inf
+        due = queue(group).deliver_at(time.perf_counter(), wire) if world_size > 1 else -math.inf
         bound.arguments["async_op"] = True
         real = original(*bound.args, **bound.kwargs)
         if real is None:  # this rank is not in the group: nothing was sent
@@ -297,7 +337,7 @@ def _delayed(original: Callable, wire_model: str, sized: str, queue: LinkQueue, 
         work.wait()
         return None
 
-    collective_over_the_link.simulated_link = queue.link
+    collective_over_the_link.simulated_link = link
     return collective_over_the_link
 
 

@@ -3,7 +3,8 @@
 memory.py              where a rank's bytes go, counted from storages, and the formulas
 zero.py                ZeRO-1: each rank keeps and steps only its partition's optimizer state
 zero2.py               ZeRO-2: a comm hook that reduce-scatters each bucket onto the owners
-fully_shard.py         ZeRO-3: each rank keeps 1/W of every parameter, gathered around its module
+fully_shard.py         ZeRO-3: each rank keeps 1/W of every parameter, gathered around its module;
+                       over a 2-D mesh, HSDP: sharded inside a node, replicated across
 sharded_parameters.py  one fully_shard unit: its shards, and the collectives that move them
 prefetch.py            fully_shard's overlap: the next unit's gather, the last reduce-scatter
 unit_lanes.py          a recorded fully_shard step as lanes: compute, all-gather, reduce-scatter

@@ -24,7 +24,9 @@ parameter's category C the set of axes along which it is distinct across ranks, 
 marks:
 
     "data"    a DataShard mark (ZeRO, fully_shard): counted only where counted_here(), so a
-              ZeRO-1 gradient, replicated but owned, is counted once, on its owner
+              ZeRO-1 gradient, replicated but owned, is counted once, on its owner; under
+              HSDP the mark names the shard group, and the replicas along the other mesh dim,
+              which hold the same piece, are no axis here: each piece counts once
     "tensor"  a TensorShard mark: each TP rank holds another chunk
     "stage"   a Stage mark: counted only on the rank of the stage group that runs the stage,
               index % W (W ranks; one stage a rank: the index itself), so a replica another

@@ -16,6 +16,8 @@ the flattened parameter, padded with zeros, so cut(gather(shards)) gives the sam
 so do the optimizer's states, which are elementwise (Adam's moments of the padding stay zero).
 
 The two `full_*` functions are collectives (call them on every rank); the two loads are not.
+Under HSDP they gather over each rank's shard group: every replica holds the same pieces, so
+each gathers the same full state, and a load cuts for whatever mesh the model has now.
 """
 
 from __future__ import annotations

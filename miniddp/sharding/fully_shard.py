@@ -17,6 +17,17 @@ The life of a sharded module's parameters in one step, on MiniDDP's ring collect
                       division by W, as torch's FSDP2 on gloo), so that rank r keeps the average
                       of shard r; free the full parameters
 
+HSDP, as torch's: `fully_shard(block, mesh=mesh)` with a 2-D mesh ("replicate", "shard")
+shards each parameter over the shard dim only (a node, say) and keeps one copy of the model per
+replica (one per node). Gathers stay inside a shard group; each reduce-scatter is followed by an
+all-reduce of the 1/S shard over the replicas, the only traffic between them:
+
+    per rank and step   3(S-1)/S·Ψ inside the shard group   +   2(R-1)/R·Ψ/S across replicas
+
+against ZeRO-3 over all N = R·S ranks, whose every collective is a ring through every node:
+R of its N hops cross between nodes, each carrying 3(N-1)/N·Ψ. Memory: 1/S of the model per
+rank, not 1/N. Chapter 08c measures both.
+
 With `mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)` the shards stay fp32 and the
 rest is bf16: mixed_precision.py says where each dtype lives.
 
@@ -58,6 +69,7 @@ from torch.utils._pytree import tree_leaves
 import miniddp.collectives as collectives
 from miniddp.job.env import HOW_TO_LAUNCH
 from miniddp.job.faults import wait_for
+from miniddp.mesh import DeviceMesh
 from miniddp.placement import DataShard, carry_over, mark
 from miniddp.same_model import verify_same_model_on_every_rank
 from miniddp.sharding.mixed_precision import MixedPrecisionPolicy, refuse_a_child_in_another_dtype
@@ -143,15 +155,23 @@ class FullyShardedModule:
 def fully_shard(
     module: nn.Module,
     *,
+    mesh: DeviceMesh | None = None,
     process_group: dist.ProcessGroup | None = None,
     reshard_after_forward: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
 ) -> nn.Module:
     """Shard `module`'s parameters that no fully_shard'ed submodule already manages; returns
-    `module`, whose class gains FullyShardedModule's methods. `mp_policy`: see
-    mixed_precision.py (None: compute in the parameters' own dtype)."""
+    `module`, whose class gains FullyShardedModule's methods.
+
+    Over `process_group` (None: the whole job), or, as torch's, over `mesh`: a 1-D mesh shards
+    over its one axis; a 2-D mesh is HSDP, dim 0 replicating and dim 1 sharding, whatever their
+    names. `mp_policy`: see mixed_precision.py (None: compute in the parameters' own dtype)."""
     if not dist.is_initialized():
         raise RuntimeError(f"fully_shard needs a process group. {HOW_TO_LAUNCH}")
+    if mesh is not None:
+        process_group, replicas = _shard_and_replicate_groups(mesh, process_group)
+    else:
+        replicas = None
     if isinstance(module, FullyShardedModule):
         raise ValueError(f"{type(module).__name__} is already fully sharded")
     policy = MixedPrecisionPolicy() if mp_policy is None else mp_policy
@@ -182,7 +202,9 @@ def fully_shard(
     ]
     settings = {"reshard_after_forward": reshard_after_forward, "mp_policy": str(policy)}
     verify_same_model_on_every_rank(named, settings, process_group)
-    shards = [_shard(param, process_group) for param in params.values()]
+    if replicas is not None:  # the replicas must agree too: they average their gradients
+        verify_same_model_on_every_rank(named, settings, replicas)
+    shards = [_shard(param, process_group, replicas) for param in params.values()]
     number = next_number(process_group)
     names = ", ".join(dict.fromkeys(name for p in places.values() for _, name in p))
     sharded = ShardedParameters(
@@ -192,6 +214,7 @@ def fully_shard(
         shapes=[p.shape for p in params.values()],
         shards=shards,
         group=process_group,
+        replicas=replicas,
         reshard_after_forward=reshard_after_forward,
         policy=policy,
     )
@@ -216,17 +239,50 @@ def fully_shard(
     return module
 
 
-def _shard(param: torch.Tensor, group: dist.ProcessGroup | None) -> nn.Parameter:
-    """This rank's piece of rank 0's values of `param` (rank 0's, as DDP does)."""
+def _shard_and_replicate_groups(
+    mesh: DeviceMesh, process_group: dist.ProcessGroup | None
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+    """The group to shard over and the group of replicas (None: plain FSDP), as torch's
+    fully_shard reads a mesh. Refused alike on every rank (they hold the same mesh), before
+    any collective."""
+    if process_group is not None:
+        raise ValueError(
+            "fully_shard takes a mesh or a process_group, not both: the mesh names the groups "
+            "itself (a 1-D mesh's one axis, or a 2-D mesh's dim 1 to shard over)."
+        )
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            "fully_shard's mesh must be a miniddp.mesh.init_device_mesh mesh (the same call as "
+            f"torch's, whose groups MiniDDP's collectives run on); got {type(mesh).__name__}"
+        )
+    if mesh.ndim == 1:
+        return mesh.get_group(), None
+    if mesh.ndim == 2:
+        replicas = mesh.get_group(0)
+        return mesh.get_group(1), replicas if dist.get_world_size(replicas) > 1 else None
+    raise ValueError(
+        f"fully_shard takes a 1-D mesh (it shards over it) or a 2-D mesh (HSDP: dim 0 "
+        f"replicates, dim 1 shards), as torch's does; got {mesh.ndim} axes "
+        f"{mesh.mesh_dim_names}. Pass the two data-parallel axes, e.g. "
+        f"mesh[({mesh.mesh_dim_names[0]!r}, {mesh.mesh_dim_names[1]!r})]."
+    )
+
+
+def _shard(
+    param: torch.Tensor, group: dist.ProcessGroup | None, replicas: dist.ProcessGroup | None
+) -> nn.Parameter:
+    """This rank's piece of rank 0's values of `param` (rank 0's, as DDP does): under HSDP,
+    the first replica's rank 0's, broadcast over the replicas first, then over the shards."""
     if param.device.type == "meta" or not param.dtype.is_floating_point:
         raise ValueError(
             f"fully_shard shards floating-point CPU parameters; got {param.dtype} on {param.device}"
         )
     full = param.detach().clone()
-    source = dist.get_global_rank(group or dist.group.WORLD, 0)
-    work = collectives.broadcast(full, src=source, group=group, async_op=True)
-    what = f"broadcast of rank 0's {tuple(full.shape)} parameter (fully_shard)"
-    wait_for(work.get_future(), what, group)
+    for over in [replicas, group] if replicas is not None else [group]:
+        source = dist.get_global_rank(over or dist.group.WORLD, 0)
+        work = collectives.broadcast(full, src=source, group=over, async_op=True)
+        what = f"broadcast of rank 0's {tuple(full.shape)} parameter (fully_shard)"
+        wait_for(work.get_future(), what, over)
     piece = cut(full, dist.get_rank(group), dist.get_world_size(group))
     return nn.Parameter(piece, param.requires_grad)
 

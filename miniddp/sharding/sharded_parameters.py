@@ -6,6 +6,12 @@ thread and returns at once, `finish_*` waits for it (through the one wait seam, 
 rank is named) and puts the result in place. Between the two, the caller computes: prefetch.py
 decides what runs between.
 
+HSDP (fully_shard over a 2-D mesh): the shards are cut over `group`, the mesh's shard dim, and
+`replicas` holds the ranks with the same shards, one per replica (the replicate dim). The
+reduce-scatter then leaves rank r the average over its shard group of chunk r, and an all-reduce
+over `replicas` averages those: issued behind the reduce-scatter on the one communication
+thread, on its output, so the two travel back to back and are waited for as one.
+
 Sharding: a parameter of n elements is flattened and cut into W chunks of ceil(n/W), the last
 padded with zeros, so every rank's piece has the same length (a collective needs that). Rank
 r's chunk is `module.<name>`: a 1-D Parameter the optimizer steps. Padding stays zero (its
@@ -30,14 +36,21 @@ from miniddp.sharding.units import gather_once_every_rank_agrees
 
 @dataclass
 class InFlight:
-    """A collective issued and not yet waited for: its Work, its output, what errors call it."""
+    """A collective issued and not yet waited for: its Work, its output, what errors call it,
+    the group it runs over; and `first`, a collective issued before it whose output it reduces
+    (HSDP's reduce-scatter, before the all-reduce): waited for first, so that its failure is
+    named rather than hidden behind a second collective that ran on what it left."""
 
     work: collectives.Work
     output: torch.Tensor
     what: str
+    group: dist.ProcessGroup | None
+    first: InFlight | None = None
 
-    def wait(self, group: dist.ProcessGroup | None) -> torch.Tensor:
-        wait_for(self.work.get_future(), self.what, group)
+    def wait(self) -> torch.Tensor:
+        if self.first is not None:
+            self.first.wait()
+        wait_for(self.work.get_future(), self.what, self.group)
         return self.output
 
 
@@ -50,7 +63,8 @@ class ShardedParameters:
     places: list[list[tuple[nn.Module, str]]]  # per parameter: (module, attribute) it lives at
     shapes: list[torch.Size]
     shards: list[nn.Parameter]
-    group: dist.ProcessGroup | None
+    group: dist.ProcessGroup | None  # the shard group: each rank holds another piece
+    replicas: dist.ProcessGroup | None  # HSDP's replicate group (the same pieces), or None
     reshard_after_forward: bool
     policy: MixedPrecisionPolicy
     originals: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)  # unsharded
@@ -82,11 +96,12 @@ class ShardedParameters:
         gathered = torch.empty(world * length, dtype=dtype, device=device)
         mine = torch.cat([s.detach().to(dtype) for s in self.shards])  # cast before the gather
         work = gather_once_every_rank_agrees(self, gathered, mine)
-        return InFlight(work, gathered, f"all-gather of {self.name} ({gathered.nbytes:,} bytes)")
+        what = f"all-gather of {self.name} ({gathered.nbytes:,} bytes)"
+        return InFlight(work, gathered, what, self.group)
 
     def finish_gather(self, gathering: InFlight) -> list[torch.Tensor]:
         """Wait for `gathering`; one full tensor per parameter."""
-        gathered = gathering.wait(self.group)
+        gathered = gathering.wait()
         world, length = self.world_size, sum(s.numel() for s in self.shards)
         rows, full, offset = gathered.view(world, length), [], 0
         for shard, shape in zip(self.shards, self.shapes):
@@ -106,7 +121,13 @@ class ShardedParameters:
 
     def start_reduce_scatter(self, grads: list[torch.Tensor]) -> InFlight:
         """Issue the reduce-scatter that leaves rank r the average over ranks of chunk r of
-        every gradient. The gradients are in gradient_dtype already (see _Unshard.backward)."""
+        every gradient, and under HSDP the all-reduce that averages it over the replicas. The
+        gradients are in gradient_dtype already (see _Unshard.backward).
+
+        Two averages, each a sum and one division (gloo's AVG), in torch's FSDP2's order
+        (`_get_gradient_divide_factors`: AVG for the reduce-scatter, AVG for the all-reduce,
+        in fp32 and bf16): (sum over S of g) / S, then (sum over R of that) / R. Dividing by
+        a power of two is exact, so at 2 x 2 that is the sum over all four divided by 4."""
         world, length = self.world_size, sum(s.numel() for s in self.shards)
         pieces = torch.zeros(world, length, dtype=grads[0].dtype, device=grads[0].device)
         offset = 0
@@ -119,16 +140,20 @@ class ShardedParameters:
         work = collectives.reduce_scatter_tensor(
             mine, pieces, op=dist.ReduceOp.AVG, group=self.group, async_op=True
         )
-        return InFlight(
-            work, mine, f"reduce-scatter of {self.name}'s gradients ({pieces.nbytes:,} bytes)"
-        )
+        what = f"reduce-scatter of {self.name}'s gradients ({pieces.nbytes:,} bytes)"
+        reducing = InFlight(work, mine, what, self.group)
+        if self.replicas is None:
+            return reducing
+        work = collectives.all_reduce(mine, dist.ReduceOp.AVG, self.replicas, async_op=True)
+        what = f"all-reduce of {self.name}'s gradient shard over its replicas ({mine.nbytes:,} B)"
+        return InFlight(work, mine, what, self.replicas, first=reducing)
 
     def finish_reduce_scatter(self, reducing: InFlight) -> None:
         """Wait for `reducing`, and add each shard's piece into its `.grad` in the shard's
         dtype, as autograd would have (None: set it; else add in place). Then run the shard's
         post-accumulate-grad hooks (an optimizer stepping in backward, say): autograd never
         accumulates into a shard, so it would not run them; torch's FSDP2 runs them here too."""
-        reduced = reducing.wait(self.group).split([s.numel() for s in self.shards])
+        reduced = reducing.wait().split([s.numel() for s in self.shards])
         for shard, piece in zip(self.shards, reduced):
             if shard.grad is None:
                 shard.grad = piece.to(shard.dtype)

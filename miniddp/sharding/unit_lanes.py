@@ -11,7 +11,8 @@ The lanes, as the Prefetcher notes them (prefetch.py, `_note_unit`):
     compute          "forward 2", "backward 2": from the unit's parameters in place (and the
                      next gather issued) to its forward's end, or to its gradients' arrival
     all-gather       "all-gather 2": from its issue to its completion (on the link's thread)
-    reduce-scatter   "reduce-scatter 2": the same
+    reduce-scatter   "reduce-scatter 2": the same (under HSDP, to the end of the all-reduce
+                     over the replicas that follows it)
 
 Communication overlaps when it is in flight while some unit computes; the rest is exposed:
 
