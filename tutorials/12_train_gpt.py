@@ -51,7 +51,8 @@ Measured, the default run on 2 CPU ranks (docs/figures/12_loss.png): the validat
 about 4.4 nats per character to about 2.3 in 200 steps (the training loss, noisier, ends between 2.0
 and 2.3). The text is this Python's own standard library, so the exact figures move with the Python
 version (4.37 to 2.27 on the one the figure was drawn with, a first 4.42 on 3.11). 2.3 nats is a
-perplexity of about 10 characters, against 98 for a guess. (It starts below ln 98 = 4.58: with the head tied to the embedding, the untrained model already favours repeating its input
+perplexity of about 10 characters, against 98 for a guess. (It starts below ln 98 = 4.58: with
+the head tied to the embedding, the untrained model already favours repeating its input
 character, and code repeats spaces.) Both replicas, the whole run included, took 174 s of CPU time
 over the two ranks: about a minute and a half of wall time on two idle cores, by that count.
 (Measured here on two cores shared with a dozen other processes, load average 12: 7 minutes.)
