@@ -43,9 +43,10 @@ prefetch.py says what runs beside what. How a unit is cut into shards, and its c
 sharded_parameters.py.
 
 Communication per step, per rank: 3(W-1)/W·Ψ (two all-gathers and a reduce-scatter), 1.5 times
-DDP's all-reduce; and before each all-gather, 8 bytes to every other rank, the unit's number: a
-unit skipped on one rank (a branch in the forward) would pair two units' gathers, which gloo
-answers by aborting the process, or, when the sizes match, by mixing their parameters.
+DDP's all-reduce; and inside each all-gather's own messages, 8 bytes more a piece, the unit's
+number (units.py): a unit skipped on one rank (a branch in the forward) would pair two units'
+gathers, which gloo answers by aborting the process, or, when the sizes match, by mixing their
+parameters; with the numbers every rank names both units instead.
 
 Bitwise torch's fully_shard at W = 2, where every sum is a + b = b + a. With more ranks, the
 ring adds chunk c's terms in an order set by c, as gloo's does, but torch cuts a parameter by
@@ -100,8 +101,7 @@ class _Unshard(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         state: ShardedParameters = ctx.state
-        state.place(state.shards)  # what the optimizer steps, outside forward and backward
-        state.gathered = False
+        state.hold_shards()  # what the optimizer steps, outside forward and backward
         state.free(list(ctx.saved_tensors))
         grads = tuple(g.to(state.gradient_dtype) for g in grads)  # FSDP2 accumulates in it too
         if state.accumulated is not None:
@@ -224,7 +224,7 @@ def fully_shard(
     for original, shard in zip(params.values(), shards, strict=True):
         carry_over(original, shard)  # a shard of a TP shard stays one (FSDP x TP), and a stage's
         mark(shard, data=DataShard(process_group))  # then: a piece per rank of the group
-    sharded.place(shards)
+    sharded.hold_shards()
     module._sharded = sharded if shards else None
     module._mp_policy = policy
     prefetcher = Prefetcher(root=module)  # the root's, until an ancestor is sharded too
@@ -325,8 +325,7 @@ def _before_forward(module: nn.Module, args: Any, kwargs: dict) -> tuple[Any, di
         prefetcher.begin_forward()
     if state is not None:
         state.full = list(_Unshard.apply(state, prefetcher, _anchor(state)))
-        state.place(state.full)
-        state.gathered = True
+        state.hold_full(state.full)
     return module._mp_policy.cast_inputs(args, kwargs)
 
 
@@ -352,8 +351,7 @@ def _after_forward(module: nn.Module, args: Any, output: Any) -> Any:
 def _free_or_wait_for_backward(
     state: ShardedParameters, prefetcher: Prefetcher, output: Any
 ) -> None:
-    state.place(state.shards)
-    state.gathered = False
+    state.hold_shards()
     full = state.full  # this call's: a module called twice has one set per call
     waiting = [t for t in tree_leaves(output) if torch.is_tensor(t) and t.requires_grad]
     if not waiting or not torch.is_grad_enabled():
@@ -367,7 +365,6 @@ def _free_or_wait_for_backward(
         # recompute calls its forward again, which must find them there (_Unshard.backward
         # puts the shards back).
         prefetcher.unshard_for_backward(state, full)
-        state.place(full)
-        state.gathered = True
+        state.hold_full(full)
 
     torch.autograd.graph.register_multi_grad_hook(waiting, before_backward, mode="any")

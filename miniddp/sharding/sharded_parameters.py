@@ -31,7 +31,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 import miniddp.collectives as collectives
 from miniddp.job.faults import wait_for
 from miniddp.sharding.mixed_precision import MixedPrecisionPolicy
-from miniddp.sharding.units import gather_once_every_rank_agrees
+from miniddp.sharding.units import ShardedState, gather_once_every_rank_agrees
 
 
 @dataclass
@@ -68,7 +68,7 @@ class ShardedParameters:
     reshard_after_forward: bool
     policy: MixedPrecisionPolicy
     originals: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)  # unsharded
-    gathered: bool = False  # between the unit's forward pre-hook and its forward hook
+    sharded_state: ShardedState = ShardedState.SHARDED
     full: list[torch.Tensor] = field(default_factory=list)  # the latest forward's, unsharded
     requires_gradient_sync: bool = True
     accumulated: list[torch.Tensor] | None = None  # full gradients held back by no sync
@@ -192,7 +192,17 @@ class ShardedParameters:
             tensor.untyped_storage().resize_(value.untyped_storage().nbytes())
             tensor.data.copy_(value)  # .data: autograd need not see the refill
 
-    def place(self, tensors: list[torch.Tensor]) -> None:
+    def hold_full(self, full: list[torch.Tensor]) -> None:
+        """The modules compute with `full` (gathered, or refilled for backward)."""
+        self._place(full)
+        self.sharded_state = ShardedState.UNSHARDED
+
+    def hold_shards(self) -> None:
+        """The modules hold the shards again: what the optimizer steps and a state dict saves."""
+        self._place(self.shards)
+        self.sharded_state = ShardedState.SHARDED
+
+    def _place(self, tensors: list[torch.Tensor]) -> None:
         for places, tensor in zip(self.places, tensors):
             for module, name in places:
                 module._parameters[name] = tensor

@@ -11,6 +11,7 @@ submodule called outside its unit.
 from __future__ import annotations
 
 import weakref
+from enum import Enum
 from typing import Any, Protocol
 
 import torch
@@ -22,6 +23,14 @@ import miniddp.collectives as collectives
 from miniddp.job.faults import CollectiveFailed, ranks
 
 
+class ShardedState(Enum):
+    """Which parameters a unit's modules hold, in FSDP2's words (its ShardedState). Only
+    hold_full and hold_shards move a unit between them."""
+
+    SHARDED = "the shards: what the optimizer steps, outside the unit's forward and backward"
+    UNSHARDED = "the full parameters: inside the unit's forward, or its backward"
+
+
 class Unit(Protocol):
     """What these checks read of a unit (fully_shard's ShardedParameters): its number and name,
     its group, its shards. A protocol, so that this module needs nothing from fully_shard.py."""
@@ -30,6 +39,7 @@ class Unit(Protocol):
     name: str
     group: dist.ProcessGroup | None
     shards: list[nn.Parameter]
+    sharded_state: ShardedState
 
     @property
     def compute_dtype(self) -> torch.dtype: ...
@@ -166,7 +176,7 @@ def refuse_what_would_shard_wrongly(
 
 
 def refuse_outside_its_unit(unit: Unit, module: nn.Module, args: Any) -> None:
-    if not unit.gathered:
+    if unit.sharded_state is not ShardedState.UNSHARDED:
         raise RuntimeError(
             f"{type(module).__name__} was called on its own, but its parameters belong to "
             f"{unit.name} and are full only during that module's forward. Call the unit "
