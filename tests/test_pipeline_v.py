@@ -1,0 +1,184 @@
+"""The V schedules (miniddp/pipeline/v_schedules.py): two stages a rank, r and 2W - 1 - r,
+ScheduleZBVZeroBubble and ScheduleDualPipeV, against one process and against torch's own
+schedules of the same names, on gloo, at W = 2 and 4.
+
+The bar is bitwise, as in tests/test_pipeline_interleaved.py and for the same reasons: every
+stage adds its microbatches' weight gradients into .grad in the order 0 .. m-1 (a W i or a
+whole B i, each the same kernels on the same values), each microbatch's loss divided by m.
+
+The V itself is checked where a mistake would hide: the orders are torch's, action for action;
+the placement is torch's (rank r holds r and 2W - 1 - r: a second stage on the wrong rank sends
+to the wrong peer); the gradients' norm counts each stage once (on the rank that runs it); a
+rank given other stages than the V's is refused on every rank, before any send.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from miniddp.pipeline import PipelineStage, ScheduleDualPipeV, ScheduleZBVZeroBubble
+from miniddp.pipeline.actions import order_problem
+from miniddp.pipeline.bubble import peak_held, replay
+from miniddp.pipeline.interleaved import interleaved_order
+from miniddp.pipeline.v_schedules import dualpipev_order, v_placement, v_stages, zbv_order
+from miniddp.sharding.clipping import clip_grad_norm_
+from tests.test_pipeline import assert_stage_equal, batch, build_model, mean_share, mse
+from tests.test_pipeline import one_process as one_process_per_stage
+from tests.test_pipeline_interleaved import per_stage, reference_norms, spec_for
+
+OURS = {"zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
+TORCH_NAMES = {"zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+
+
+def torch_orders(name: str, ranks: int, m: int) -> list[list[tuple[str, int, int]]]:
+    """torch's own order for each rank, its overlapped pairs written as their two actions (torch
+    runs the forward first). Read from the schedule's order-making method, without a pipeline."""
+    from torch.distributed.pipelining import schedules
+
+    kinds = {"FORWARD": "F", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+    kinds["FULL_BACKWARD"] = "B"
+    cls = getattr(schedules, TORCH_NAMES[name])
+    this = SimpleNamespace(pp_group_size=ranks, _n_microbatches=m, num_stages=2 * ranks)
+    orders = []
+    for rank in range(ranks):
+        flat = []
+        for action in filter(None, cls._calculate_single_rank_operations(this, rank)):
+            for each in action.sub_actions or [action]:
+                kind = kinds[each.computation_type.name]
+                flat.append((kind, each.microbatch_index, each.stage_index))
+        orders.append(flat)
+    return orders
+
+
+OURS_ORDER = {"zbv": zbv_order, "dualpipev": dualpipev_order}
+
+
+@pytest.mark.parametrize("name", list(OURS))
+def test_the_orders_and_the_placement_are_torchs(name):
+    """Action for action, W = 1 .. 5 and every m up to 20 that torch accepts (DualPipeV: m >=
+    2W); and the V's placement is torch's `generate_stage_to_rank_mapping(style="v")`."""
+    from torch.distributed.pipelining.schedules import generate_stage_to_rank_mapping
+
+    for ranks in range(1, 6):
+        torch_v = generate_stage_to_rank_mapping(ranks, 2 * ranks, style="v")
+        assert v_placement(ranks) == [torch_v[s] for s in range(2 * ranks)]
+        for m in range(2 * ranks if name == "dualpipev" else 1, 21):
+            ours = [OURS_ORDER[name](r, ranks, m) for r in range(ranks)]
+            assert [[tuple(a) for a in o] for o in ours] == torch_orders(name, ranks, m), (ranks, m)
+            for rank, order in enumerate(ours):
+                assert order_problem(order, m, list(v_stages(rank, ranks))) is None
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_on_a_logical_clock_the_v_idles_as_the_papers_say_and_holds_evenly(ranks):
+    """Each F costs 1, each I and W 1 (B 2). Interleaved 1F1B idles (W - 1)(F + B) a rank,
+    ZB1P (W - 1)(F + B - 2W) (DeepSeek-V3's table, per stage). ZB-V with t_F = t_I = t_W has
+    no idle slot inside any rank's span (Qi et al.): each rank idles only its start-up, W - 1.
+    DualPipeV stays under its table's bound, (W - 1)(F&B + B - 3W) with F&B = F + B here.
+    Memory: ZB-V holds 2W microbatch-stages on every rank, DualPipeV 2W + 1 (the table's
+    PP + 1), evenly; interleaved 1F1B's rank 0 holds at least as much, its last rank less."""
+    m = 4 * ranks
+    f, b, w = 1, 2, 1
+
+    def idle(orders):
+        blocks = replay(orders)
+        end = max(x.end for row in blocks for x in row)
+        own = [max(x.end for x in row) - min(x.start for x in row) for row in blocks]
+        busy = [sum(x.duration for x in row) for row in blocks]
+        return [end - t for t in busy], [span - t for span, t in zip(own, busy)]
+
+    loop = idle([interleaved_order(r, ranks, 2, m) for r in range(ranks)])[0]
+    zb1p = idle([interleaved_order(r, ranks, 2, m, zero_bubble=True) for r in range(ranks)])[0]
+    zbv = [zbv_order(r, ranks, m) for r in range(ranks)]
+    dualpipev = [dualpipev_order(r, ranks, m) for r in range(ranks)]
+    assert loop == [(ranks - 1) * (f + b)] * ranks
+    assert zb1p == [(ranks - 1) * (f + b - 2 * w)] * ranks
+    assert idle(zbv) == ([ranks - 1] * ranks, [0] * ranks)
+    assert all(t <= (ranks - 1) * ((f + b) + b - 3 * w) for t in idle(dualpipev)[0])
+    assert [peak_held(o) for o in zbv] == [2 * ranks] * ranks
+    assert [peak_held(o) for o in dualpipev] == [2 * ranks + 1] * ranks
+    loop_peaks = [peak_held(interleaved_order(r, ranks, 2, m)) for r in range(ranks)]
+    assert loop_peaks[0] >= 2 * ranks + 1 > 2 * ranks > loop_peaks[-1]  # uneven: rank 0 most
+
+
+def my_v_stages(spec, model, stage_class=PipelineStage) -> list:
+    """This rank's stages in the V, r then 2W - 1 - r, built in that order."""
+    indices = v_stages(dist.get_rank(), dist.get_world_size())
+    return [stage_class(model[s], s, spec.stages, "cpu") for s in indices]
+
+
+def make(kind: str, spec, model):
+    m = spec.n_microbatches
+    if kind.startswith("torch-"):
+        from torch.distributed.pipelining import PipelineStage as TorchStage
+        from torch.distributed.pipelining import schedules
+
+        cls = getattr(schedules, TORCH_NAMES[kind.removeprefix("torch-")])
+        stages = my_v_stages(spec, model, TorchStage)
+        return cls(stages, m, loss_fn=partial(mean_share, m=m), scale_grads=False), stages
+    stages = my_v_stages(spec, model)
+    return OURS[kind](stages, m, mse), stages
+
+
+def train(spec, kind: str) -> dict:
+    """This rank's two stages trained with `kind`: per stage its gradients each step and its
+    parameters at the end; the losses (rank 0 holds the last stage); the gradients' norm."""
+    model = build_model(spec)
+    schedule, stages = make(kind, spec, model)
+    blocks = [model[stage.stage_index] for stage in stages]
+    params = [p for block in blocks for p in block.parameters()]
+    optimizer = torch.optim.SGD(params, lr=spec.lr)
+    grads, losses, norms = [], [], []
+    for step in range(spec.steps):
+        step_losses: list[torch.Tensor] = []
+        x, y = batch(spec, step)
+        if dist.get_rank() == 0:  # the first stage and the last: the batch in, the loss out
+            schedule.step(x, target=y, losses=step_losses)
+        else:
+            schedule.step()
+        grads.append([[p.grad.clone() for p in block.parameters()] for block in blocks])
+        losses.append([loss.detach() for loss in step_losses])
+        if not kind.startswith("torch-"):
+            norms.append(clip_grad_norm_(params, max_norm=math.inf).item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return {
+        "indices": [s.stage_index for s in stages],
+        "grads": grads,
+        "losses": losses,
+        "norms": norms,
+        "params": [[p.detach().clone() for p in block.parameters()] for block in blocks],
+    }
+
+
+SLOW = pytest.mark.slow  # a second m at 2 ranks, or another at 4: 4 ranks share 2 cores
+CASES = [("zbv", 2, 2, 3), ("zbv", 2, 4, 3), ("dualpipev", 2, 4, 3)]
+CASES += [("zbv", 4, 8, 2), ("dualpipev", 4, 8, 2)]  # m >= 2W for DualPipeV; 2 steps
+CASES += [pytest.param(name, 2, 6, 3, marks=SLOW) for name in OURS]
+CASES += [pytest.param("zbv", 4, 3, 2, marks=SLOW), pytest.param("dualpipev", 4, 12, 2, marks=SLOW)]
+
+
+@pytest.mark.parametrize("name, ranks, m, steps", CASES, ids=lambda value: str(value))
+def test_each_v_schedule_is_bitwise_one_process_and_torchs(rank_pools, name, ranks, m, steps):
+    """Every stage's gradients each step, its parameters at the end and every loss, bitwise one
+    process's and torch's schedule of the same name (m < 2W - 1 too: ZB-V's order is built for
+    2W - 1 microbatches and cut); the gradients' 2-norm over the ranks one process's, up to
+    rounding (each stage counted once, on the rank that runs it: rank 2W - 1 - s for s >= W)."""
+    spec = spec_for(ranks, m, steps)
+    pool = rank_pools(ranks)
+    reference = one_process_per_stage(spec)
+    results = pool.run(train, spec, name)
+    ours = per_stage(results, spec)
+    theirs = per_stage(pool.run(train, spec, f"torch-{name}"), spec)
+    for s in range(spec.stages):
+        assert_stage_equal(ours[s], reference, s, spec, f"{name} against one process")
+        shares = [[loss / m for loss in step] for step in ours[s]["losses"]]  # torch's
+        assert_stage_equal({**ours[s], "losses": shares}, theirs[s], s, spec, f"{name}/torch")
+    norms = reference_norms(spec)  # the same squares, summed in another order
+    assert all(r["norms"] == pytest.approx(norms, rel=1e-6) for r in results)
