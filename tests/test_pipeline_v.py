@@ -21,13 +21,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from miniddp import MiniDDP
 from miniddp.pipeline import PipelineStage, ScheduleDualPipeV, ScheduleZBVZeroBubble
 from miniddp.pipeline.actions import order_problem
 from miniddp.pipeline.bubble import peak_held, replay
 from miniddp.pipeline.interleaved import interleaved_order
 from miniddp.pipeline.v_schedules import dualpipev_order, v_placement, v_stages, zbv_order
 from miniddp.sharding.clipping import clip_grad_norm_
+from tests.mesh_tasks import mesh_once
 from tests.test_pipeline import assert_stage_equal, batch, build_model, mean_share, mse
 from tests.test_pipeline import one_process as one_process_per_stage
 from tests.test_pipeline_interleaved import per_stage, reference_norms, spec_for
@@ -182,3 +185,114 @@ def test_each_v_schedule_is_bitwise_one_process_and_torchs(rank_pools, name, ran
         assert_stage_equal({**ours[s], "losses": shares}, theirs[s], s, spec, f"{name}/torch")
     norms = reference_norms(spec)  # the same squares, summed in another order
     assert all(r["norms"] == pytest.approx(norms, rel=1e-6) for r in results)
+
+
+DP_WIDTHS, DP_STEPS, DP_LR = (6, 5, 4, 4, 3), 3, 0.1  # four stages: a V on pp = 2
+
+
+def dp_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in zip(DP_WIDTHS, DP_WIDTHS[1:])]
+    return nn.Sequential(*blocks).double()
+
+
+def dp_batch(m: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch: 2 replicas x m microbatches x 2 samples."""
+    generator = torch.Generator().manual_seed(step)
+    x = torch.randn(4 * m, DP_WIDTHS[0], generator=generator, dtype=torch.float64)
+    return x, torch.randn(4 * m, DP_WIDTHS[-1], generator=generator, dtype=torch.float64)
+
+
+def train_dp_v(name: str, m: int) -> dict:
+    """A (pp, dp) = (2, 2) mesh: each pp rank holds its two stages of the V, each stage wrapped
+    in its own MiniDDP over "dp", trained on its replica's half of each global batch."""
+    mesh = mesh_once((2, 2), ("pp", "dp"))
+    pp_rank, replica = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    model, indices = dp_model(), v_stages(pp_rank, 2)
+    wrapped = [MiniDDP(model[s], process_group=mesh["dp"].get_group()) for s in indices]
+    pp_group = mesh["pp"].get_group()
+    stages = [PipelineStage(w, s, 4, "cpu", group=pp_group) for w, s in zip(wrapped, indices)]
+    schedule = OURS[name](stages, m, mse)
+    params = [p for s in indices for p in model[s].parameters()]
+    optimizer = torch.optim.SGD(params, lr=DP_LR)
+    for step in range(DP_STEPS):
+        x, y = (t.tensor_split(2)[replica] for t in dp_batch(m, step))
+        schedule.step(x, target=y) if pp_rank == 0 else schedule.step()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {
+        "params": {s: [p.detach().clone() for p in model[s].parameters()] for s in indices},
+        "reduced_once_a_step": [w.all_reduce_count == DP_STEPS * len(w.buckets) for w in wrapped],
+    }
+
+
+@pytest.mark.parametrize("name", list(OURS))
+def test_with_miniddp_over_dp_each_v_is_one_process_on_the_global_batch(rank_pools, name):
+    """pp = 2 x dp = 2, MiniDDP inside each stage: one all-reduce a stage a step, at its last
+    backward (a whole B, or the last W of a split one); within 1e-12 of one process on the
+    global batch (the same numbers, averaged in another order); both replicas bitwise alike."""
+    m = 4
+    results = rank_pools(4).run(train_dp_v, name, m)
+    model = dp_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=DP_LR)
+    for step in range(DP_STEPS):
+        x, y = dp_batch(m, step)
+        mse(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for rank, result in enumerate(results):  # the mesh: rank = 2 * pp + dp
+        assert all(result["reduced_once_a_step"]), f"rank {rank}"
+        for s, params in result["params"].items():
+            for index, (ours, reference) in enumerate(zip(params, model[s].parameters())):
+                difference = (ours - reference.detach()).abs().max().item()
+                assert difference <= 1e-12, f"rank {rank}, stage {s}, parameter {index}"
+        replica = results[rank ^ 1]["params"]
+        assert all(
+            torch.equal(a, b)
+            for s in result["params"]
+            for a, b in zip(result["params"][s], replica[s])
+        ), f"rank {rank}"
+
+
+def bad_v(mistake: str) -> None:
+    """Two ranks, four stages, one mistake; every rank must raise the same clear error."""
+    rank, spec = dist.get_rank(), spec_for(2, 4)
+    model = build_model(spec)
+    x, y = batch(spec, 0)
+    if mistake == "mirrored_on_one_rank":  # rank 0 builds the V's 3, rank 1 the loop's 3
+        PipelineStage(model[rank], rank, 4, "cpu")
+        PipelineStage(model[3], 3, 4, "cpu")
+    if mistake == "second_stage_of_the_loop":  # r and r + W: the V's second stage elsewhere
+        stages = [PipelineStage(model[s], s, 4, "cpu") for s in (rank, rank + 2)]
+    else:
+        stages = my_v_stages(spec, model)
+    schedule_class, m = ScheduleZBVZeroBubble, 4
+    if mistake == "one_stage_given" and rank == 1:
+        stages = stages[:1]
+    if mistake == "too_few_microbatches":
+        schedule_class, m = ScheduleDualPipeV, 2
+    schedule = schedule_class(stages, m, mse)
+    schedule.step(x, target=y) if rank == 0 else schedule.step()
+
+
+V_MISTAKES = {
+    "mirrored_on_one_rank": ("rank 1 says stage_index=3", "second stage 3 - r on every rank"),
+    "second_stage_of_the_loop": ("was given stages [", "on rank 2W - 1 - s from W on"),
+    "one_stage_given": ("rank 1 was given stages [1] of 4", "give it stages [1, 2]"),
+    "too_few_microbatches": ("n_microbatches=2", "at least as many microbatches as stages, 4"),
+}
+
+
+@pytest.mark.parametrize("mistake", list(V_MISTAKES))
+def test_a_v_given_other_stages_is_refused_on_every_rank_before_any_send(pool2, mistake):
+    """Two stages a rank, r and 2W - 1 - r, else every rank raises the same ValueError at the
+    step's first check (an all-reduce, before any activation moves), the rank at fault saying
+    what it was given and what to give; a round built half mirrored, when the stages are built."""
+    problem, fix = V_MISTAKES[mistake]
+    outcomes = pool2.run_expecting_errors(bad_v, mistake)
+    for rank, outcome in enumerate(outcomes):
+        assert outcome is not None and outcome.type_name == "ValueError", (rank, outcome)
+        if mistake != "one_stage_given" or rank == 1:  # the detail is the rank's own
+            assert problem in outcome.message and fix in outcome.message, outcome.message
+        if mistake == "second_stage_of_the_loop":
+            assert f"give it stages {list(v_stages(rank, 2))}" in outcome.message
