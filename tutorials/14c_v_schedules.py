@@ -32,7 +32,7 @@ from torch import nn
 
 from miniddp.job.env import init_distributed
 from miniddp.pipeline import PipelineStage, ScheduleDualPipeV, ScheduleZBVZeroBubble
-from miniddp.pipeline.bubble import ascii_chart, peak_held, replay
+from miniddp.pipeline.bubble import peak_held, replay
 from miniddp.pipeline.interleaved import interleaved_order
 from miniddp.pipeline.v_schedules import dualpipev_order, v_placement, v_stages, zbv_order
 
@@ -147,18 +147,19 @@ def main() -> None:
     section("2. The orders")
     say_prose(
         f"""\
-        Each schedule is an order per rank (F3.7: microbatch 3's forward at stage 7; I and W
-        the backward's halves, chapter 14b). On the logical clock, F = {F}, B = {B}, I = W =
-        {W} a stage, m = {m}, '.' idle:"""
+        Each schedule is an order per rank (F3@7: microbatch 3's forward at stage 7; I and W
+        the backward's halves, chapter 14b). Rank 0's, m = {m}, where interleaved 1F1B holds
+        stages 0 and {p} and the V 0 and {2 * p - 1}, the first and the last:"""
     )
     for name in ("interleaved 1F1B", "ZB-V", "DualPipeV"):
-        say(f"\n{name}")
-        say(ascii_chart(replay(orders(name, p, m), F, B), columns=88))
+        say(f"  {name + ':':<17} " + " ".join(map(str, orders(name, p, m)[0])))
     say_prose(
-        """
+        """\
         ZB-V (Qi et al., 2024, section 6) warms up down the V, then runs F, I, W on one stage
-        and F, I, W on the other; DualPipeV (DeepSeek-V3's DualPipe, in its V) runs pairs: a
-        forward at one stage and a whole backward at the other, and splits only its tail."""
+        and F, I, W on the other. DualPipeV (DeepSeek-V3's DualPipe, in its V) runs pairs, a
+        forward at one stage and a whole backward at the other (F4@7 B0@0), splitting only its
+        tail. The loop's rank 0 waits for its gradients to come back from rank p - 1; the V's
+        last stage is its own."""
     )
 
     section("3. The bubble, against the papers")
@@ -176,11 +177,12 @@ def main() -> None:
         "ZB-V": p - 1,
         "DualPipeV": (p - 1) * ((F + B) + B - 3 * W),
     }
-    say(f"  {'schedule':<17} {'m':>3} {'formula':>8} {'per rank, step':>16} {'in own span':>14}")
+    say(f"  {'schedule':<17} {'m':>3} {'formula':>8}   idle per rank: in the step, in its own span")
     for count in (m, 2 * m):
         for name, formula in formulas.items():
             whole, own = idle(replay(orders(name, p, count), F, B))
-            say(f"  {name:<17} {count:>3} {formula:>8} {str(whole):>16} {str(own):>14}")
+            rows = f"{[round(t) for t in whole]}, {[round(t) for t in own]}"
+            say(f"  {name:<17} {count:>3} {formula:>8}   {rows}")
             if name == "DualPipeV":
                 checks[f"DualPipeV m={count}: under DeepSeek's bound"] = max(whole) <= formula
             else:
@@ -191,9 +193,9 @@ def main() -> None:
         """\
         The split backward is what removes the bubble: ZB1P (chapter 14b's loop), ZB-V and
         DualPipeV all idle a third of interleaved 1F1B's on this clock, the same steps. What
-        the V changes is where: no rank idles inside its own span, only at its two ends (the
-        ramp every pipeline has), where the loop's rank 0 waits inside; and the turn sends
-        nothing, one border of 2p - 1 fewer on the wire each way."""
+        ZB-V changes is where: no rank idles inside its own span, only at its two ends (the
+        ramp every pipeline has), where ZB1P's and DualPipeV's rank 0 waits inside. And in
+        both V's the turn sends nothing: one border of 2p - 1 fewer on the wire each way."""
     )
 
     section("4. The activations each rank holds")
@@ -240,8 +242,8 @@ def main() -> None:
         everyone = on_all((same, same_torch, peak == expected))
         every = [all(row[k] for row in everyone) for k in range(3)]
         say(
-            f"  {cls.__name__:<22} on every rank: one process's bits {every[0]}, torch's "
-            f"{every[1]}; held as its order says {every[2]}"
+            f"  {cls.__name__:<22} bitwise one process {every[0]}, torch's {every[1]}; "
+            f"holds as its order says {every[2]}"
         )
         checks[f"{cls.__name__}: bitwise one process and torch's"] = all(
             a and b for a, b, _ in everyone
@@ -255,7 +257,7 @@ def main() -> None:
     dist.barrier()
     say(
         f"Verified on {p} ranks: the V idles as the papers say, holds evenly, and trains "
-        "as one process and torch do, bit for bit."
+        "bit for bit."
     )
     end_chapter()
 
