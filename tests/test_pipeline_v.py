@@ -296,3 +296,53 @@ def test_a_v_given_other_stages_is_refused_on_every_rank_before_any_send(pool2, 
             assert problem in outcome.message and fix in outcome.message, outcome.message
         if mistake == "second_stage_of_the_loop":
             assert f"give it stages {list(v_stages(rank, 2))}" in outcome.message
+
+
+def accumulate_then_eval(spec, name: str, scale_grads: bool) -> dict:
+    """Two steps before any optimizer step, then eval() on a third batch: each stage's .grad,
+    and rank 0's eval losses and whether eval touched .grad. Without scale_grads the loss_fn
+    divides by m itself (torch's own way to say it)."""
+    model, m = build_model(spec), spec.n_microbatches
+    stages = my_v_stages(spec, model)
+    loss_fn = mse if scale_grads else partial(mean_share, m=m)
+    schedule = OURS[name](stages, m, loss_fn, scale_grads=scale_grads)
+    for step in range(3):
+        x, y = batch(spec, step)
+        if step == 2:
+            grads = [[p.grad.clone() for p in s.submodule.parameters()] for s in stages]
+        losses: list[torch.Tensor] = []
+        run = schedule.step if step < 2 else schedule.eval
+        run(x, target=y, losses=losses) if dist.get_rank() == 0 else run()
+    untouched = all(
+        torch.equal(p.grad, g)
+        for s, gs in zip(stages, grads)
+        for p, g in zip(s.submodule.parameters(), gs)
+    )
+    return {s.stage_index: g for s, g in zip(stages, grads)} | {"eval": (losses, untouched)}
+
+
+@pytest.mark.parametrize("name", list(OURS))
+def test_two_steps_sum_their_gradients_and_eval_is_forward_only(pool2, name):
+    """G1 + G2, as one process accumulating two batches, with torch's scale_grads=False too
+    (the loss_fn dividing by m); then eval() returns one process's losses (as loss_fn returns
+    them) and leaves .grad."""
+    spec = spec_for(2, 4)
+    model = build_model(spec)
+    for step in range(2):
+        x, y = batch(spec, step)
+        for xm, ym in zip(x.tensor_split(4), y.tensor_split(4)):
+            (mse(model(xm), ym) / 4).backward()
+    x, y = batch(spec, 2)
+    with torch.no_grad():
+        expected = [mse(model(xm), ym) for xm, ym in zip(x.tensor_split(4), y.tensor_split(4))]
+    for scale_grads in (True, False):
+        results = pool2.run(accumulate_then_eval, spec, name, scale_grads)
+        losses, untouched = results[0]["eval"]
+        assert untouched, "eval changed .grad"
+        reported = expected if scale_grads else [loss / 4 for loss in expected]  # loss_fn's
+        assert all(torch.equal(a, b) for a, b in zip(losses, reported, strict=True))
+        for result in results:
+            result.pop("eval")
+            for s, grads in result.items():
+                for index, (ours, param) in enumerate(zip(grads, model[s].parameters())):
+                    assert torch.equal(ours, param.grad), f"{name}: stage {s}'s gradient {index}"
