@@ -18,19 +18,25 @@ in I and W (interleaved.py says why W can wait). Rank r warms up with 2(W - r) -
 its first stage, then r pairs (F of its second stage, F of its first), then W - r rounds of
 (F, I, W) on its second stage; the steady state repeats F, I, W on the first stage, then on the
 second; the cool-down runs the I's first and the W's last. With t_F = t_I = t_W (a stage's
-forward as long as each half of its backward) the paper's V has no bubble beyond the warm-up's
-and the cool-down's: the W's fill the holes that 1F1B leaves idle. On the logical clock of
-bubble.replay (each F 1, each I and W 1), rank r's idle time is the same, (W - 1) 2 ... (see
-the chapter), and every rank holds at most 2W microbatch-stages' activations, each a stage (half
-a rank's layers): W rank-microbatches, as 1F1B's first stage, and no rank more than another.
+forward as long as each half of its backward) no rank idles inside its own span: the W's fill
+the holes that 1F1B leaves. What remains is the ramp, each rank starting and ending W - 1
+forwards apart: on the logical clock of bubble.replay (F, I, W 1 each), W - 1 idle a rank per
+step against interleaved 1F1B's 3 (W - 1), and 2W microbatch-stages held on every rank (each
+half a rank's layers: W rank-microbatches, 1F1B's first stage's, on no rank more).
 
-ScheduleDualPipeV (DeepSeek-V3, 2024, its V form by Sea AI's "DualPipeV"; torch's
-`ScheduleDualPipeV`). The same V, with a steady state of pairs (F of one microbatch at one stage,
-B of another at the other stage). DeepSeek runs each pair at once on a GPU, the forward's
-all-to-all hidden behind the backward's compute and the other way round (two CUDA streams).
-Here the pair runs one after the other: the order is what this schedule is, the overlap is
-what a GPU adds to it (the chapter says what each buys). Its warm-up and cool-down split some
+ScheduleDualPipeV (DeepSeek-V3's DualPipe, 2024, cut in half into a V: the DualPipe
+repository's DualPipeV; torch's `ScheduleDualPipeV`, whose order this is). The same V, with a
+steady state of pairs (F of one microbatch at one stage, B of another at the other stage),
+m >= 2W, 2W + 1 microbatch-stages held on every rank. DeepSeek runs each pair at once on a
+GPU, the forward's all-to-all hidden behind the backward's compute and the other way round (two
+CUDA streams).
+Here the pair runs one after the other, the forward first, as torch's schedule does without
+an overlapped function: the order is what this schedule is, the overlap is what a GPU adds to
+it (tutorials/14c_v_schedules.py says what each buys). Its warm-up and cool-down split some
 backwards into I and W, as ZB-V does.
+
+With MiniDDP inside each stage (DP x PP), a stage all-reduces at its last backward action,
+a whole B or the last W (stage.py arms it there): one reduction a stage a step.
 
 Everything else (the step, the checks, the transfers, the split backward) is the executor's
 (schedule.py) and the loop's stages' (stage.py): a V schedule differs only in its order and in
