@@ -192,7 +192,9 @@ def v_stages_problem(stages: Sequence[PipelineStage], schedule_name: str) -> str
 class ScheduleZBVZeroBubble(PipelineSchedule):
     """ZB-V (torch's `ScheduleZBVZeroBubble`, its arguments): `stages` is this rank's two, r and
     2W - 1 - r. torch's chunk specs are not taken (the batch is split along dim 0);
-    `scale_grads=False` leaves each microbatch's loss as loss_fn returns it, instead of / m."""
+    `scale_grads=False` leaves each microbatch's loss as loss_fn returns it, instead of / m;
+    `defer_pp_recv` (when torch posts its receives) changes no value and nothing here: each
+    receive goes out with the previous action's sends."""
 
     splits_backward = True
     a_microbatch_a_stage = False  # DualPipeV: m >= 2W
