@@ -119,9 +119,10 @@ def _differentiable(tensors: Activation) -> list[torch.Tensor]:
 
 class PipelineStage:
     """`submodule` as stage `stage_index` of `num_stages`, on rank `stage_index % W` of
-    `group`, W ranks, or where a V places it (torch's `PipelineStage` arguments). `input_args`, an example of this
-    stage's input microbatch (a tensor, or a tuple of them), fixes the shapes of what it
-    receives; without it, the previous stage sends them once, with its first activation."""
+    `group`, W ranks, or where a V places it (torch's `PipelineStage` arguments).
+    `input_args`, an example of this stage's input microbatch (a tensor, or a tuple of them),
+    fixes the shapes of what it receives; without it, the previous stage sends them once,
+    with its first activation."""
 
     def __init__(
         self,
