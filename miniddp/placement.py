@@ -15,8 +15,9 @@ parallelism adds its own field when it takes a parameter:
     DataShard(group, owner)        ZeRO / fully_shard: the gradient is held by `owner` alone
                                    (ZeRO-1/2), or each rank of `group` holds a flat piece
                                    (fully_shard: owner None)
-    Stage(group, index, count)     pipeline: the parameter is stage `index`'s, of `count` stages
-                                   over `group`; the other ranks of `group` hold other stages
+    Stage(group, index, count,     pipeline: the parameter is stage `index`'s, of `count` stages
+          rank)                    over `group`, run on its rank `rank`; the other ranks of
+                                   `group` hold other stages
 
 A parameter no parallelism marked is replicated: every rank holds the whole of it.
 """
@@ -52,11 +53,17 @@ class DataShard:
 
 @dataclass(frozen=True)
 class Stage:
-    """Stage `index` of `count`, the pipeline running over `group`."""
+    """Stage `index` of `count`, the pipeline running over `group`, on rank `rank` of it (None:
+    index % W, torch's loop; a V schedule's second stage is elsewhere, so a stage names it)."""
 
     group: dist.ProcessGroup | None
     index: int
     count: int
+    rank: int | None = None
+
+    def runs_on(self) -> int:
+        """The rank of `group` that runs this stage."""
+        return self.index % dist.get_world_size(self.group) if self.rank is None else self.rank
 
 
 @dataclass(frozen=True)

@@ -88,13 +88,14 @@ def torchrun(chapter: Path, nproc: int) -> list[str]:
 
 # Run with `pytest -m slow`, each a long run whose checks the default suite makes elsewhere:
 # 04's claims are timings over the simulated link (its gradients against torch's DDP:
-# tests/test_link.py); 07's ranks on emulated nodes (tests/test_multinode.py); 14's and 14b's
-# orders on the logical clock and their bits (tests/test_pipeline*.py).
+# tests/test_link.py); 07's ranks on emulated nodes (tests/test_multinode.py); 14's, 14b's and
+# 14c's orders on the logical clock and their bits (tests/test_pipeline*.py).
 SLOW_CHAPTERS = {
     "04_overlap.py",
     "07_multinode.py",
     "14_pipeline_parallel.py",
     "14b_interleaved_zero_bubble.py",
+    "14c_v_schedules.py",
 }
 
 

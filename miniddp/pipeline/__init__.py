@@ -24,6 +24,12 @@ Interleaved, rank r holds v stages r, r + W, .., and its schedule takes them all
     # or ScheduleInterleavedZeroBubble; then step() as above, on the ranks of the first and
     # last stage (ranks 0 and W - 1)
 
+In a V, rank r holds stages r and 2W - 1 - r, so rank 0 holds the first and the last:
+
+    stages = [PipelineStage(chunks[s], s, 2 * W, device) for s in (rank, 2 * W - 1 - rank)]
+    schedule = ScheduleZBVZeroBubble(stages, n_microbatches=8, loss_fn=loss_fn)  # or DualPipeV
+    schedule.step(x, target=y, losses=losses) if rank == 0 else schedule.step()
+
 The same calls as torch.distributed.pipelining, on torch.distributed's send and receive:
 
     actions.py      F i, B i (or I i and W i) at a stage, and what makes a rank's order
@@ -35,6 +41,7 @@ The same calls as torch.distributed.pipelining, on torch.distributed's send and 
                     scaling; the orders, GPipe and 1F1B, their bubble and their memory
     interleaved.py  v stages a rank, and the backward split in two: interleaved 1F1B and
                     zero bubble, their orders, bubble and memory
+    v_schedules.py  two stages a rank in a V, r and 2W - 1 - r: ZB-V and DualPipeV
     rank_checks.py  what one rank sees wrong by itself: its stages, order, inputs
     step_checks.py  bad input refused on every stage
     bubble.py       the recorded step as blocks: the picture, the bubble, in ASCII too; and
@@ -46,6 +53,7 @@ from miniddp.pipeline.bubble import FixedCost
 from miniddp.pipeline.interleaved import ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble
 from miniddp.pipeline.schedule import PipelineSchedule, Schedule1F1B, ScheduleGPipe
 from miniddp.pipeline.stage import PipelineStage
+from miniddp.pipeline.v_schedules import ScheduleDualPipeV, ScheduleZBVZeroBubble
 
 __all__ = [
     "Action",
@@ -53,7 +61,9 @@ __all__ = [
     "PipelineSchedule",
     "PipelineStage",
     "Schedule1F1B",
+    "ScheduleDualPipeV",
     "ScheduleGPipe",
     "ScheduleInterleaved1F1B",
     "ScheduleInterleavedZeroBubble",
+    "ScheduleZBVZeroBubble",
 ]

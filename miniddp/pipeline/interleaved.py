@@ -44,10 +44,9 @@ The zero-bubble order is torch's ZB1P: interleaved 1F1B's, with a warm-up of (v 
 by r slots (the ranks nearest the end idle least in the cool-down, so defer least); then the
 W's left. The price is memory: a microbatch-stage is held until its W.
 
-ScheduleZBVZeroBubble (the V-shaped zero bubble) is not here: it places stage s on rank s for
-s < W and on rank 2W - 1 - s beyond, so the last stage is on rank 0 with the first. That is
-another layout than stage s on rank s % W, which stage.py's checks, clipping's count and the
-checkpoint's keying all read; it would need a second placement rule through all of them.
+The V-shaped schedules, ScheduleZBVZeroBubble and ScheduleDualPipeV, are in v_schedules.py: they
+place stage s on rank s for s < W and on rank 2W - 1 - s beyond, so the last stage is on rank 0
+with the first, and run on the same executor with their own orders.
 """
 
 from __future__ import annotations

@@ -29,6 +29,9 @@ With several stages a rank (interleaving), two ranks exchange several streams (W
 sends stage 0's activations AND stage 2's to rank 1), and the order one rank sends in need not
 be the order the other receives in. So every transfer carries a tag naming what it is (the
 kind, the stage, the microbatch): gloo and NCCL match a receive with the send of its own tag.
+Where two neighbouring stages share a rank (the V schedules' turn: stages W - 1 and W on rank
+W - 1) nothing crosses a wire: the mailbox keeps the sent tensor under its tag, and the receive
+copies it out, as torch's pipelining hands it over in memory.
 
 What crosses a border is a tuple of tensors, as in torch's pipelining: a stage's output is a
 tensor or a tuple of them (a hidden state and its mask), and the next stage is called with them
@@ -156,11 +159,26 @@ class Mailbox:
     def __init__(self, group: dist.ProcessGroup | None, note: Callable[[str, str], None]) -> None:
         self.group = group
         self.note = note
+        self.rank = dist.get_rank(group)
         self._sends_in_flight: list[tuple[dist.Work, Transfer]] = []
+        self._on_this_rank: dict[int, torch.Tensor] = {}  # sent to a stage here, by tag
         self.bytes_sent = 0  # every send's payload since the mailbox was made
 
-    def post(self, sends: list[Transfer], receives: list[Transfer] = ()) -> list[dist.Work]:
-        transfers = [*sends, *receives]
+    def post(self, sends: list[Transfer], receives: list[Transfer] = ()) -> list[dist.Work | None]:
+        """Launch `sends` and `receives` as one batch; the receives' works (None: one from a
+        stage on this rank, already here)."""
+        for send in sends:
+            if send.rank == self.rank:
+                self._on_this_rank[send.tag] = send.tensor
+        for receive in receives:
+            if receive.rank == self.rank:
+                receive.tensor.copy_(self._on_this_rank.pop(receive.tag))
+        works = iter(self._post_between_ranks(sends, receives))
+        return [None if t.rank == self.rank else next(works) for t in receives]
+
+    def _post_between_ranks(self, sends: list[Transfer], receives: list[Transfer]) -> list:
+        sends = [t for t in sends if t.rank != self.rank]
+        transfers = [*sends, *(t for t in receives if t.rank != self.rank)]
         if not transfers:
             return []
         ops = [
@@ -185,7 +203,7 @@ class Mailbox:
         return works[len(sends) :]
 
     def wait_receives(
-        self, works: list[dist.Work], receives: list[Transfer]
+        self, works: list[dist.Work | None], receives: list[Transfer]
     ) -> tuple[torch.Tensor, ...]:
         """Block until `receives` have arrived; the time spent here is the stage's idle time."""
         self.note("idle", "start")
@@ -204,7 +222,9 @@ class Mailbox:
             self._wait(work, transfer.description)
         self._sends_in_flight.clear()
 
-    def _wait(self, work: dist.Work, what: str) -> None:
+    def _wait(self, work: dist.Work | None, what: str) -> None:
+        if work is None:  # from this rank: handed over in memory
+            return
         try:
             work.wait()  # in C++, without the GIL; gloo's own timeout applies
         except RuntimeError as error:  # a peer's connection closed, or the timeout passed

@@ -44,7 +44,8 @@ def stages_problem(
     if any(s.data_parallel for s in stages) and (v > 1 or splits_backward):
         return (
             "a data-parallel stage (MiniDDP inside) runs under ScheduleGPipe or "
-            "Schedule1F1B only, one stage a rank, its backward whole"
+            "Schedule1F1B, one stage a rank, its backward whole, or under the V schedules "
+            "(ScheduleZBVZeroBubble, ScheduleDualPipeV)"
         )
     return None
 

@@ -119,6 +119,7 @@ class PipelineSchedule(EventRecorder):
 
     stages_per_rank_at_most: int | None = 1  # the interleaved schedules: None, any
     splits_backward = False  # the zero-bubble schedules: B i as I i, then W i
+    scale_grads = True  # each loss divided by m; the V schedules take torch's scale_grads=False
 
     def __init__(
         self,
@@ -248,14 +249,14 @@ class PipelineSchedule(EventRecorder):
             if stage.is_last:
                 if self.loss_fn is not None and data.targets[i] is not None:
                     loss = self.loss_fn(output, data.targets[i])
-                    if data.backward:
-                        stage.keep_loss(i, loss / self.n_microbatches)  # its share of the mean
+                    if data.backward:  # its share of the mean (unless scale_grads is off)
+                        stage.keep_loss(i, loss / self.n_microbatches if self.scale_grads else loss)
                     data.losses.append(loss.detach())
                 data.keep_output(output)
             else:
                 sends += self.borders.activation_sends(output, s, i)
         elif action.kind == WEIGHT_GRAD:
-            stage.backward_weight(i)
+            stage.backward_weight(i, last)
         else:
             if action.kind == BACKWARD:
                 input_grads = stage.backward(i, received, last)

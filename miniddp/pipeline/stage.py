@@ -10,6 +10,11 @@ on rank s % W, torch's layout:
 
     rank r holds stages r, r + W, .., r + (v - 1) W       (W = 2, v = 2: rank 0 holds 0 and 2)
 
+The V schedules (v_schedules.py) place the second round mirrored instead, stage s on rank
+2W - 1 - s: rank r holds r and 2W - 1 - r. The check below accepts either round; the schedule,
+which knows its layout, tells its stages where their neighbours are (`ranks_of_stages`, as
+torch's schedules set `stage_index_to_group_rank`).
+
 Each rank builds its v stages in that order, i = 0 .. v-1: building a stage is a collective
 (every rank states the stage it builds, below), so a rank building another stage than its
 neighbours is refused on every rank, naming the rank and the fix, instead of a hang later.
@@ -114,9 +119,10 @@ def _differentiable(tensors: Activation) -> list[torch.Tensor]:
 
 class PipelineStage:
     """`submodule` as stage `stage_index` of `num_stages`, on rank `stage_index % W` of
-    `group`, W ranks (torch's `PipelineStage` arguments). `input_args`, an example of this
-    stage's input microbatch (a tensor, or a tuple of them), fixes the shapes of what it
-    receives; without it, the previous stage sends them once, with its first activation."""
+    `group`, W ranks, or where a V places it (torch's `PipelineStage` arguments).
+    `input_args`, an example of this stage's input microbatch (a tensor, or a tuple of them),
+    fixes the shapes of what it receives; without it, the previous stage sends them once,
+    with its first activation."""
 
     def __init__(
         self,
@@ -147,12 +153,14 @@ class PipelineStage:
         self.data_parallel = hasattr(submodule, "no_sync")  # MiniDDP or torch's DDP inside
         self.held: dict[int, Held] = {}
         self.peak_held = 0
+        # Where every stage runs: torch's loop, s % W, unless a V schedule sets its own.
+        self.ranks_of_stages = [s % self.group_size for s in range(num_stages)]
         for param in submodule.parameters():
-            mark(param, stage=Stage(group, stage_index, num_stages))
+            mark(param, stage=Stage(group, stage_index, num_stages, self.rank))
 
     def rank_of(self, stage_index: int) -> int:
         """The rank of the group that runs stage `stage_index`."""
-        return stage_index % self.group_size
+        return self.ranks_of_stages[stage_index]
 
     def forward(
         self, microbatch: int, inputs: Activation, keep: bool = True
@@ -206,11 +214,15 @@ class PipelineStage:
         found = torch.autograd.grad(roots, inputs, grads, retain_graph=True, allow_unused=True)
         return held.input_grads(list(found))
 
-    def backward_weight(self, microbatch: int) -> None:
+    def backward_weight(self, microbatch: int, last: bool = False) -> None:
         """d loss / d parameters, into .grad, from the same roots and gradients as
         backward_input: `autograd.backward(..., inputs=parameters)` accumulates only the
-        parameters' .grad, then frees the graph and what forward kept."""
+        parameters' .grad, then frees the graph and what forward kept. `last`: the step's last
+        weight gradient, the one that all-reduces under data parallelism (backward_input
+        touches no .grad, so no hook of the wrapper fires before it)."""
         held = self.held.pop(microbatch)
+        if last and self.data_parallel:
+            _arm_reduction(self.submodule, held.output)
         roots, grads = held.root(held.output_grads)
         weights = [p for p in self.submodule.parameters() if p.requires_grad]
         if weights and roots:
@@ -247,13 +259,15 @@ def _check_stages_agree(
     """Every rank of the group tells the others the stage it builds and the stage count, so a
     mistake on one rank is refused on all of them, instead of leaving the others waiting for a
     message; and whether it was given an example of its input. The W stages built together
-    are one *round* i: stages i W .. i W + W - 1, stage i W + r on rank r. Returns, for each
-    stage of the round, whether it has an example."""
+    are one *round* i: stages i W .. i W + W - 1, stage i W + r on rank r, or, in an odd round,
+    mirrored, stage i W + W - 1 - r on rank r (the V schedules' second stage, 2W - 1 - r).
+    Returns, for each stage of the round, whether it has an example."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     row = [stage_index, num_stages, int(has_example)]
     claims = gather_rows(row, "the stages' check", group, device)
     problems = []
-    round_ = claims[0][0] // size  # rank 0's: the others build the same round
+    round_ = claims[0][0] // size  # rank 0's: the others build the same round, the same way
+    mirrored = round_ % 2 == 1 and size > 1 and claims[0][0] == round_ * size + size - 1
     for each_rank, (index, count, _) in enumerate(claims):
         if count < size or count % size:
             problems.append(
@@ -267,12 +281,15 @@ def _check_stages_agree(
                 f"rank {each_rank} says num_stages={count}, rank 0 says {claims[0][1]}: "
                 "give every stage the same num_stages"
             )
-        elif index % size != each_rank or index // size != round_ or not 0 <= index < count:
+        elif index != round_ * size + (size - 1 - each_rank if mirrored else each_rank) or not (
+            0 <= index < count
+        ):
             problems.append(
                 f"rank {each_rank} says stage_index={index}: stage s runs on rank s % {size} "
                 f"of the group, and each rank builds its stages in order, rank r's i-th being "
                 f"r + i * {size}: pass stage_index=dist.get_rank(group) + i * {size} "
-                f"({each_rank + round_ * size} in round i = {round_}, the one rank 0 builds)"
+                f"({each_rank + round_ * size} in round i = {round_}, the one rank 0 builds); "
+                f"or, for a V schedule, rank r's second stage {2 * size - 1} - r on every rank"
             )
     if size == 1 and num_stages > 1:
         problems.append(

@@ -90,7 +90,8 @@ def describe(problem: Problem, a: int, b: int) -> str:
         ),
         Problem.BAD_STAGES: (
             "cannot run its schedule's stages: give the schedule this rank's stages, "
-            "stage_index = rank + i * W for i = 0 .. v-1, in that order"
+            "stage_index = rank + i * W for i = 0 .. v-1, in that order (a V schedule: "
+            "rank and 2W - 1 - rank)"
         ),
         Problem.INPUT_NOT_ON_FIRST: (
             "was given an input, but only the first stage takes one (the others receive their "

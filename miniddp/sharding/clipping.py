@@ -29,9 +29,10 @@ marks:
               which hold the same piece, are no axis here: each piece counts once
     "tensor"  a TensorShard mark: each TP rank holds another chunk
     "stage"   a Stage mark: counted only on the rank of the stage group that runs the stage,
-              index % W (W ranks; one stage a rank: the index itself), so a replica another
-              stage holds (a GPT's tied embedding on the last stage, marked as stage 0's) is
-              counted once, by stage 0's rank; interleaved, a rank's v stages all count there
+              index % W (W ranks; one stage a rank: the index itself; a V schedule's second
+              stage, on rank 2W - 1 - index, its mark names), so a replica another stage holds
+              (a GPT's tied embedding on the last stage, marked as stage 0's) is counted once,
+              by stage 0's rank; interleaved, a rank's v stages all count there
 
 Each rank adds ||x||_p^p per category into a vector v of 7 partial sums (one per non-empty
 subset of the three axes). Along each axis k that some parameter has, in the fixed order data,
@@ -169,9 +170,7 @@ def _category_counted_here(placement: Placement) -> int | None:
     data, tensor, stage = placement.data, placement.tensor, placement.stage
     if data is not None and not data.counted_here():
         return None
-    if stage is not None and dist.get_rank(stage.group) != stage.index % dist.get_world_size(
-        stage.group
-    ):
+    if stage is not None and dist.get_rank(stage.group) != stage.runs_on():
         return None
     return sum(1 << bit for bit, mark in enumerate((data, tensor, stage)) if mark is not None)
 
