@@ -26,7 +26,6 @@ import itertools
 import os
 import statistics
 import textwrap
-import time
 from collections.abc import Callable
 
 import torch
@@ -42,17 +41,13 @@ from common import (
 )
 
 from miniddp import collectives
+from miniddp.bench.collectives import parse_size, time_size
 from miniddp.collectives import Message
 from miniddp.figures import draw
 from miniddp.job.env import init_distributed
 
 SWEEP_ROUNDS = 5  # interleaved rounds per size: enough for a first look, not a benchmark
 COUNTING_NUMEL = 2**18  # about 1 MiB of float32 for the byte counts
-
-
-def parse_size(text: str) -> int:
-    scale = {"K": 1024, "M": 1024**2}.get(text[-1].upper(), 1)
-    return int(text.rstrip("kKmM")) * scale
 
 
 def plural(count: int, noun: str) -> str:
@@ -279,24 +274,10 @@ ALL_REDUCES_BY_NAME = {algorithm: short for short, algorithm in ALL_REDUCES.item
 
 
 def time_interleaved(nbytes: int, rounds: int) -> dict[str, list[float]]:
-    """Seconds of each all-reduce per round, the slowest rank's, sorted; the all-reduces run in
-    rotating order in each round."""
-    calls = {"gloo": lambda t: dist.all_reduce(t)}
-    for short, algorithm in [*ALL_REDUCES.items(), ("auto", "auto")]:
-        calls[short] = lambda t, a=algorithm: collectives.all_reduce(t, algorithm=a)
-    names = list(calls)
-    tensor = torch.zeros(nbytes // 4)  # zeros: summing again and again keeps them finite
-    for name in names:
-        calls[name](tensor)  # warm up
-    times = torch.zeros(len(names), rounds, dtype=torch.float64)
-    for round_index in range(rounds):
-        for index in [(round_index + k) % len(names) for k in range(len(names))]:
-            dist.barrier()
-            start = time.perf_counter()
-            calls[names[index]](tensor)
-            times[index, round_index] = time.perf_counter() - start
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return {name: sorted(times[i].tolist()) for i, name in enumerate(names)}
+    """The bench's rounds (each runs gloo, ours and auto in a rotating order; the slowest
+    rank's seconds), sorted, under the chapter's short names."""
+    times = time_size(nbytes, rounds)
+    return {ALL_REDUCES_BY_NAME.get(name, name): sorted(t) for name, t in times.items()}
 
 
 def us(seconds: float) -> str:
@@ -346,109 +327,53 @@ def section_cost_model(world_size: int, sizes: list[int]) -> collectives.CostMod
     return model
 
 
-def ping_pongs(nbytes: int, repeats: int) -> list[float]:
-    """One-way seconds of `repeats` round trips of `nbytes` between ranks 0 and 1 through gloo's
-    own send and recv, as rank 0 timed them, sorted; every rank calls it."""
-    buffer = torch.zeros(nbytes // 4)
-    rank, one_way = dist.get_rank(), []
-    for _ in range(repeats + 1):  # the first warms up, uncounted
-        start = time.perf_counter()
-        if rank == 0:
-            dist.send(buffer, 1)
-            dist.recv(buffer, 1)
-        elif rank == 1:
-            dist.recv(buffer, 0)
-            dist.send(buffer, 0)
-        one_way.append((time.perf_counter() - start) / 2)
-    times = torch.tensor(one_way[1:], dtype=torch.float64)
-    dist.broadcast(times, 0)
-    return sorted(times.tolist())
-
-
 def explain_the_gaps(
     model: collectives.CostModel, world_size: int, sweep: dict[int, dict[str, list[float]]]
 ) -> None:
     """Why the sweep is slower than the model at small sizes, and why auto's picks are neither
     the model's nor this sweep's, with this run's numbers."""
 
-    def worst_modelled(nbytes: int) -> float:
-        return max(
-            model.predict("all_reduce", algorithm, nbytes, world_size)
-            for algorithm in ALL_REDUCES.values()
-        )
+    def predicted(algorithm: str, nbytes: int) -> float:
+        return model.predict("all_reduce", ALL_REDUCES[algorithm], nbytes, world_size)
 
     smallest, largest = min(sweep), max(sweep)
     gloo = sweep[smallest]["gloo"]
-    auto = ALL_REDUCES_BY_NAME[collectives.choose_all_reduce_algorithm(smallest, world_size)]
-    trips = ping_pongs(smallest, 30)
-    auto_median = statistics.median(sweep[smallest]["auto"])
-    itself = statistics.median(sweep[smallest][auto])
-    ratio_small = statistics.median(gloo) / worst_modelled(smallest)
-    ratio_large = statistics.median(sweep[largest]["gloo"]) / worst_modelled(largest)
+    worst = {n: max(predicted(a, n) for a in ALL_REDUCES) for n in (smallest, largest)}
+    ratio_small = statistics.median(gloo) / worst[smallest]
+    ratio_large = statistics.median(sweep[largest]["gloo"]) / worst[largest]
     say()
     say_prose(f"""\
         Why the sweep is far above the model at small sizes ({fmt_bytes(smallest)}: gloo's median
-        {us(statistics.median(gloo))} against at most {us(worst_modelled(smallest))} modelled).
-        Two reasons, both measurable. First, noise: the model takes the quickest of 30
-        ping-pongs, the sweep the median of {SWEEP_ROUNDS} rounds, on a machine with
-        {os.getloadavg()[0]:.1f} runnable processes for {os.cpu_count()} cores, where a message
-        is received only once its process has a core again. gloo's quickest round took
-        {us(gloo[0])}, its median {us(statistics.median(gloo))}; and auto, which runs {auto} at
-        this size, measured {us(auto_median)} against {us(itself)} for {auto} itself in the same
-        rounds: one algorithm, {max(auto_median, itself) / min(auto_median, itself):.1f}x apart.
-        (30 more {fmt_bytes(smallest)} ping-pongs through gloo just now, one way: quickest
-        {us(trips[0])}, median {us(statistics.median(trips))}, slowest {us(trips[-1])}.)
-        Second, what the model leaves out even in the quickest round: each call starts after a
-        barrier whose release reaches the ranks at different moments, and the slowest rank's
-        time includes waiting for the other; gloo wakes threads of its own; ours add Python
-        (40-60 us to post a message) and the adding. These costs are fixed per step, so where
-        bytes dominate they matter less: gloo over the model is {ratio_small:.1f}x at
+        {us(statistics.median(gloo))} against at most {us(worst[smallest])} modelled). First,
+        noise: the model takes the quickest of 30 ping-pongs, the sweep the median of
+        {SWEEP_ROUNDS} rounds, on a machine with {os.getloadavg()[0]:.1f} runnable processes for
+        {os.cpu_count()} cores, where a message is received only once its process has a core
+        again (gloo's quickest round took {us(gloo[0])}, its slowest {us(gloo[-1])}). Second,
+        what the model leaves out even in the quickest round: the barrier before each call
+        releases the ranks at different moments, gloo wakes threads of its own, and ours add
+        Python (40-60 us to post a message) and the adding. These costs are fixed per step, so
+        where bytes dominate they matter less: gloo over the model is {ratio_small:.1f}x at
         {fmt_bytes(smallest)} and {ratio_large:.1f}x at {fmt_bytes(largest)}.""")
-    say()
-    fastest = {
-        nbytes: min(ALL_REDUCES, key=lambda short: statistics.median(rounds[short]))
-        for nbytes, rounds in sweep.items()
-    }
     picks = {
-        nbytes: ALL_REDUCES_BY_NAME[collectives.choose_all_reduce_algorithm(nbytes, world_size)]
-        for nbytes in sweep
+        n: ALL_REDUCES_BY_NAME[collectives.choose_all_reduce_algorithm(n, world_size)]
+        for n in sweep
     }
-    modelled_best = {
-        nbytes: min(
-            ALL_REDUCES,
-            key=lambda s: model.predict("all_reduce", ALL_REDUCES[s], nbytes, world_size),
-        )
-        for nbytes in sweep
-    }
-    say(f"The fastest of ours at each size ({SWEEP_ROUNDS} rounds), and auto's pick:")
-    for n in sweep:
-        say(
-            f"  {fmt_bytes(n):>9}  model {modelled_best[n]:<9} measured {fastest[n]:<9} "
-            f"auto {picks[n]}"
-        )
-    with_model = sum(picks[n] == modelled_best[n] for n in sweep)
-    with_sweep = sum(picks[n] == fastest[n] for n in sweep)
-    if world_size == 2:
-        blind = (
-            "At W = 2 the model always picks doubling (one step of n bytes, against the tree's "
-            "two of n and the ring's two of n/2); it leaves out the adding, our own Python "
-            "(40-60 us to post a message there), and that doubling's one step has both ranks "
-            "send and add at once, on cores they share, while the tree's steps go one way at a "
-            "time."
-        )
-    else:
-        blind = (
-            "The model leaves out the adding, our own Python (40-60 us to post a message "
-            "there), and that a step needing every rank running at once is slow when the ranks "
-            "outnumber the cores."
-        )
+    with_model = sum(
+        picks[n] == min(ALL_REDUCES, key=lambda a, n=n: predicted(a, n)) for n in sweep
+    )
+    with_sweep = sum(
+        picks[n] == min(ALL_REDUCES, key=lambda a, n=n: statistics.median(sweep[n][a]))
+        for n in sweep
+    )
+    say()
     say_prose(f"""\
         `auto` agreed with the model at {with_model} of {len(sweep)} sizes and with this sweep
         at {with_sweep}. It follows neither: it picks from AUTO_CHOICES
         (miniddp/collectives/cost_model.py), crossovers measured once, over many rounds, with
-        `python -m miniddp.bench collectives` on the 2-core machine MiniDDP was written on.
-        {blind} And {SWEEP_ROUNDS} rounds on a busy machine are too few to rank algorithms that
-        are within noise of each other: measure yours with the bench.""")
+        `python -m miniddp.bench collectives` on an idle 2-core machine. The model leaves out
+        the adding and our own Python, and that a step needing every rank at once is slow when
+        ranks share cores; and {SWEEP_ROUNDS} rounds on a busy machine are too few to rank
+        algorithms within noise of each other: measure yours with the bench.""")
 
 
 def main() -> None:
