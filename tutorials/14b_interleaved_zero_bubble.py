@@ -198,7 +198,7 @@ def main() -> None:
         textwrap.dedent(f"""\
         A rank's forward takes {FORWARD_S * 1e3:g} ms and its backward {BACKWARD_S * 1e3:g} ms
         (FixedCost), so each of its v stages takes half. Measured, m = 4, '.' idle,
-        F3.2 the forward of microbatch 3 at stage 2:""")
+        F3@2 the forward of microbatch 3 at stage 2:""")
     )
     bubble, blocks, _, _ = measure(ScheduleInterleaved1F1B, p, V, 4)
     say(ascii_chart(blocks))

@@ -121,7 +121,7 @@ def schedule_lanes(path: str | Path) -> Path:
             V,
         ),
     }
-    figure, panels = plt.subplots(len(panels_of), 1, figsize=(12, 9.5), sharex=True)
+    figure, panels = plt.subplots(len(panels_of), 1, figsize=(13, 10.5), sharex=True)
     for axes, (name, (orders, v)) in zip(panels, panels_of.items()):
         blocks = replay(orders, forward_cost=1 / v, backward_cost=2 / v)
         for lane in blocks:
@@ -136,13 +136,16 @@ def schedule_lanes(path: str | Path) -> Path:
                     hatch="//" if second else None,
                     linewidth=0.6,
                 )
-                axes.text(
+                axes.text(  # the microbatch: the colour says F, B, I or W
                     block.start + block.duration / 2,
                     block.rank,
-                    f"{block.kind}{block.microbatch}",
+                    str(block.microbatch),
                     ha="center",
                     va="center",
-                    fontsize=6,
+                    fontsize=10,
+                    bbox={"boxstyle": "square,pad=0.05", "fc": "white", "ec": "none", "alpha": 0.6}
+                    if second
+                    else None,
                 )
         if "zero" in name:  # I = W = F: idle (p - 1)(F + I - W) a rank, against 3 v m of work
             formula, written = (p - 1) / (3 * v * m + p - 1), "(p-1)/(3vm+p-1)"
@@ -155,14 +158,18 @@ def schedule_lanes(path: str | Path) -> Path:
         axes.set_title(
             f"{name}: bubble {bubble_fraction(blocks):.3f} ({written} = {formula:.3f}); "
             f"microbatch-stages held per rank {held}",
-            fontsize=9,
+            fontsize=11,
             loc="left",
         )
     handles = [plt.Rectangle((0, 0), 1, 1, color=c, ec="black") for c in KIND_COLOURS.values()]
     labels = ["F forward", "B whole backward", "I input gradient", "W weight gradient"]
-    panels[-1].legend(handles, labels, fontsize=8, loc="center right")  # where nothing is left
+    panels[-1].legend(handles, labels, fontsize=10, loc="center right")  # where nothing is left
+    for axes in panels:
+        axes.tick_params(labelsize=10)
     panels[-1].set_xlabel(
-        f"logical time (p = {p}, m = {m}; a rank's F = 1, B = 2; hatched: its second stage)"
+        f"logical time (p = {p}, m = {m}; a rank's F = 1, B = 2; a box's number is its "
+        "microbatch; hatched: the rank's second stage)",
+        fontsize=11,
     )
     return save(figure, path)
 

@@ -178,8 +178,8 @@ def peak_held(order: Sequence[Action]) -> int:
 
 def ascii_chart(blocks: Sequence[Sequence[Block]], columns: int = 96) -> str:
     """The classic picture: one row per rank, `columns` characters across the step. A block is
-    its label (F3, B3, I3, W3; F3.2 at stage 2 where ranks hold several) padded with '-' ('='
-    for B and I, '~' for W) to its length; '.' is idle."""
+    its label (F3, B3, I3, W3; F3@2 at stage 2 where ranks hold several, as Action writes it)
+    padded with '-' ('=' for B and I, '~' for W) to its length; '.' is idle."""
     every = [block for stage in blocks for block in stage]
     origin = min(b.start for b in every)
     scale = columns / (max(b.end for b in every) - origin)
@@ -191,7 +191,7 @@ def ascii_chart(blocks: Sequence[Sequence[Block]], columns: int = 96) -> str:
             first = round((block.start - origin) * scale)
             last = max(first + 1, round((block.end - origin) * scale))
             fill = {FORWARD: "-", WEIGHT_GRAD: "~"}.get(block.kind, "=")
-            label = block.label if one_each else f"{block.label}.{block.stage}"
+            label = block.label if one_each else f"{block.label}@{block.stage}"
             text = (label + fill * columns)[: last - first]
             row[first:last] = text
         rows.append(f"{'stage' if one_each else 'rank'} {rank} |{''.join(row[:columns])}|")
