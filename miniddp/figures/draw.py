@@ -75,22 +75,22 @@ def bucket_layouts(layouts: dict[str, Sequence[BucketInfo]], path: str | Path) -
     for row, buckets in enumerate(layouts.values()):
         left = 0
         for bucket in buckets:
-            kib = bucket.nbytes / 1024
-            axes.barh(row, kib, left=left, color=f"C{bucket.index % 10}", edgecolor="black")
+            mib = bucket.nbytes / 2**20
+            axes.barh(row, mib, left=left, color=f"C{bucket.index % 10}", edgecolor="black")
             names = _short(bucket.param_names)
             axes.text(
-                left + kib / 2,
+                left + mib / 2,
                 row,
-                f"bucket {bucket.index}\n{names}",
+                f"bucket {bucket.index}\n{mib:.2f} MiB\n{names}",
                 ha="center",
                 va="center",
-                fontsize=7,
+                fontsize=9,
             )
-            left += kib
+            left += mib
     axes.set_yticks(range(len(layouts)))
-    axes.set_yticklabels(list(layouts))
+    axes.set_yticklabels(list(layouts), fontsize=10)
     axes.invert_yaxis()
-    axes.set_xlabel("KiB of gradients, in launch order")
+    axes.set_xlabel("MiB of gradients, in launch order (torch's caps: 1 MiB first, then 25)")
     return save(figure, path)
 
 

@@ -59,14 +59,16 @@ def record_on_ranks(rank: int, store_path: str, out_path: str) -> None:
 
 
 def bucket_layouts() -> dict[str, list[BucketInfo]]:
-    """A 6-layer MLP under MiniDDP with 2-layer buckets: one bucket in iteration 0 (gradients'
-    order unknown yet), then buckets rebuilt in the order backward produced the gradients."""
+    """A 6-layer MLP of 1 MiB layers under MiniDDP with torch's default caps: one bucket in
+    iteration 0 (gradients' order unknown yet), then buckets rebuilt in the order backward
+    produced the gradients, the first closed at 1 MiB (the last layer alone, so its all-reduce
+    starts early), the rest under the 25 MiB cap."""
     torch.manual_seed(0)
-    layers = [nn.Linear(32, 32) for _ in range(6)]
-    model = MiniDDP(nn.Sequential(*layers), bucket_cap_mb=2 * (32 * 32 + 32) * 4 / 2**20)
+    layers = [nn.Linear(512, 512) for _ in range(6)]
+    model = MiniDDP(nn.Sequential(*layers))
     before = model.buckets
     for _ in range(2):  # the rebuild happens at the start of the second forward
-        model(torch.randn(4, 32)).sum().backward()
+        model(torch.randn(4, 512)).sum().backward()
         model.finish_gradient_synchronization()
     return {
         "iteration 0\n(registration order)": before,
