@@ -190,7 +190,7 @@ def torch_mesh(device: torch.device):
     return _TORCH_MESHES[key]
 
 
-@check("parallelize_module vs torch's (Colwise/Rowwise block)", "TP")
+@check("parallelize_module vs torch's (Colwise/Rowwise)", "TP")
 def tensor_parallel(device: torch.device) -> Measured:
     """Bitwise without biases (tests/test_tensor_parallel.py says why): outputs, every gradient
     shard and every parameter shard after each step."""
@@ -275,8 +275,8 @@ def pipeline(device: torch.device, kind: str) -> Measured:
 # --- context parallelism -------------------------------------------------------------------
 
 
-@check("ring_attention vs SDPA, bf16, causal, balanced", "CP", sends=True, dtype=torch.bfloat16)
-@check("ring_attention vs SDPA, fp32, causal, balanced", "CP", sends=True, dtype=torch.float32)
+@check("ring_attention vs SDPA, bf16 (causal, balanced)", "CP", sends=True, dtype=torch.bfloat16)
+@check("ring_attention vs SDPA, fp32 (causal, balanced)", "CP", sends=True, dtype=torch.float32)
 def ring(device: torch.device, dtype: torch.dtype) -> Measured:
     """Forward and backward of this rank's part, against F.scaled_dot_product_attention over
     the whole sequence in one process. Both are measured against float64: ring attention's
@@ -322,8 +322,8 @@ def mesh_shape(world: int) -> tuple[int, int, int]:
     return sizes["pp"], sizes["dp"] * rest, sizes["tp"]
 
 
-@check("parallelize(GPT) on a (pp, dp, tp) mesh vs one process, FSDP", "3-D", True, dp="fsdp")
-@check("parallelize(GPT) on a (pp, dp, tp) mesh vs one process, DDP", "3-D", True, dp="ddp")
+@check("parallelize(GPT) vs one process, fully_shard on dp", "3-D", True, dp="fsdp")
+@check("parallelize(GPT) vs one process, MiniDDP on dp", "3-D", True, dp="ddp")
 def three_d(device: torch.device, dp: str) -> Measured:
     """Chapter 12's GPT in float64 (tests/parallelize_tasks.py): the losses and every full
     parameter after AdamW steps, within rounding of one process on the replicas' whole batch."""
@@ -360,7 +360,7 @@ def three_d(device: torch.device, dp: str) -> Measured:
     for name, tensor in full.items():
         name = "token.weight" if name == "head.weight" else name  # the last stage's tied copy
         difference = max(difference, scaled_error(tensor, expected[name].detach()))
-    return Measured(difference, 1e-10, f"mesh (pp, dp, tp) = {shape}")
+    return Measured(difference, 1e-10, f"(pp, dp, tp) = {shape}")
 
 
 # --- collectives built from send/recv ------------------------------------------------------
