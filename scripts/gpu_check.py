@@ -37,7 +37,7 @@ from xml.etree import ElementTree
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
-from parallelism_checks import CHECKS, mesh_shape  # noqa: E402
+from parallelism_checks import CHECKS, STOPPING, mesh_shape  # noqa: E402
 
 BUDGET_S = 8 * 60  # the whole run, on one 8-GPU node
 PYTEST_TIMEOUT_S = 180
@@ -173,7 +173,7 @@ def parallelism_rows(plan: Plan, logs: Path, deadline: float) -> list[dict]:
         if not remaining:
             break
         # the ranks stop after a check that raised (torchrun then exits 1): start them again
-        stopped_after_error = bool(done) and rows[done[-1]]["status"] == "ERROR"
+        stopped_after_error = bool(done) and rows[done[-1]]["status"] in STOPPING
         if code is None or not stopped_after_error:
             lost = remaining.pop(0)  # it killed its ranks, or outlived the run's budget
             why = "out of time" if code is None else f"torchrun exited {code}"

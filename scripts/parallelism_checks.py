@@ -46,6 +46,7 @@ from torch.nn import functional as F  # noqa: E402
 CHECK_TIMEOUT_S = 60  # a collective that never completes raises after this
 AGREEMENT_TIMEOUT_S = 150  # longer: a rank whose collective timed out still reports
 RESTART = 3  # exit status: a check raised, the checks' group may be out of step
+STOPPING = ("ERROR", "HUNG")  # the statuses after which the ranks stop
 
 
 @dataclass(frozen=True)
@@ -304,7 +305,7 @@ def ring(device: torch.device, dtype: torch.dtype) -> Measured:
     ours = attend(*parts, partial(ring_attention, is_causal=True, load_balance=True))
     ours_error = max(scaled_error(a, b) for a, b in zip(ours, exact))
     sdpa_error = max(scaled_error(a, b) for a, b in zip(theirs, exact))
-    bound = 4 * sdpa_error + 4 * torch.finfo(dtype).eps
+    bound = 2 * sdpa_error + torch.finfo(dtype).eps
     return Measured(ours_error, bound, kernel_for(device, dtype).name)
 
 
@@ -430,13 +431,16 @@ def attempt(chosen: Check, device: torch.device) -> dict:
                    "bound": measured.bound, "note": measured.note}  # fmt: skip
     except Exception as error:
         outcome = {"status": "ERROR", "note": f"{type(error).__name__}: {error}".splitlines()[0],
-                   "traceback": traceback.format_exc()}  # fmt: skip
+                   "traceback": traceback.format_exc(), "raised_at": time.time()}  # fmt: skip
     return outcome | {"seconds": time.perf_counter() - start}
 
 
 def agree(name: str, parallelism: str, outcomes: list[dict]) -> dict:
-    """One row from every rank's outcome: the worst status, the largest difference."""
-    errors = [(rank, o) for rank, o in enumerate(outcomes) if o["status"] == "ERROR"]
+    """One row from every rank's outcome: the worst status, the largest difference, and of the
+    errors the first raised (the others are often its echo: a peer's collective timing out)."""
+    errors = [
+        (o["raised_at"], rank, o) for rank, o in enumerate(outcomes) if o["status"] == "ERROR"
+    ]
     failed = [o for o in outcomes if o["status"] == "FAIL"]
     measured = [o for o in outcomes if "difference" in o]
     row = {"check": name, "parallelism": parallelism, "status": "ok",
@@ -445,7 +449,7 @@ def agree(name: str, parallelism: str, outcomes: list[dict]) -> dict:
         worst = max(measured, key=lambda o: o["difference"])
         row |= {k: worst[k] for k in ("difference", "bound", "note")}
     if errors:
-        rank, first = errors[0]
+        _, rank, first = min(errors, key=lambda error: error[:2])
         row |= {"status": "ERROR", "note": f"rank {rank}: {first['note']}",
                 "traceback": first["traceback"]}  # fmt: skip
     elif failed:
@@ -467,12 +471,18 @@ def main() -> int:
     log = (args.out / f"rank{rank}.jsonl").open("a")
     for name in args.checks or list(CHECKS):
         chosen = CHECKS[name]
+        mine = attempt(chosen, device)
         outcomes: list = [None] * dist.get_world_size()
-        dist.all_gather_object(outcomes, attempt(chosen, device), group=agreement)
-        row = agree(name, chosen.parallelism, outcomes)
+        try:
+            dist.all_gather_object(outcomes, mine, group=agreement)
+            row = agree(name, chosen.parallelism, outcomes)
+        except RuntimeError:  # a peer never reported: hung, or dead
+            row = agree(name, chosen.parallelism, [mine]) | {"status": "HUNG", "note": (
+                f"a rank did not report within {AGREEMENT_TIMEOUT_S} s; rank {rank}: "
+                f"{mine['status']} {mine.get('note', '')}")}  # fmt: skip
         log.write(json.dumps(row) + "\n")
         log.flush()
-        if row["status"] == "ERROR":
+        if row["status"] in STOPPING:
             return RESTART  # the checks' group may be out of step: start afresh
     dist.barrier(group=agreement)
     dist.destroy_process_group()
