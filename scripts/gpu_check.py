@@ -245,12 +245,12 @@ def table(rows: list[dict], plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="list what would run; no GPU")
     parser.add_argument("--cpu", action="store_true", help="the checks on CPU, gloo, W = 2")
     parser.add_argument("--gpus", type=int, help="with --dry-run: the plan for N GPUs")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.gpus is not None and not args.dry_run:
         parser.error("--gpus only goes with --dry-run: a real run uses the GPUs it finds")
     if args.dry_run and not args.cpu and args.gpus is None:
