@@ -189,27 +189,30 @@ def parallelism_rows(plan: Plan, logs: Path, deadline: float) -> list[dict]:
 
 def pytest_rows(plan: Plan, logs: Path) -> list[dict]:
     code = run(plan.pytest(logs), logs / "tests.log", PYTEST_TIMEOUT_S)
-    rows = {name: {"check": name, "parallelism": "test_cuda", "status": "not run",
-                   "note": "timed out" if code is None else "see tests.log"}
-            for name in PYTEST_ROWS.values()}  # fmt: skip
+    missing = "timed out" if code is None else "see tests.log"
     report = logs / "tests.xml"
-    for case in ElementTree.parse(report).iter("testcase") if report.exists() else []:
+    return junit_rows(report.read_text() if report.exists() else None, missing)
+
+
+def junit_rows(report: str | None, missing: str) -> list[dict]:
+    """A row for each of PYTEST_ROWS' tests from pytest's junit `report`: ok, FAIL, skipped,
+    or xfail (an expected failure: tests/test_cuda.py says why); `missing` where it has none."""
+    rows = {name: {"check": name, "parallelism": "test_cuda", "status": "not run",
+                   "note": missing} for name in PYTEST_ROWS.values()}  # fmt: skip
+    for case in ElementTree.fromstring(report).iter("testcase") if report else []:
         name = PYTEST_ROWS.get(case.get("name", "").split("[")[0])
         if name is None:
             continue
-        problem = case.find("failure") if case.find("failure") is not None else case.find("error")
-        skip = case.find("skipped")
-        if problem is not None:
-            note = (
-                (problem.get("message") or "").splitlines()[0][:60]
-                if problem.get("message")
-                else ""
-            )
-            rows[name] |= {"status": "FAIL", "note": note}
-        elif skip is not None:
-            rows[name] |= {"status": "skipped", "note": (skip.get("message") or "")[:60]}
+        failed = case.find("failure") if case.find("failure") is not None else case.find("error")
+        skipped = case.find("skipped")
+        if failed is not None:
+            status, said = "FAIL", failed.get("message")
+        elif skipped is not None:
+            status = "xfail" if skipped.get("type") == "pytest.xfail" else "skipped"
+            said = skipped.get("message")
         else:
-            rows[name] |= {"status": "ok", "note": ""}
+            status, said = "ok", ""
+        rows[name] |= {"status": status, "note": (said or "").split("\n")[0][:60]}
     return list(rows.values())
 
 
@@ -225,7 +228,7 @@ def bench_row(plan: Plan, logs: Path) -> dict:
         return row | {"note": "timed out" if code is None else "see bench.log"}
 
 
-PASSING = ("ok", "skipped")
+PASSING = ("ok", "skipped", "xfail")
 
 
 def table(rows: list[dict], plan: Plan) -> str:

@@ -89,3 +89,19 @@ def test_the_ranks_agree_on_the_worst_outcome_and_name_the_first_error():
 @pytest.mark.parametrize("world, shape", [(2, (1, 2, 1)), (4, (1, 2, 2)), (8, (2, 2, 2))])
 def test_the_3d_mesh_gives_dp_tp_then_pp_a_factor_two(world, shape):
     assert parallelism_checks.mesh_shape(world) == shape
+
+
+JUNIT = """<testsuites><testsuite>
+<testcase name="test_miniddp_on_one_rank_over_the_devices_backend_matches_torch_ddp[cuda]"/>
+<testcase name="test_miniddp_on_two_ranks_over_gloo_matches_torch_ddp[cuda]">
+  <failure message="AssertionError: rank 0: MiniDDP differs&#10;more">trace</failure></testcase>
+<testcase name="test_send_recv_collectives_match_torch[cuda]">
+  <skipped type="pytest.xfail" message="gloo's send/recv take host memory only"/></testcase>
+</testsuite></testsuites>"""
+
+
+def test_the_cuda_tests_rows_come_from_pytests_report():
+    rows = {row["check"]: row for row in gpu_check.junit_rows(JUNIT, "see tests.log")}
+    assert [row["status"] for row in rows.values()] == ["ok", "FAIL", "xfail"]
+    assert rows["MiniDDP on W = 2, gloo+CUDA"]["note"] == "AssertionError: rank 0: MiniDDP differs"
+    assert {row["status"] for row in gpu_check.junit_rows(None, "timed out")} == {"not run"}
