@@ -211,12 +211,13 @@ def parallelize(
     *,
     n_microbatches: int = 4,
     data_parallel: str = "ddp",
-    device: torch.device | str = "cpu",
+    device: torch.device | str | None = None,
     mixed_precision: MixedPrecision | None = None,
 ) -> ParallelGPT:
     """Split `model` (built alike on every rank) over `mesh`, whose axes are named from
     ("pp", "dp", "tp"), any of them of size 1; `data_parallel` is "ddp" (MiniDDP) or "fsdp";
-    `mixed_precision` computes in its param_dtype on fp32 masters (the module docstring)."""
+    `mixed_precision` computes in its param_dtype on fp32 masters (the module docstring);
+    `device`, where the pipeline's messages land, is the model's own unless given."""
     if sorted(mesh.mesh_dim_names) != sorted(AXES):
         raise ValueError(
             f"parallelize needs a mesh with the axes {AXES} (any may have size 1), got "
@@ -257,6 +258,7 @@ def parallelize(
 
     schedule, tied = None, None
     if pp > 1:
+        device = next(part.parameters()).device if device is None else device
         stage = PipelineStage(module, index, pp, device, group=mesh["pp"].get_group())
         schedule = Schedule1F1B(stage, n_microbatches, partial(next_character_loss, mesh=mesh))
         tied = _tie_first_and_last_stage(part, mesh)

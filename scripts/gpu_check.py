@@ -40,8 +40,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 from parallelism_checks import CHECKS, STOPPING, mesh_shape  # noqa: E402
 
 BUDGET_S = 8 * 60  # the whole run, on one 8-GPU node
-PYTEST_TIMEOUT_S = 180
-BENCH_TIMEOUT_S = 120
+PYTEST_TIMEOUT_S = 150
+BENCH_TIMEOUT_S = 90
 PYTEST_ROWS = {
     "test_miniddp_on_one_rank_over_the_devices_backend_matches_torch_ddp": "MiniDDP on W = 1",
     "test_miniddp_on_two_ranks_over_gloo_matches_torch_ddp": "MiniDDP on W = 2, gloo+CUDA",
