@@ -233,7 +233,8 @@ PASSING = ("ok", "skipped", "xfail")
 
 def table(rows: list[dict], plan: Plan) -> str:
     """One screen: a line a row, the difference beside the bound it had to stay within."""
-    lines = [f"{'':<12} {'check':<52} {'W':>2} {'backend':<9} {'result':<7} max difference"]
+    lines = [f"{'':<12} {'check':<52} {'W':>2} {'backend':<9} {'s':>4} {'result':<7} "
+             "max difference"]  # fmt: skip
     for row in rows:
         world = plan.world_size if row["parallelism"] not in ("test_cuda", "bench") else ""
         backend = plan.backend_label if world else ""
@@ -243,8 +244,9 @@ def table(rows: list[dict], plan: Plan) -> str:
             detail += f", {row['note']}" if row.get("note") else ""
         else:
             detail = row.get("note", "")
+        seconds = f"{row['seconds']:.0f}" if "seconds" in row else ""
         lines.append(f"{row['parallelism']:<12} {row['check']:<52} {world!s:>2} {backend:<9} "
-                     f"{row['status']:<7} {detail}")  # fmt: skip
+                     f"{seconds:>4} {row['status']:<7} {detail}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -254,13 +256,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu", action="store_true", help="the checks on CPU, gloo, W = 2")
     parser.add_argument("--gpus", type=int, help="with --dry-run: the plan for N GPUs")
     args = parser.parse_args(argv)
+    machine = None
     if args.gpus is not None and not args.dry_run:
         parser.error("--gpus only goes with --dry-run: a real run uses the GPUs it finds")
     if args.dry_run and not args.cpu and args.gpus is None:
         import torch
 
         args.gpus = torch.cuda.device_count() or 8  # no GPU here: one 8-GPU node's plan
-    plan = plan_for(args.cpu, args.gpus)
+        if not torch.cuda.is_available():
+            machine = "GPU (none here: the plan for one 8-GPU node; --gpus N for N)"
+    plan = plan_for(args.cpu, args.gpus, machine)
     if args.dry_run:
         dry_run(plan)
         return 0
@@ -275,11 +280,12 @@ def main(argv: list[str] | None = None) -> int:
     if plan.gpus == 1:
         print("(one GPU: NCCL refuses two ranks on one GPU, so both ranks share it over gloo)")
     print(table(rows, plan))
-    for row in rows:
-        if row.get("traceback"):
-            print(f"--- {row['check']}:\n{row['traceback'].rstrip()}", file=sys.stderr)
+    raised = [f"--- {row['check']}:\n{row['traceback']}" for row in rows if "traceback" in row]
+    if raised:
+        (logs / "tracebacks.txt").write_text("\n".join(raised))
     verdict = "PASS" if passed else "FAIL"
-    print(f"gpu_check: {verdict} in {time.time() - start:.0f} s; logs in {logs}")
+    print(f"gpu_check: {verdict} in {time.time() - start:.0f} s; logs in {logs}"
+          + (" (tracebacks.txt: what the checks raised)" if raised else ""))  # fmt: skip
     return 0 if passed else 1
 
 

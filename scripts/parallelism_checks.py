@@ -71,8 +71,8 @@ CHECKS: dict[str, Check] = {}
 
 
 def check(parallelism: str, variants: dict[str, dict], sends: bool = False):
-    """Register the decorated function once per variant: check `name`, with `options` bound,
-    for each name: options in `variants`, in their order."""
+    """Register the decorated function as one check per variant: `variants` maps each check's
+    name to the options bound to the function for it, in the table's order."""
 
     def register(function: Callable[..., Measured]) -> Callable[..., Measured]:
         for name, options in variants.items():
@@ -109,9 +109,6 @@ def sgd_steps(model: nn.Module, batches, device: torch.device, optimizer=None) -
         optimizer.zero_grad()
         seen += [p.detach().cpu() for p in model.parameters()]
     return seen
-
-
-# --- data parallelism: DDP, ZeRO-1, fully_shard -----------------------------------------------
 
 
 @check("DDP", {"MiniDDP vs DistributedDataParallel": {}})
@@ -182,9 +179,6 @@ def fsdp(device: torch.device, policy: dict | None) -> Measured:
     return Measured(largest_difference(ours, theirs))
 
 
-# --- tensor parallelism --------------------------------------------------------------------
-
-
 _TORCH_MESHES: dict[tuple, object] = {}
 
 
@@ -229,9 +223,6 @@ def tensor_parallel(device: torch.device) -> Measured:
             seen += [tasks.local(p).detach().cpu() for p in model.parameters()]
         runs.append(seen)
     return Measured(largest_difference(*runs))
-
-
-# --- pipeline parallelism ------------------------------------------------------------------
 
 
 @check(
@@ -286,9 +277,6 @@ def pipeline(device: torch.device, kind: str) -> Measured:
     return Measured(largest_difference(*runs))
 
 
-# --- context parallelism -------------------------------------------------------------------
-
-
 @check(
     "CP",
     {
@@ -326,9 +314,6 @@ def ring(device: torch.device, dtype: torch.dtype) -> Measured:
     sdpa_error = max(scaled_error(a, b) for a, b in zip(theirs, exact))
     bound = 3 * sdpa_error + 2 * torch.finfo(dtype).eps
     return Measured(ours_error, bound, kernel_for(device, dtype).name)
-
-
-# --- the composition: parallelize on a (pp, dp, tp) mesh ------------------------------------
 
 
 def mesh_shape(world: int) -> tuple[int, int, int]:
@@ -388,9 +373,6 @@ def three_d(device: torch.device, dp: str) -> Measured:
     return Measured(difference, 1e-10, f"(pp, dp, tp) = {shape}")
 
 
-# --- collectives built from send/recv ------------------------------------------------------
-
-
 @check(
     "collectives",
     {
@@ -440,9 +422,6 @@ def collectives(device: torch.device, large: bool) -> Measured:
     pairs.append((mine, theirs))
     size = f"{numel * 4 / 2**20:g} MiB" if large else f"{numel * 4} B"
     return Measured(largest_difference(*zip(*pairs)), note=f"{len(pairs)} algorithms, {size}")
-
-
-# --- the run -------------------------------------------------------------------------------
 
 
 def rank_device(kind: str) -> torch.device:
@@ -500,7 +479,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     device = rank_device(args.device)
-    dist.init_process_group(args.backend, timeout=timedelta(seconds=CHECK_TIMEOUT_S))
+    timeout = timedelta(seconds=CHECK_TIMEOUT_S)
+    pinned = {"device_id": device} if args.backend == "nccl" else {}  # NCCL: this rank's GPU
+    dist.init_process_group(args.backend, timeout=timeout, **pinned)
     agreement = dist.new_group(backend="gloo", timeout=timedelta(seconds=AGREEMENT_TIMEOUT_S))
     rank = dist.get_rank()
     log = (args.out / f"rank{rank}.jsonl").open("a")
