@@ -271,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     start = time.time()
     logs = Path(tempfile.mkdtemp(prefix="gpu_check."))
-    rows = parallelism_rows(plan, logs, start + BUDGET_S - PYTEST_TIMEOUT_S - BENCH_TIMEOUT_S)
+    after = PYTEST_TIMEOUT_S + BENCH_TIMEOUT_S if plan.device == "cuda" else 0  # time for 2, 3
+    rows = parallelism_rows(plan, logs, start + BUDGET_S - after)
     if plan.device == "cuda":
         rows += pytest_rows(plan, logs)
         rows.append(bench_row(plan, logs))

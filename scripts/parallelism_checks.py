@@ -339,12 +339,13 @@ def three_d(device: torch.device, dp: str) -> Measured:
     """Chapter 12's GPT in float64 (tests/parallelize_tasks.py): the losses and every full
     parameter after AdamW steps, within rounding of one process on the replicas' whole batch."""
     from miniddp.mesh import init_device_mesh
-    from miniddp.parallelize import parallelize
+    from miniddp.parallelize import AXES, parallelize
     from tests import parallelize_tasks as tasks
 
-    shape = mesh_shape(dist.get_world_size())
-    mesh = init_device_mesh(device.type, shape, mesh_dim_names=("pp", "dp", "tp"))
-    replicas, replica = shape[1], mesh["dp"].get_local_rank()
+    sizes = dict(zip(("pp", "dp", "tp"), mesh_shape(dist.get_world_size())))
+    shape = tuple(sizes.get(axis, 1) for axis in AXES)  # any other axis parallelize has: 1
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=AXES)
+    replicas, replica = sizes["dp"], mesh["dp"].get_local_rank()
 
     reference = tasks.build_gpt().to(device)
     optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
@@ -370,7 +371,7 @@ def three_d(device: torch.device, dp: str) -> Measured:
     for name, tensor in full.items():
         name = "token.weight" if name == "head.weight" else name  # the last stage's tied copy
         difference = max(difference, scaled_error(tensor, expected[name].detach()))
-    return Measured(difference, 1e-10, f"(pp, dp, tp) = {shape}")
+    return Measured(difference, 1e-10, f"({', '.join(AXES)}) = {shape}")
 
 
 @check(
