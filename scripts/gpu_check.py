@@ -2,11 +2,12 @@
 in one prepared run, ending in a one-screen table. A lent GPU is held for minutes, so everything
 is found in one go, and the whole run fits in 8 minutes on one 8-GPU node.
 
-    1. scripts/parallelism_checks.py under torchrun, one rank per GPU, over NCCL: DDP, ZeRO,
-       FSDP, TP, PP, CP, the 3-D composition and the send/recv collectives, each against torch's
-       own or one process. On one GPU, W = 2 over gloo with CUDA tensors, both ranks on the
-       same GPU (NCCL refuses two ranks on one GPU), and the checks that send device tensors by
-       send/recv are skipped: gloo's send/recv take host memory only (docs/cpu_assumptions.md).
+    1. scripts/parallelism_checks.py's checks under torchrun (scripts/run_checks.py), one rank
+       per GPU, over NCCL: DDP, ZeRO, FSDP, TP, PP, CP, the 3-D composition and the send/recv
+       collectives, each against torch's own or one process. On one GPU, W = 2 over gloo with
+       CUDA tensors, both ranks on the same GPU (NCCL refuses two ranks on one GPU), and the
+       checks that send device tensors by send/recv are skipped: gloo's send/recv take host
+       memory only (docs/cpu_assumptions.md).
     2. `pytest -m cuda tests/test_cuda.py`: MiniDDP over NCCL at W = 1 and over gloo with CUDA
        tensors at W = 2.
     3. the step benchmark on cuda, MiniDDP against torch's DDP, for its figures.
@@ -37,7 +38,8 @@ from xml.etree import ElementTree
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
-from parallelism_checks import CHECKS, STOPPING, mesh_shape  # noqa: E402
+from parallelism_checks import CHECKS, mesh_shape  # noqa: E402
+from run_checks import STOPPING  # noqa: E402
 
 BUDGET_S = 8 * 60  # the whole run, on one 8-GPU node
 PYTEST_TIMEOUT_S = 150
@@ -70,7 +72,7 @@ class Plan:
     def torchrun(self, out: Path, checks: list[str]) -> list[str]:
         return [
             sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={self.world_size}", "scripts/parallelism_checks.py",
+            f"--nproc-per-node={self.world_size}", "scripts/run_checks.py",
             f"--device={self.device}", f"--backend={self.backend}", f"--out={out}", *checks,
         ]  # fmt: skip
 

@@ -20,6 +20,7 @@ PARALLELISMS = ("DDP", "ZeRO", "FSDP", "TP", "PP", "CP", "3-D", "collectives")
 sys.path.insert(0, str(REPO / "scripts"))
 import gpu_check  # noqa: E402
 import parallelism_checks  # noqa: E402
+import run_checks  # noqa: E402
 
 
 def rows(output: str) -> list[str]:
@@ -70,7 +71,7 @@ def outcome(status: str, **fields) -> dict:
 
 
 def test_the_ranks_agree_on_the_worst_outcome_and_name_the_first_error():
-    agree = parallelism_checks.agree
+    agree = run_checks.agree
     passed = [outcome("ok", difference=0.0, bound=0.0, note=""),
               outcome("ok", difference=1e-9, bound=1e-8, note="k")]  # fmt: skip
     assert agree("c", "DDP", passed) | {"seconds": 0} == {
