@@ -217,13 +217,14 @@ def parallelize(
     *,
     n_microbatches: int = 4,
     data_parallel: str = "ddp",
-    device: torch.device | str = "cpu",
+    device: torch.device | str | None = None,
     mixed_precision: MixedPrecision | None = None,
 ) -> ParallelGPT:
     """Split `model` (built alike on every rank) over `mesh`, whose axes are named from
     ("pp", "dp", "tp"), any of them of size 1, or for HSDP from HSDP_AXES; `data_parallel` is
     "ddp" (MiniDDP) or "fsdp"; `mixed_precision` computes in its param_dtype on fp32 masters
-    (the module docstring)."""
+    (the module docstring); `device`, where the pipeline's messages land, is the model's own
+    unless given."""
     hsdp = sorted(mesh.mesh_dim_names) == sorted(HSDP_AXES)
     if sorted(mesh.mesh_dim_names) != sorted(AXES) and not hsdp:
         raise ValueError(
@@ -273,6 +274,7 @@ def parallelize(
 
     schedule, tied = None, None
     if pp > 1:
+        device = next(part.parameters()).device if device is None else device
         stage = PipelineStage(module, index, pp, device, group=mesh["pp"].get_group())
         schedule = Schedule1F1B(stage, n_microbatches, partial(next_character_loss, mesh=mesh))
         tied = _tie_first_and_last_stage(part, mesh)

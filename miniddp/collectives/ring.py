@@ -120,7 +120,8 @@ def labelled_all_gather(
     right, left = (peers.rank + 1) % peers.size, (peers.rank - 1) % peers.size
     labels = [label] * peers.size
     own = chunks[peers.rank].reshape(-1).view(torch.uint8)
-    message = torch.cat([torch.tensor([label], dtype=torch.int64).view(torch.uint8), own])
+    lead = torch.tensor([label], dtype=torch.int64, device=own.device).view(torch.uint8)
+    message = torch.cat([lead, own])
     inboxes = [
         torch.empty(LABEL_BYTES + room_bytes, dtype=torch.uint8, device=own.device)
         for _ in range(peers.size - 1)

@@ -126,7 +126,7 @@ class GPT(nn.Module):
 
         `positions` (T,): where each token sits in its window, 0..T-1 unless given. Context
         parallelism gives a rank a part of each window, so it passes that part's positions
-        (miniddp.context_parallel.positions_of)."""
+        (miniddp.context_parallel.positions_of; on the host, they follow the tokens)."""
         length = tokens.shape[1]
         if positions is None and length > self.config.context:
             raise ValueError(
@@ -135,7 +135,7 @@ class GPT(nn.Module):
             )
         if positions is None:
             positions = torch.arange(length, device=tokens.device)
-        x = self.dropout(self.token(tokens) + self.position(positions))
+        x = self.dropout(self.token(tokens) + self.position(positions.to(tokens.device)))
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
