@@ -141,8 +141,14 @@ def fit_alpha_beta(small: int, large: int) -> tuple[float, float]:
     return max(medians[0] - beta * small, 0.0), beta
 
 
-def last_step(steps: list[StepTimeline]) -> list[StepTimeline]:
-    return [s for s in steps if s.step == max(s.step for s in steps)]  # every rank's
+def median_step(steps: list[StepTimeline]) -> list[StepTimeline]:
+    """Every rank's timeline of the step whose slowest rank took the median time: the step
+    a figure should show, not the last one, which a busy moment of the machine may have hit."""
+    slowest: dict[int, float] = {}
+    for s in steps:
+        slowest[s.step] = max(slowest.get(s.step, 0.0), summarize(s).step_s)
+    middle = sorted(slowest, key=slowest.get)[len(slowest) // 2]
+    return [s for s in steps if s.step == middle]
 
 
 def last_to_start(steps: list[StepTimeline]) -> list[StepTimeline]:
@@ -192,7 +198,7 @@ def main() -> None:
         return paired_ratio(times[ours], times[theirs])
 
     def show(name: str) -> None:
-        one_step = last_step(steps[name])
+        one_step = median_step(steps[name])
         say(ascii_timeline(one_step))
         say(
             f"{name}: median step {median_ms[name]:.1f} ms; {len(one_step[0].buckets)} "
@@ -266,7 +272,7 @@ def main() -> None:
 
     if args.plot and env.is_main:
         rungs = ["1 naive", "2 overlap", "3 buckets", "4 torch layout", MINIDDP, "deferred launch"]
-        named = {n.replace(MINIDDP, "8 MiniDDP"): last_step(steps[n]) for n in rungs}
+        named = {n.replace(MINIDDP, "8 MiniDDP"): median_step(steps[n]) for n in rungs}
 
         def even_buckets(size: float) -> float:
             return rest + predict_step(uniform_buckets(total, size), backward, alpha, beta).sync_s
