@@ -16,9 +16,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from miniddp import MixedPrecision
+from miniddp import MiniDDP, MixedPrecision
 from miniddp.data_parallel.layout import BucketLayout
-from miniddp.sharding import Formula
+from miniddp.sharding import Formula, MixedPrecisionPolicy
 from tests import ddp_mixed_precision_tasks as tasks
 from tests.ddp_mixed_precision_tasks import MpSpec
 
@@ -197,3 +197,18 @@ def test_an_unused_branch_is_found_in_the_copies_graph(pool2, static_graph):
 def test_join_shadows_the_buckets_in_reduce_dtype(pool2):
     result = pool2.run(tasks.joined_early)[0]
     assert_bitwise([result["ours"]], [result["expected"]], "rank 0, alone in step 2")
+
+
+@pytest.mark.parametrize(
+    "given",
+    [BF16, "MixedPrecisionPolicy"],
+    ids=["a-dtype", "fully_shards-policy"],
+)
+def test_a_dtype_or_fully_shards_policy_is_refused_naming_mixed_precision(given):
+    """The reverse of fully_shard's refusal of a MixedPrecision: a TypeError naming the type,
+    before any process group is needed (it is the caller's argument, the same on every rank)."""
+    if given == "MixedPrecisionPolicy":
+        given = MixedPrecisionPolicy(param_dtype=BF16)
+    with pytest.raises(TypeError, match=r"miniddp\.MixedPrecision\b") as refused:
+        MiniDDP(torch.nn.Linear(2, 2), mixed_precision=given)
+    assert "MixedPrecision(torch.bfloat16)" in str(refused.value)
