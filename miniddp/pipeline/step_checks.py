@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from miniddp.job.faults import wait_for
+from miniddp.job.agree import gather_rows
 from miniddp.pipeline.actions import decode
 from miniddp.pipeline.bubble import replay
 
@@ -118,16 +118,6 @@ class CheckRow(NamedTuple):
     schedule: int  # schedule_id of its class
     trains: int  # step() (1) or eval() (0)
     without_grad: int  # step() called under torch.no_grad()
-
-
-def gather_rows(row: list[int], what: str, group: dist.ProcessGroup | None, device) -> list:
-    """Every rank's `row` of integers, on every rank: each fills its own row of a zero table
-    and one all-reduce (SUM) adds them up."""
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    table = torch.zeros(size, len(row), dtype=torch.int64, device=device)
-    table[rank] = torch.tensor(row, dtype=torch.int64)
-    wait_for(dist.all_reduce(table, group=group, async_op=True), what, group)
-    return table.tolist()
 
 
 def check_on_every_stage(
