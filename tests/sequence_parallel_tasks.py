@@ -151,3 +151,13 @@ def norm_and_dropout_memory(width: int, length: int) -> dict[str, int]:
     )
     positions = mine(x).detach().clone().requires_grad_()  # its own storage, not a view of x
     return {"plain": whole, "sequence parallel": saved_bytes(norm_dropout, positions)}
+
+
+def uneven_sequence(spec: SPSpec) -> str:
+    """What our sequence parallelism says when W does not divide S (torch.chunk then leaves the
+    last rank fewer positions), or 'accepted'."""
+    try:
+        run(spec, "ours")
+    except ValueError as error:
+        return str(error)
+    return "accepted"

@@ -40,6 +40,15 @@ def test_sequence_parallel_equals_one_process_and_torch(pool2, spec):
                 assert difference <= TOLERANCE, (rank, kind, what, difference)
 
 
+@pytest.mark.parametrize("model", ["norm_mlp", "block"])
+def test_a_length_w_does_not_divide_is_refused_on_every_rank_naming_it(pool2, model):
+    """S = 7 over W = 2: rank 0 holds 4 positions, rank 1 holds 3, and the first all-gather
+    (f-bar) would not match (gloo aborts, torch's SequenceParallel too). Named instead."""
+    for rank, said in enumerate(pool2.run(tasks.uneven_sequence, SPSpec(model=model, length=7))):
+        assert "rank 0 holds 4 positions and rank 1 holds 3" in said, (rank, said)
+        assert "S = 7" in said and "multiple of 2" in said, (rank, said)
+
+
 def test_layer_norm_weight_gradient_is_summed_over_the_group(pool2):
     """The planted bug: without f on its weight, each rank's LayerNorm gradient is the sum over
     its own positions only, and the check above catches it."""
