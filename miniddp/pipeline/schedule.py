@@ -111,6 +111,22 @@ from miniddp.pipeline.step_checks import (
 EVENT_KIND = {FORWARD: "forward", BACKWARD: "backward", INPUT_GRAD: "input", WEIGHT_GRAD: "weight"}
 
 
+def _the_loss(returned: object, trains: bool) -> torch.Tensor:
+    """What loss_fn returned, if it is a loss: a tensor, of one element where the step trains
+    (the last stage divides it by m and backpropagates it). A tuple (loss, aux) would fail deep
+    inside, with a bare TypeError that names neither loss_fn nor the fix."""
+    if isinstance(returned, torch.Tensor) and (returned.numel() == 1 or not trains):
+        return returned
+    what = f"a {type(returned).__name__}"
+    if isinstance(returned, torch.Tensor):
+        what = f"a tensor of shape {tuple(returned.shape)}"
+    raise TypeError(
+        f"loss_fn must return the loss, one tensor of one element, as torch's schedules "
+        f"expect a torch.Tensor; it returned {what}: return the loss alone (reduce it, e.g. "
+        "with .mean()), and keep anything else yourself, e.g. in a list loss_fn appends to"
+    )
+
+
 class PipelineSchedule(EventRecorder):
     """Runs this rank's part of each step in the order `order()` gives. Subclasses define only
     the order; `loss_fn(output, target)` is called on the last stage, once per microbatch;
@@ -247,7 +263,7 @@ class PipelineSchedule(EventRecorder):
             output = stage.forward(i, inputs, keep=data.backward)
             if stage.is_last:
                 if self.loss_fn is not None and data.targets[i] is not None:
-                    loss = self.loss_fn(output, data.targets[i])
+                    loss = _the_loss(self.loss_fn(output, data.targets[i]), data.backward)
                     if data.backward:
                         stage.keep_loss(i, loss / self.n_microbatches)  # its share of the mean
                     data.losses.append(loss.detach())
