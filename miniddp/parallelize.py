@@ -84,7 +84,7 @@ from miniddp.data_parallel.compute_copies import ComputeInCopies, MixedPrecision
 from miniddp.data_parallel.ddp import MiniDDP
 from miniddp.job.faults import wait_for
 from miniddp.mesh import DeviceMesh
-from miniddp.models.gpt import GPT
+from miniddp.models.gpt import GPT, refuse_a_window_longer_than_the_context
 from miniddp.pipeline import PipelineStage, Schedule1F1B
 from miniddp.pipeline.schedule import PipelineSchedule
 from miniddp.placement import Stage, carry_over, mark
@@ -121,6 +121,7 @@ class GPTStage(nn.Module):
     def __init__(self, model: GPT, blocks: range, first: bool, last: bool) -> None:
         super().__init__()
         self.first, self.last = first, last
+        self.context = model.config.context
         if first:
             self.token, self.position, self.dropout = model.token, model.position, model.dropout
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in blocks})
@@ -132,6 +133,7 @@ class GPTStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:  # x: token ids (b, T)
+            refuse_a_window_longer_than_the_context(x.shape[1], self.context)
             positions = torch.arange(x.shape[1], device=x.device)
             x = self.dropout(self.token(x) + self.position(positions))
         for block in self.blocks.values():
@@ -160,6 +162,9 @@ class ParallelGPT:
         """Forward and backward of this replica's windows (B, T + 1); gradients complete when it
         returns. The mean loss, on the ranks that compute it (the last stage's)."""
         inputs, targets = windows[:, :-1], windows[:, 1:]
+        # Every rank checks: under a pipeline the first stage alone would fail, the others
+        # waiting for its activations.
+        refuse_a_window_longer_than_the_context(inputs.shape[1], self.model.context)
         if self.schedule is None:
             loss = self.loss_fn(self.module(inputs), targets)
             loss.backward()
@@ -225,7 +230,13 @@ def parallelize(
     if data_parallel not in ("ddp", "fsdp"):
         raise ValueError(f'data_parallel is "ddp" or "fsdp", got {data_parallel!r}')
     pp, dp, tp = (mesh[axis].size() for axis in AXES)
-    layers = len(model.blocks)
+    layers, heads = len(model.blocks), model.config.heads
+    if heads % tp:
+        raise ValueError(
+            f"the GPT's {heads} heads do not split over tp = {tp}: tensor parallelism gives "
+            f"each rank whole heads (its q, k and v rows), {heads} / {tp} of them. Use a tp "
+            f"that divides {heads}, or a model whose heads tp divides"
+        )
     if layers < pp:
         raise ValueError(f"{layers} blocks cannot fill {pp} pipeline stages: use pp <= {layers}")
 

@@ -40,3 +40,19 @@ def test_the_parallel_gpt_trains_as_one_process(rank_pools, name):
             difference = (tensor - expected).abs().max().item()
             record_max(f"parallelize {name}: |param - one process's|", difference)
             assert difference < 1e-12, f"rank {rank}'s {tensor_name} is off by {difference:.3g}"
+
+
+@pytest.mark.parametrize(
+    "mistake, words",
+    [
+        ("heads", "ValueError: the GPT's 3 heads do not split over tp = 2"),
+        ("window", "ValueError: a window of 9 tokens is longer than the model's context 8"),
+    ],
+)
+def test_a_model_or_window_that_cannot_split_is_refused_on_every_rank(pool2, mistake, words):
+    """Heads that tp does not divide were accepted, and the first forward failed in a reshape;
+    a window longer than the context failed in the position embedding (IndexError) on the
+    first stage, the second waiting for it. Both named at once, on every rank, as one
+    process's GPT names the second."""
+    for rank, said in enumerate(pool2.run(tasks.what_parallelize_says, mistake)):
+        assert said.startswith(words), (rank, said)
