@@ -304,6 +304,24 @@ class SequenceParallelLayerNorm(nn.Module):
         return f"{tuple(self.normalized_shape)}, eps={self.eps}, on this rank's positions"
 
 
+class SequenceParallelRMSNorm(nn.Module):
+    """An nn.RMSNorm (every Llama-style block's norm) on this rank's positions [B, S/W, H]: it
+    too acts on each position alone, and its weight, whole, enters through f."""
+
+    def __init__(self, norm: nn.RMSNorm, group: dist.ProcessGroup | None, name: str) -> None:
+        super().__init__()
+        self.group = group
+        self.normalized_shape, self.eps = norm.normalized_shape, norm.eps
+        self.weight = norm.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = None if self.weight is None else copy_to_tensor_parallel(self.weight, self.group)
+        return F.rms_norm(x, self.normalized_shape, weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.normalized_shape)}, eps={self.eps}, on this rank's positions"
+
+
 class ColwiseLinear(nn.Module):
     """This rank's output columns of an nn.Linear; its output is sharded on the last dim.
     With sequence_parallel its input is this rank's positions, gathered first (f-bar)."""
