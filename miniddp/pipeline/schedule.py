@@ -164,7 +164,8 @@ class PipelineSchedule(EventRecorder):
         self.setup_problem = stages_problem(
             self.stages, type(self).__name__, self.stages_per_rank_at_most, self.splits_backward
         )
-        self._first_microbatch_shapes: tuple[tuple[int, ...], ...] | None = None
+        self._first_microbatch_shapes: tuple[tuple[int, ...], ...] | None = None  # training's
+        self._border_shapes: tuple[tuple[int, ...], ...] | None = None  # the borders learnt
         self._orders_checked: set[bool] = set()  # a training and a forward-only order, once each
         self.peak_held = 0  # the most microbatch-stages this rank held at once, last step
         self._start_event_log()
@@ -220,9 +221,13 @@ class PipelineSchedule(EventRecorder):
         if not backward:  # the same forwards in the same order (replayed below, once)
             order = [a for a in order if a.kind == FORWARD]
         who = "stage" if len(self.stages) == 1 else "rank"
-        check_on_every_stage(
-            found, m, type(self).__name__, stage.group, stage.device, who, backward
-        )
+        shapes = microbatch_shapes(args, m) if self.has_first_stage and found[0] == 0 else None
+        relearn = shapes is not None and self._border_shapes not in (None, shapes)
+        if check_on_every_stage(
+            found, m, type(self).__name__, stage.group, stage.device, who, backward, relearn
+        ):
+            self.borders.relearn()
+        self._border_shapes = shapes or self._border_shapes
         if backward not in self._orders_checked:  # once: the orders of a schedule do not change
             longest = 3 * m * len(self.stages)  # every row as long: zeros pad (actions.py)
             codes = encode(order, stage.stage_index)
@@ -290,7 +295,10 @@ class PipelineSchedule(EventRecorder):
         backward: bool,
     ) -> Found:
         """What this rank sees wrong with its stages or its part of the step (rank_checks);
-        the first step's microbatch shapes are kept, for every later step to match."""
+        the first training step's microbatch shapes are kept, for every later training step to
+        match. A forward-only step may take others (a smaller validation batch): the borders
+        learn its shapes, and the next training step's back (torch re-infers its shapes when
+        eval follows training)."""
         if self.setup_problem:
             return Problem.BAD_STAGES, 0, 0, self.setup_problem
         m, shapes = self.n_microbatches, self._first_microbatch_shapes
@@ -303,9 +311,9 @@ class PipelineSchedule(EventRecorder):
             losses,
             backward=backward,
             has_loss_fn=self.loss_fn is not None,
-            first_shapes=shapes,
+            first_shapes=shapes if backward else None,
         )
-        if found[0] == Problem.NONE and self.has_first_stage and shapes is None:
+        if found[0] == Problem.NONE and self.has_first_stage and shapes is None and backward:
             self._first_microbatch_shapes = microbatch_shapes(args, m)
         return found
 

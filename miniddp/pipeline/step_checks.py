@@ -72,8 +72,9 @@ def describe(problem: Problem, a: int, b: int) -> str:
         ),
         Problem.INPUT_SHAPE_CHANGED: (
             f"was given microbatches of {a} samples, but the pipeline learnt its activation "
-            f"shapes from the first step's {b}: keep the batch size fixed (drop_last=True in "
-            "the DataLoader), or build a new stage and schedule for the new size"
+            f"shapes from the first training step's {b}: keep the batch size fixed "
+            "(drop_last=True in the DataLoader), or build a new stage and schedule for the new "
+            "size (eval() takes any size)"
         ),
         Problem.NO_TARGET: (
             "was given no target: call schedule.step(target=y, losses=losses) on the last "
@@ -118,6 +119,7 @@ class CheckRow(NamedTuple):
     schedule: int  # schedule_id of its class
     trains: int  # step() (1) or eval() (0)
     without_grad: int  # step() called under torch.no_grad()
+    relearn: int  # the first stage's microbatches changed shape since the borders learnt them
 
 
 def check_on_every_stage(
@@ -128,14 +130,17 @@ def check_on_every_stage(
     device: torch.device,
     who: str = "stage",
     backward: bool = True,
-) -> None:
+    relearn: bool = False,
+) -> bool:
     """Gather every rank's findings; raise the same error on all of them if any is wrong.
     `who`: how a rank is named, "stage" (one stage a rank) or "rank" (several); `backward`:
-    this rank's step trains (else it runs forward only)."""
+    this rank's step trains (else it runs forward only); `relearn`: this rank's first stage
+    was given microbatches of other shapes than the borders learnt. Returns whether any rank
+    said so: then every border learns its shapes again, on every rank alike."""
     problem, a, b, *detail = found
     grad_off = backward and not torch.is_grad_enabled()
     mine = CheckRow(
-        int(problem), a, b, n_microbatches, schedule_id(schedule_name), backward, grad_off
+        int(problem), a, b, n_microbatches, schedule_id(schedule_name), backward, grad_off, relearn
     )
     rows = [
         CheckRow(*row)
@@ -181,6 +186,7 @@ def check_on_every_stage(
         raise ValueError(
             f"This pipeline step cannot run (seen on stage {here}):\n  " + "\n  ".join(lines)
         )
+    return any(row.relearn for row in rows)
 
 
 def check_orders_together(
