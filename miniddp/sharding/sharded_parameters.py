@@ -35,6 +35,7 @@ class InFlight:
     work: collectives.Work
     output: torch.Tensor
     what: str
+    post_divide: float = 1.0  # what is left of the average's 1/W once the output arrives
 
     def wait(self, group: dist.ProcessGroup | None) -> torch.Tensor:
         wait_for(self.work.get_future(), self.what, group)
@@ -116,19 +117,28 @@ class ShardedParameters:
             pieces[:, offset : offset + shard.numel()] = padded.view(world, shard.numel())
             offset += shard.numel()
         mine = pieces.new_empty(length)
+        what = f"reduce-scatter of {self.name}'s gradients ({pieces.nbytes:,} bytes)"
+        if pieces.dtype != torch.float16:
+            work = collectives.reduce_scatter_tensor(
+                mine, pieces, op=dist.ReduceOp.AVG, group=self.group, async_op=True
+            )
+            return InFlight(work, mine, what)
+        pre, post = float16_divide_factors(world)
+        pieces.div_(pre)
         work = collectives.reduce_scatter_tensor(
-            mine, pieces, op=dist.ReduceOp.AVG, group=self.group, async_op=True
+            mine, pieces, op=dist.ReduceOp.SUM, group=self.group, async_op=True
         )
-        return InFlight(
-            work, mine, f"reduce-scatter of {self.name}'s gradients ({pieces.nbytes:,} bytes)"
-        )
+        return InFlight(work, mine, what, post)
 
     def finish_reduce_scatter(self, reducing: InFlight) -> None:
         """Wait for `reducing`, and add each shard's piece into its `.grad` in the shard's
         dtype, as autograd would have (None: set it; else add in place). Then run the shard's
         post-accumulate-grad hooks (an optimizer stepping in backward, say): autograd never
         accumulates into a shard, so it would not run them; torch's FSDP2 runs them here too."""
-        reduced = reducing.wait(self.group).split([s.numel() for s in self.shards])
+        reduced = reducing.wait(self.group)
+        if reducing.post_divide != 1:
+            reduced.div_(reducing.post_divide)
+        reduced = reduced.split([s.numel() for s in self.shards])
         for shard, piece in zip(self.shards, reduced):
             if shard.grad is None:
                 shard.grad = piece.to(shard.dtype)
@@ -179,3 +189,17 @@ def cut(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     padded = full.new_zeros(world * chunk)
     padded[: full.numel()] = full.reshape(-1)
     return padded[rank * chunk :][:chunk].clone()
+
+
+def float16_divide_factors(world_size: int) -> tuple[float, float]:
+    """How a float16 average over W ranks divides: by `pre` before the sum, `post` after.
+
+    fp16's largest value is 65504, and the loss scaler pushes gradients up towards it: a sum of
+    W of them may overflow where their average would not, and dividing each by W first may
+    underflow the small ones. So, as torch's FSDP2 does (and with its factors, to give its
+    bits), divide by about sqrt(W) on each side: pre doubles while it divides W and W / pre
+    exceeds it; post = W / pre. At W = 2: pre 2, post 1; at W = 8: pre 4, post 2."""
+    pre = 1
+    while world_size % pre == 0 and world_size / pre > pre:
+        pre *= 2
+    return float(pre), world_size / pre
