@@ -407,6 +407,8 @@ def test_eval_on_a_smaller_validation_batch_is_one_process_and_torchs(pool2, nam
     for result in ours:
         for s, grads in result["grads"].items():
             assert all(torch.equal(a, b) for a, b in zip(grads, reference["grads"][s])), s
+    if name != "interleaved":  # torch's eval runs the forwards alone, the same in both
+        return
     theirs = pool2.run(train_validate_train, spec, "torch-interleaved")[(spec.stages - 1) % 2]
     m = spec.n_microbatches
     assert all(torch.equal(a / m, b) for a, b in zip(last["losses"], theirs["losses"]))
