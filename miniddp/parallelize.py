@@ -222,6 +222,16 @@ def parallelize(
     """Split `model` (built alike on every rank) over `mesh`, whose axes are named from
     ("pp", "dp", "tp"), any of them of size 1; `data_parallel` is "ddp" (MiniDDP) or "fsdp";
     `mixed_precision` computes in its param_dtype on fp32 masters (the module docstring)."""
+    if mixed_precision is not None and torch.float16 in (
+        mixed_precision.param_dtype,
+        mixed_precision.reduce_dtype,
+    ):
+        raise ValueError(
+            "parallelize takes no float16 mixed precision: float16 needs a loss scaler "
+            "(scaler.scale(loss).backward()), and train_step runs the backward itself, so "
+            "small gradients would underflow unseen. Use MixedPrecision(torch.bfloat16), "
+            "which needs none"
+        )
     if sorted(mesh.mesh_dim_names) != sorted(AXES):
         raise ValueError(
             f"parallelize needs a mesh with the axes {AXES} (any may have size 1), got "
