@@ -89,7 +89,7 @@ from miniddp.data_parallel.compute_copies import ComputeInCopies, MixedPrecision
 from miniddp.data_parallel.ddp import MiniDDP
 from miniddp.job.faults import wait_for
 from miniddp.mesh import DeviceMesh
-from miniddp.models.gpt import GPT
+from miniddp.models.gpt import GPT, refuse_a_window_longer_than_the_context
 from miniddp.pipeline import PipelineStage, Schedule1F1B
 from miniddp.pipeline.schedule import PipelineSchedule
 from miniddp.placement import Stage, carry_over, mark
@@ -127,6 +127,7 @@ class GPTStage(nn.Module):
     def __init__(self, model: GPT, blocks: range, first: bool, last: bool) -> None:
         super().__init__()
         self.first, self.last = first, last
+        self.context = model.config.context
         if first:
             self.token, self.position, self.dropout = model.token, model.position, model.dropout
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in blocks})
@@ -138,6 +139,7 @@ class GPTStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:  # x: token ids (b, T)
+            refuse_a_window_longer_than_the_context(x.shape[1], self.context)
             positions = torch.arange(x.shape[1], device=x.device)
             x = self.dropout(self.token(x) + self.position(positions))
         for block in self.blocks.values():
@@ -166,6 +168,9 @@ class ParallelGPT:
         """Forward and backward of this replica's windows (B, T + 1); gradients complete when it
         returns. The mean loss, on the ranks that compute it (the last stage's)."""
         inputs, targets = windows[:, :-1], windows[:, 1:]
+        # Every rank checks: under a pipeline the first stage alone would fail, the others
+        # waiting for its activations.
+        refuse_a_window_longer_than_the_context(inputs.shape[1], self.model.context)
         if self.schedule is None:
             loss = self.loss_fn(self.module(inputs), targets)
             loss.backward()
@@ -225,6 +230,16 @@ def parallelize(
     "ddp" (MiniDDP) or "fsdp"; `mixed_precision` computes in its param_dtype on fp32 masters
     (the module docstring); `device`, where the pipeline's messages land, is the model's own
     unless given."""
+    if mixed_precision is not None and torch.float16 in (
+        mixed_precision.param_dtype,
+        mixed_precision.reduce_dtype,
+    ):
+        raise ValueError(
+            "parallelize takes no float16 mixed precision: float16 needs a loss scaler "
+            "(scaler.scale(loss).backward()), and train_step runs the backward itself, so "
+            "small gradients would underflow unseen. Use MixedPrecision(torch.bfloat16), "
+            "which needs none"
+        )
     hsdp = sorted(mesh.mesh_dim_names) == sorted(HSDP_AXES)
     if sorted(mesh.mesh_dim_names) != sorted(AXES) and not hsdp:
         raise ValueError(
@@ -241,7 +256,13 @@ def parallelize(
         )
     dp_mesh = mesh[("dp_replicate", "dp_shard")] if hsdp else mesh["dp"]
     pp, dp, tp = mesh["pp"].size(), dp_mesh.size(), mesh["tp"].size()
-    layers = len(model.blocks)
+    layers, heads = len(model.blocks), model.config.heads
+    if heads % tp:
+        raise ValueError(
+            f"the GPT's {heads} heads do not split over tp = {tp}: tensor parallelism gives "
+            f"each rank whole heads (its q, k and v rows), {heads} / {tp} of them. Use a tp "
+            f"that divides {heads}, or a model whose heads tp divides"
+        )
     if layers < pp:
         raise ValueError(f"{layers} blocks cannot fill {pp} pipeline stages: use pp <= {layers}")
 

@@ -175,6 +175,20 @@ def refusals() -> dict[str, str]:
     return found
 
 
+def lengths_differ_across_ranks() -> dict[str, object]:
+    """Rank r holds 6 - 2r positions (torch.chunk of an S that W does not divide does this):
+    what ring_attention said, and the bytes this rank sent before saying it."""
+    length = 6 - 2 * dist.get_rank()
+    q = torch.randn(1, 2, length, 4, dtype=torch.float64)
+    traffic.reset()
+    try:
+        ring_attention(q, q, q)
+        said = "accepted"
+    except ValueError as error:
+        said = str(error)
+    return {"said": said, "bytes": traffic.bytes_sent}
+
+
 @dataclass(frozen=True)
 class GPTRun:
     """A few AdamW steps of a small float64 GPT on a (dp, cp) mesh, against one process on the

@@ -169,6 +169,41 @@ def against_torch_fully_shard(spec: MpSpec) -> dict:
     return {"ours": train_miniddp(spec), "torch": train_torch_fully_shard(spec)}
 
 
+def float16_with_a_loss_scaler(spec: MpSpec) -> dict:
+    """MiniDDP with MixedPrecision(torch.float16) and torch's fully_shard with the same fp16
+    policy, each with torch.amp.GradScaler(init_scale=2^16, growth_interval=1) and AdamW: per
+    step the scale, the unscaled full gradients and the full parameters."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # slow import
+
+    runs = {}
+    for kind in ("ours", "torch"):
+        model = build_model(spec)
+        if kind == "ours":
+            module = MiniDDP(model, mixed_precision=MixedPrecision(torch.float16))
+        else:
+            policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+            for layer in model:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer, mp_policy=policy)
+            module = fully_shard(model, mp_policy=policy)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=1)
+        full = (lambda t: t.full_tensor()) if kind == "torch" else (lambda t: t)
+        scales, grads, params = [], [], []
+        for step in range(spec.steps):
+            x, y = batch(spec, step, 0)
+            scaler.scale(loss_of(module(x), y, spec)).backward()
+            scaler.unscale_(optimizer)
+            scales.append(scaler.get_scale())
+            grads.append([full(p.grad).clone() for p in model.parameters()])
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            params.append([full(p).detach().clone() for p in model.parameters()])
+        runs[kind] = {"scales": scales, "grads": grads, "params": params}
+    return runs
+
+
 def average_at_w3(spec: MpSpec) -> dict:
     """One synced step at W = 3: our masters' gradients; gloo's own fp32 sum of the same bf16
     gradients divided by 3 (sum, then divide, as torch's DDP mixed precision does); and each

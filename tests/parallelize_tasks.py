@@ -80,3 +80,25 @@ def full_tensors(part, mesh, sharded: bool) -> dict[str, torch.Tensor]:
             tensor = torch.cat(pieces, dim)
         full[name] = tensor.clone()
     return full
+
+
+def what_parallelize_says(mistake: str) -> str:
+    """The error a mistake gets, on this rank, or 'accepted' (shape (pp, dp, tp) per mistake):
+
+    heads    3 heads over tp = 2 (width 12: qkv's 36 rows split evenly, heads do not)
+    window   windows of 9 + 1 tokens for a context of 8, under a two-stage pipeline"""
+    if mistake == "heads":
+        mesh = mesh_once((1, 1, 2), ("pp", "dp", "tp"))
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=16, context=8, width=12, layers=2, heads=3, dropout=0))
+        windows_given = torch.randint(16, (2, 9))
+    else:
+        mesh = mesh_once((2, 1, 1), ("pp", "dp", "tp"))
+        model = build_gpt()
+        windows_given = torch.randint(16, (2, CONFIG.context + 2))
+    try:
+        parts = parallelize(model.double(), mesh, n_microbatches=2)
+        parts.train_step(windows_given)
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return "accepted"

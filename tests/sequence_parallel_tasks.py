@@ -26,7 +26,7 @@ from tests.tensor_parallel_tasks import local, local_grad, scaled_difference, sh
 
 @dataclass(frozen=True)
 class SPSpec:
-    model: str = "norm_mlp"  # or "block"
+    model: str = "norm_mlp"  # or "rms_norm_mlp" (Llama's norm), "block"
     width: int = 8
     heads: int = 4
     batch: int = 2
@@ -38,10 +38,11 @@ class SPSpec:
 
 def build(spec: SPSpec) -> nn.Module:
     torch.manual_seed(spec.seed)
-    if spec.model == "norm_mlp":
-        return nn.Sequential(
-            nn.LayerNorm(spec.width), tp.MLP(spec.width, 4 * spec.width, spec.bias)
-        )
+    if spec.model in ("norm_mlp", "rms_norm_mlp"):
+        norm = nn.LayerNorm(spec.width) if spec.model == "norm_mlp" else nn.RMSNorm(spec.width)
+        if isinstance(norm, nn.RMSNorm):
+            nn.init.normal_(norm.weight, 1.0, 0.1)  # not all ones: a wrong gradient shows
+        return nn.Sequential(norm, tp.MLP(spec.width, 4 * spec.width, spec.bias))
     return tp.TransformerBlock(spec.width, spec.heads, spec.bias, spec.fused_qkv)
 
 
@@ -151,3 +152,13 @@ def norm_and_dropout_memory(width: int, length: int) -> dict[str, int]:
     )
     positions = mine(x).detach().clone().requires_grad_()  # its own storage, not a view of x
     return {"plain": whole, "sequence parallel": saved_bytes(norm_dropout, positions)}
+
+
+def uneven_sequence(spec: SPSpec) -> str:
+    """What our sequence parallelism says when W does not divide S (torch.chunk then leaves the
+    last rank fewer positions), or 'accepted'."""
+    try:
+        run(spec, "ours")
+    except ValueError as error:
+        return str(error)
+    return "accepted"

@@ -122,3 +122,36 @@ def a_child_in_another_dtype(child_policy: dict, parent_policy: dict) -> None:
     fully_shard(model[0], mp_policy=MixedPrecisionPolicy(**child_policy))
     fully_shard(model, mp_policy=MixedPrecisionPolicy(**parent_policy))
     model(torch.randn(2, 5)).float().sum().backward()
+
+
+def train_fp16_scaled(kind: str, spec: FsdpSpec, policy: dict, scaler_options: dict) -> dict:
+    """`train` in float16 with a loss scaler: ours ShardedGradScaler, torch's fully_shard
+    torch.amp.GradScaler (its DTensor gradients agree on an overflow by themselves). Per step
+    the scale, the full unscaled gradients and the full parameters after AdamW."""
+    from miniddp.sharding import ShardedGradScaler
+
+    unsynced = kind == "ours, torch.amp.GradScaler"  # the planted bug: the ranks never agree
+    kind = "ours" if unsynced else kind
+    model = shard(kind, build_model(spec), policy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01)
+    make = ShardedGradScaler if kind == "ours" and not unsynced else torch.amp.GradScaler
+    scaler = make("cpu", **scaler_options)
+    scales, grads, params = [], [], []
+    for step in range(spec.steps):
+        x, y = batch(spec, dist.get_rank(), step, 0)
+        loss = nn.functional.mse_loss(model(x).float(), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        grads.append(full_gradients(kind, model))
+        scales.append(scaler.get_scale())
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        params.append(full_parameters(kind, model))
+    return {"scales": scales, "grads": grads, "params": params}
+
+
+def fp16_against_torch(spec: FsdpSpec, policy: dict, scaler_options: dict) -> dict:
+    return {
+        kind: train_fp16_scaled(kind, spec, policy, scaler_options) for kind in ("ours", "torch")
+    }

@@ -211,6 +211,49 @@ def test_checkpoint_of_another_model_names_the_problem_and_changes_nothing(
     assert unchanged(before, everything_load_could_change(model, optimizer))
 
 
+def sgd_with_momentum(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+def adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize(
+    "saved_with, loaded_into, stepped",
+    [(sgd_with_momentum, adamw, True), (sgd_with_momentum, adamw, False)]
+    + [(adamw, sgd_with_momentum, False)],
+    ids=["sgd-into-adamw", "sgd-into-a-fresh-adamw", "adamw-into-sgd"],
+)
+def test_a_checkpoint_of_another_optimizer_is_refused_before_anything_loads(
+    tmp_path: Path, saved_with, loaded_into, stepped
+) -> None:
+    """The README's promise: checked before anything is loaded, nothing changes. Loaded as
+    torch loads it, SGD's momentum buffers replace AdamW's state and its hyperparameters
+    (then a KeyError 'step', with the weights already overwritten); AdamW's, loaded into SGD,
+    leave groups without 'momentum', and the first step fails."""
+    path = tmp_path / "checkpoint.pt"
+    model, _ = new_training()
+    optimizer = saved_with(model)
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    save_checkpoint(path, model, optimizer, Progress(1, 0, 1))
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Linear(16, 1))
+    optimizer = loaded_into(model)
+    if stepped:
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+    before = everything_load_could_change(model, optimizer)
+    with pytest.raises(CheckpointError) as raised:
+        load_checkpoint(path, model, optimizer)
+    message = str(raised.value)
+    saved, here = type(saved_with(model)).__name__, type(optimizer).__name__
+    assert f"the checkpoint's optimizer was another kind than this {here}" in message, message
+    assert "Nothing was loaded" in message and "momentum" in message and "betas" in message
+    assert unchanged(before, everything_load_could_change(model, optimizer)), saved
+
+
 def test_map_location_decides_where_tensors_land(tmp_path: Path) -> None:
     path = tmp_path / "checkpoint.pt"
     write_checkpoint(path)

@@ -116,6 +116,15 @@ def test_bad_input_is_refused_on_every_rank_with_the_fix(pool2):
             assert words in found[case], (rank, case, found[case])
 
 
+def test_ranks_holding_different_lengths_all_refuse_before_any_kv_moves(pool2):
+    """Each rank's part looks fine alone; together they cannot be one sequence cut evenly, and
+    the ring's messages would not match (gloo aborts one rank, the other returns nonsense)."""
+    for rank, found in enumerate(pool2.run(tasks.lengths_differ_across_ranks)):
+        assert "rank 0 holds 6 positions and rank 1 holds 4" in found["said"], (rank, found)
+        assert "multiple of W" in found["said"]
+        assert found["bytes"] == 0, f"rank {rank} sent K/V before refusing"
+
+
 @pytest.mark.parametrize(
     "mesh_shape, load_balance",
     [((1, 2), True), ((1, 2), False), ((2, 2), True)],

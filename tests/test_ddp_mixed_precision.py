@@ -16,9 +16,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from miniddp import MixedPrecision
+from miniddp import MiniDDP, MixedPrecision
 from miniddp.data_parallel.layout import BucketLayout
-from miniddp.sharding import Formula
+from miniddp.sharding import Formula, MixedPrecisionPolicy
 from tests import ddp_mixed_precision_tasks as tasks
 from tests.ddp_mixed_precision_tasks import MpSpec
 
@@ -153,8 +153,6 @@ def test_memory_with_gradients_as_bucket_views(pool2):
         ({"param_dtype": torch.int8}, ValueError, "floating-point dtype"),
         ({"param_dtype": BF16, "reduce_dtype": torch.int32}, ValueError, "floating-point"),
         ({"param_dtype": "bf16"}, TypeError, "torch.dtype"),
-        ({"param_dtype": torch.float16}, ValueError, "torch.amp.GradScaler"),
-        ({"param_dtype": BF16, "reduce_dtype": torch.float16}, ValueError, "loss scaling"),
     ],
 )
 def test_a_bad_policy_is_refused_with_the_fix(options, error, words):
@@ -162,10 +160,20 @@ def test_a_bad_policy_is_refused_with_the_fix(options, error, words):
         MixedPrecision(**options)
 
 
-def test_float16_is_refused_because_bfloat16_needs_no_loss_scaler():
-    with pytest.raises(ValueError) as refused:
-        MixedPrecision(torch.float16)
-    assert "exponent" in str(refused.value) and "use torch.bfloat16" in str(refused.value)
+def test_float16_with_torchs_loss_scaler_is_torchs_fully_shard_bits(pool2):
+    """MixedPrecision(torch.float16) with torch.amp.GradScaler, against torch's fully_shard
+    with the same fp16 policy and scaler: a first scale of 2^16 that grows every step
+    overflows at the third step, which both skip. The scale, the masters' gradients and the
+    parameters, bit for bit (every rank holds the same averaged gradients, so torch's scaler
+    finds the same inf on each)."""
+    for rank, result in enumerate(pool2.run(tasks.float16_with_a_loss_scaler, MpSpec(steps=4))):
+        ours, theirs = result["ours"], result["torch"]
+        assert ours["scales"] == theirs["scales"], rank
+        assert min(ours["scales"][1:]) < max(ours["scales"]), "no step overflowed"
+        for what in ("grads", "params"):
+            for mine, reference in zip(ours[what], theirs[what], strict=True):
+                for a, b in zip(mine, reference, strict=True):
+                    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
 
 def test_a_bucket_view_needs_the_bucket_in_the_masters_dtype(pool2):
@@ -197,3 +205,18 @@ def test_an_unused_branch_is_found_in_the_copies_graph(pool2, static_graph):
 def test_join_shadows_the_buckets_in_reduce_dtype(pool2):
     result = pool2.run(tasks.joined_early)[0]
     assert_bitwise([result["ours"]], [result["expected"]], "rank 0, alone in step 2")
+
+
+@pytest.mark.parametrize(
+    "given",
+    [BF16, "MixedPrecisionPolicy"],
+    ids=["a-dtype", "fully_shards-policy"],
+)
+def test_a_dtype_or_fully_shards_policy_is_refused_naming_mixed_precision(given):
+    """The reverse of fully_shard's refusal of a MixedPrecision: a TypeError naming the type,
+    before any process group is needed (it is the caller's argument, the same on every rank)."""
+    if given == "MixedPrecisionPolicy":
+        given = MixedPrecisionPolicy(param_dtype=BF16)
+    with pytest.raises(TypeError, match=r"miniddp\.MixedPrecision\b") as refused:
+        MiniDDP(torch.nn.Linear(2, 2), mixed_precision=given)
+    assert "MixedPrecision(torch.bfloat16)" in str(refused.value)

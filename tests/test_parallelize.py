@@ -6,7 +6,10 @@ shard under TP, two copies summed under PP (the last stage's head), and every co
 from __future__ import annotations
 
 import pytest
+import torch
 
+from miniddp import MixedPrecision
+from miniddp.parallelize import parallelize
 from tests import parallelize_tasks as tasks
 from tests.harness.measurements import record_max
 
@@ -40,3 +43,27 @@ def test_the_parallel_gpt_trains_as_one_process(rank_pools, name):
             difference = (tensor - expected).abs().max().item()
             record_max(f"parallelize {name}: |param - one process's|", difference)
             assert difference < 1e-12, f"rank {rank}'s {tensor_name} is off by {difference:.3g}"
+
+
+@pytest.mark.parametrize(
+    "mistake, words",
+    [
+        ("heads", "ValueError: the GPT's 3 heads do not split over tp = 2"),
+        ("window", "ValueError: a window of 9 tokens is longer than the model's context 8"),
+    ],
+)
+def test_a_model_or_window_that_cannot_split_is_refused_on_every_rank(pool2, mistake, words):
+    """Heads that tp does not divide were accepted, and the first forward failed in a reshape;
+    a window longer than the context failed in the position embedding (IndexError) on the
+    first stage, the second waiting for it. Both named at once, on every rank, as one
+    process's GPT names the second."""
+    for rank, said in enumerate(pool2.run(tasks.what_parallelize_says, mistake)):
+        assert said.startswith(words), (rank, said)
+
+
+def test_float16_is_refused_because_train_step_cannot_scale_its_loss():
+    """MixedPrecision takes float16 with a loss scaler the caller drives; train_step runs its
+    own backward, so no scaler could scale it (an argument check: no process group needed)."""
+    with pytest.raises(ValueError, match="loss scaler") as refused:
+        parallelize(tasks.build_gpt(), None, mixed_precision=MixedPrecision(torch.float16))
+    assert "MixedPrecision(torch.bfloat16)" in str(refused.value)

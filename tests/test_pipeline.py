@@ -402,7 +402,7 @@ MISTAKES = {
     "deadlock": ("these orders deadlock: stage 0 at B0, stage 1 at F1", "reorder order()"),
     "batch_changes": (
         "microbatches of 1 samples, but the pipeline learnt its activation "
-        "shapes from the first step's 2",
+        "shapes from the first training step's 2",
         "keep the batch size fixed",
     ),
 }

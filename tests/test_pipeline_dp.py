@@ -200,3 +200,84 @@ def forward_outside_no_sync_too_early() -> str:
 def test_the_last_forward_outside_no_sync_is_refused_at_the_next_backward(pool2):
     for message in pool2.run(forward_outside_no_sync_too_early):
         assert "arrived after this forward's gradients were already synchronized" in message
+
+
+INTERLEAVED_WIDTHS = (6, 5, 4, 3, 2)  # four stages, v = 2 on each of the two pipeline ranks
+
+
+def train_dp_interleaved(m: int, by_hand: bool) -> dict:
+    """On each of the 4 ranks of a (pp, dp) = (2, 2) mesh: its two stages s and s + 2, each
+    wrapped in its own MiniDDP over "dp" (or averaged by hand), under interleaved 1F1B."""
+    from miniddp.pipeline import ScheduleInterleaved1F1B
+
+    mesh = mesh_once((2, REPLICAS), ("pp", "dp"))
+    rank, replica = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *(
+            nn.Sequential(nn.Linear(a, b), nn.Tanh())
+            for a, b in zip(INTERLEAVED_WIDTHS, INTERLEAVED_WIDTHS[1:])
+        )
+    ).double()
+    dp_group, pp_group = mesh["dp"].get_group(), mesh["pp"].get_group()
+    blocks = [model[rank], model[rank + 2]]
+    stages = [
+        PipelineStage(
+            block if by_hand else MiniDDP(block, process_group=dp_group),
+            index,
+            4,
+            "cpu",
+            group=pp_group,
+        )
+        for index, block in zip((rank, rank + 2), blocks)
+    ]
+    schedule = ScheduleInterleaved1F1B(stages, m, mse)
+    optimizer = torch.optim.SGD([p for b in blocks for p in b.parameters()], lr=LR)
+    for step in range(STEPS):
+        generator = torch.Generator().manual_seed(step)
+        size = REPLICAS * m * MICROBATCH
+        x = torch.randn(size, INTERLEAVED_WIDTHS[0], generator=generator, dtype=torch.float64)
+        y = torch.randn(size, INTERLEAVED_WIDTHS[-1], generator=generator, dtype=torch.float64)
+        x, y = x.tensor_split(REPLICAS)[replica], y.tensor_split(REPLICAS)[replica]
+        schedule.step(x) if rank == 0 else schedule.step(target=y)
+        if by_hand:
+            for block in blocks:
+                average_by_hand(block, dp_group)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"params": [[p.detach().clone() for p in b.parameters()] for b in blocks]}
+
+
+def test_miniddp_stages_under_interleaved_1f1b_are_the_pipeline_averaged_by_hand(rank_pools):
+    """Two MiniDDP-wrapped stages a rank, each armed at its own last backward: bitwise the same
+    pipeline averaged by hand after the step (torch's DDP inside its interleaved 1F1B trains
+    too), and so within rounding of one process (the first test above says why not bitwise)."""
+    m = 4
+    pool = rank_pools(4)
+    ours = pool.run(train_dp_interleaved, m, False)
+    by_hand = pool.run(train_dp_interleaved, m, True)
+    for rank, (result, reference) in enumerate(zip(ours, by_hand)):
+        for k, (mine, theirs) in enumerate(zip(result["params"], reference["params"])):
+            for a, b in zip(mine, theirs):
+                assert torch.equal(a, b), f"rank {rank}'s stage {k}: off by {(a - b).abs().max()}"
+    torch.manual_seed(0)
+    widths = INTERLEAVED_WIDTHS
+    model = nn.Sequential(
+        *(nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in zip(widths, widths[1:]))
+    ).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        generator = torch.Generator().manual_seed(step)
+        size = REPLICAS * m * MICROBATCH
+        x = torch.randn(size, widths[0], generator=generator, dtype=torch.float64)
+        y = torch.randn(size, widths[-1], generator=generator, dtype=torch.float64)
+        mse(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for rank, result in enumerate(ours):
+        pp_rank = rank // REPLICAS
+        for k, params in enumerate(result["params"]):
+            for ours_p, reference in zip(params, model[pp_rank + 2 * k].parameters()):
+                difference = (ours_p - reference.detach()).abs().max().item()
+                record_max("DP x interleaved PP: |param - one process's|", difference)
+                assert difference <= 1e-12, (rank, k, difference)

@@ -67,3 +67,34 @@ def test_a_stage_that_dies_is_named_by_the_stage_waiting_for_it(tmp_path: Path) 
     assert first_line.startswith("CollectiveFailed: the "), report
     assert "the receive of gradient 0 from stage 1 could not finish" in first_line, report
     assert "rank 1 is missing" in first_line, report
+
+
+def stages_whose_loss_fn_returns_a_tuple(rank: int, store_path: str, out_dir: str) -> None:
+    """Two stages of GPipe whose loss_fn returns (loss, aux), as a training loop that logs
+    something beside the loss might write it. Each rank reports what it raised; the last
+    stage's process then ends, as it would with the error uncaught."""
+    from miniddp.pipeline import PipelineStage, ScheduleGPipe
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, 2)
+    timeout = timedelta(seconds=10)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
+    stage = PipelineStage(torch.nn.Linear(4, 4), rank, 2, "cpu")
+    schedule = ScheduleGPipe(stage, 2, lambda out, target: ((out - target).pow(2).mean(), out))
+    x = torch.randn(4, 4)
+    try:
+        schedule.step(x) if rank == 0 else schedule.step(target=x)
+        Path(out_dir, f"rank{rank}.txt").write_text("accepted")
+    except Exception as error:
+        Path(out_dir, f"rank{rank}.txt").write_text(f"{type(error).__name__}: {error}")
+    os._exit(1 if rank == 1 else 0)
+
+
+def test_a_loss_fn_returning_a_tuple_is_named_with_the_fix(tmp_path: Path) -> None:
+    """torch says "Expected output to be a torch.Tensor"-like; a bare "unsupported operand
+    type(s) for /: 'tuple' and 'int'" from inside the schedule names neither loss_fn nor
+    the fix. The first stage, waiting for the gradient, names the rank that stopped."""
+    last, first = reversed(run_processes(stages_whose_loss_fn_returns_a_tuple, 2, tmp_path))
+    assert last.startswith("TypeError: loss_fn must return the loss, one tensor"), last
+    assert "returned a tuple" in last and "return the loss alone" in last, last
+    assert "rank 1 is missing" in first, first

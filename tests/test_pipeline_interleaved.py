@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -341,3 +342,74 @@ def test_yours_is_a_good_interleaved_order_and_trains_as_one_process(rank_pools,
     ours = per_stage(rank_pools(ranks).run(train, spec, "yours"), spec)
     for s in range(spec.stages):
         assert_stage_equal(ours[s], reference, s, spec, "your order against one process")
+
+
+def train_validate_train(spec: PipeSpec, kind: str) -> dict:
+    """A training step, eval() on a validation batch half the size (microbatches of 1, not
+    2), another training step: the validation losses and outputs on the last stage, and each
+    stage's gradients of the second training step."""
+    model = build_model(spec)
+    schedule, stages = make(kind, spec, model)
+    blocks = {stage.stage_index: model[stage.stage_index] for stage in stages}
+    params = [p for block in blocks.values() for p in block.parameters()]
+    optimizer = torch.optim.SGD(params, lr=spec.lr)
+    run_step(schedule, spec, 0, [])
+    optimizer.step()
+    optimizer.zero_grad()
+    x, y = batch(replace(spec, microbatch=1), 7)
+    rank, losses = dist.get_rank(), []
+    if rank == 0:
+        output = schedule.eval(x)
+    elif rank == dist.get_world_size() - 1:
+        output = schedule.eval(target=y, losses=losses)
+    else:
+        output = schedule.eval()
+    run_step(schedule, spec, 1, [])
+    return {
+        "output": output,
+        "losses": [loss.detach() for loss in losses],
+        "grads": {s: [p.grad.clone() for p in block.parameters()] for s, block in blocks.items()},
+    }
+
+
+def validated_one_process(spec: PipeSpec) -> dict:
+    model = build_model(spec)
+    optimizer = torch.optim.SGD(model.parameters(), lr=spec.lr)
+    m = spec.n_microbatches
+    for step in range(2):
+        x, y = batch(spec, step)
+        for xm, ym in zip(x.tensor_split(m), y.tensor_split(m)):
+            (mse(model(xm), ym) / m).backward()
+        if step == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+            x, y = batch(replace(spec, microbatch=1), 7)
+            with torch.no_grad():
+                outputs = [model(xm) for xm in x.tensor_split(m)]
+            losses = [mse(out, ym) for out, ym in zip(outputs, y.tensor_split(m))]
+    grads = [[p.grad.clone() for p in block.parameters()] for block in model]
+    return {"output": torch.cat(outputs), "losses": losses, "grads": grads}
+
+
+@pytest.mark.parametrize("name", list(OURS))
+def test_eval_on_a_smaller_validation_batch_is_one_process_and_torchs(pool2, name):
+    """The stages learnt their borders' shapes from the training batch; a validation batch of
+    half the size is learnt again (torch re-infers its shapes when eval follows training), and
+    the next training step learns the training shapes back. Bitwise one process, and torch's
+    interleaved 1F1B's eval (its losses are each microbatch's share, loss / m)."""
+    spec = spec_for(2, 4)
+    reference = validated_one_process(spec)
+    ours = pool2.run(train_validate_train, spec, name)
+    last = ours[(spec.stages - 1) % 2]
+    assert torch.equal(last["output"], reference["output"])
+    assert len(last["losses"]) == len(reference["losses"])
+    assert all(torch.equal(a, b) for a, b in zip(last["losses"], reference["losses"]))
+    for result in ours:
+        for s, grads in result["grads"].items():
+            assert all(torch.equal(a, b) for a, b in zip(grads, reference["grads"][s])), s
+    if name != "interleaved":  # torch's eval runs the forwards alone, the same in both
+        return
+    theirs = pool2.run(train_validate_train, spec, "torch-interleaved")[(spec.stages - 1) % 2]
+    m = spec.n_microbatches
+    assert all(torch.equal(a / m, b) for a, b in zip(last["losses"], theirs["losses"]))
+    assert torch.equal(last["output"], theirs["output"])

@@ -24,10 +24,11 @@ TOLERANCE = 1e-5
     [
         SPSpec(model="norm_mlp"),
         SPSpec(model="norm_mlp", bias=False, seed=3),
+        SPSpec(model="rms_norm_mlp", bias=False, seed=2),
         SPSpec(model="block"),
         SPSpec(model="block", fused_qkv=True, seed=1),
     ],
-    ids=["norm_mlp", "norm_mlp-no-bias", "block", "block-fused-qkv"],
+    ids=["norm_mlp", "norm_mlp-no-bias", "rms_norm_mlp", "block", "block-fused-qkv"],
 )
 def test_sequence_parallel_equals_one_process_and_torch(pool2, spec):
     """Output and input gradient (this rank's positions), every gradient (this rank's chunk, and
@@ -40,10 +41,20 @@ def test_sequence_parallel_equals_one_process_and_torch(pool2, spec):
                 assert difference <= TOLERANCE, (rank, kind, what, difference)
 
 
-def test_layer_norm_weight_gradient_is_summed_over_the_group(pool2):
-    """The planted bug: without f on its weight, each rank's LayerNorm gradient is the sum over
-    its own positions only, and the check above catches it."""
-    results = pool2.run(tasks.without_f_on_replicated_parameters, SPSpec(model="norm_mlp"))
+@pytest.mark.parametrize("model", ["norm_mlp", "block"])
+def test_a_length_w_does_not_divide_is_refused_on_every_rank_naming_it(pool2, model):
+    """S = 7 over W = 2: rank 0 holds 4 positions, rank 1 holds 3, and the first all-gather
+    (f-bar) would not match (gloo aborts, torch's SequenceParallel too). Named instead."""
+    for rank, said in enumerate(pool2.run(tasks.uneven_sequence, SPSpec(model=model, length=7))):
+        assert "rank 0 holds 4 positions and rank 1 holds 3" in said, (rank, said)
+        assert "S = 7" in said and "multiple of 2" in said, (rank, said)
+
+
+@pytest.mark.parametrize("model", ["norm_mlp", "rms_norm_mlp"])
+def test_layer_norm_weight_gradient_is_summed_over_the_group(pool2, model):
+    """The planted bug: without f on its weight, each rank's LayerNorm (or RMSNorm) gradient
+    is the sum over its own positions only, and the check above catches it."""
+    results = pool2.run(tasks.without_f_on_replicated_parameters, SPSpec(model=model))
     assert all(r["ours"]["0.weight"] > 1e-3 for r in results)
 
 

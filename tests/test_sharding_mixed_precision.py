@@ -15,7 +15,7 @@ from miniddp.sharding.units import UNIT_NUMBER_BYTES
 from tests import sharding_mixed_precision_tasks as tasks
 from tests.sharding_fsdp_tasks import FsdpSpec
 
-BF16, FP32 = torch.bfloat16, torch.float32
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 UNITS = 3  # FsdpSpec's three Linear layers; the root holds no parameters of its own
 
 
@@ -100,11 +100,39 @@ def test_a_policy_dtype_that_is_not_floating_is_refused(dtype):
         MixedPrecisionPolicy(param_dtype=dtype)
 
 
-@pytest.mark.parametrize("field", ["param_dtype", "reduce_dtype", "output_dtype"])
-def test_float16_is_refused_naming_the_loss_scaler_it_would_need(field):
-    with pytest.raises(ValueError, match=f"{field} is float16") as refused:
-        MixedPrecisionPolicy(**{field: torch.float16})
-    assert "torch.amp.GradScaler" in str(refused.value) and "torch.bfloat16" in str(refused.value)
+# Overflows at the third step in one rank's shards only (scale 2^18, growth every step).
+SCALER = {"init_scale": 2.0**16, "growth_interval": 1}
+
+
+@pytest.mark.parametrize("reduce_dtype", [FP16, FP32], ids=["reduce fp16", "reduce fp32"])
+def test_float16_with_the_sharded_loss_scaler_is_torchs_bits(pool2, reduce_dtype):
+    """fp16 compute under fully_shard, trained with ShardedGradScaler, against torch's
+    fully_shard with the same policy and torch.amp.GradScaler: the scale, the unscaled full
+    gradients (inf and NaN where it overflowed) and the full parameters after each AdamW step
+    (a skipped one included), bit for bit. An fp16 reduce-scatter divides by W in two parts
+    around the sum, as torch's does (sharded_parameters.float16_divide_factors)."""
+    policy = {"param_dtype": FP16, "reduce_dtype": reduce_dtype}
+    runs = pool2.run(tasks.fp16_against_torch, FsdpSpec(steps=3), policy, SCALER)
+    for rank, run in enumerate(runs):
+        ours, torchs = run["ours"], run["torch"]
+        assert ours["scales"] == torchs["scales"] == runs[0]["ours"]["scales"], rank
+        assert ours["scales"][1] > ours["scales"][2], "no step overflowed: the test is blind"
+        for what in ("grads", "params"):
+            for step, (mine, theirs) in enumerate(zip(ours[what], torchs[what], strict=True)):
+                for a, b in zip(mine, theirs, strict=True):
+                    where = f"rank {rank}'s {what} at step {step}"
+                    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=where)
+
+
+def test_with_torchs_scaler_the_ranks_would_disagree_on_an_overflow(pool2):
+    """Why the sharded scaler: torch.amp.GradScaler on fully_shard's plain shards checks only
+    this rank's, and at the third step one rank skips while the other steps."""
+    policy = {"param_dtype": FP16}
+    kind = "ours, torch.amp.GradScaler"
+    scales = [
+        r["scales"] for r in pool2.run(tasks.train_fp16_scaled, kind, FsdpSpec(), policy, SCALER)
+    ]
+    assert scales[0] != scales[1]
 
 
 @pytest.mark.parametrize(

@@ -191,7 +191,30 @@ def mismatch_with(
                 f"the optimizer's parameter group {index} holds {len(theirs['params'])} "
                 f"parameters in the checkpoint and {len(ours['params'])} here"
             )
-    return None
+    return _another_kind_of_optimizer(groups, optimizer)
+
+
+def _another_kind_of_optimizer(
+    groups: list[dict[str, Any]], optimizer: torch.optim.Optimizer
+) -> str | None:
+    """torch's `load_state_dict` takes the checkpoint's hyperparameters and state whatever
+    optimizer saved them: SGD's groups and momentum buffers loaded into AdamW replace its own,
+    and AdamW fails only then ('step'), or at its first step ('betas'). Each kind has its own
+    hyperparameters, so groups that both lack some of this optimizer's and hold some it lacks
+    come from another kind. (One side alone differs across torch versions, as new options
+    appear: an older checkpoint of the same optimizer still loads.)"""
+    names = {"params", "param_names"}
+    saved = set().union(*(set(group) - names for group in groups)) if groups else set()
+    here = set().union(*(set(group) - names for group in optimizer.param_groups))
+    extra, lacking = sorted(saved - here), sorted(here - saved)
+    if not (extra and lacking):
+        return None
+    return (
+        f"the checkpoint's optimizer was another kind than this {type(optimizer).__name__}: "
+        f"its parameter groups have {_first_few(extra)}, which this one lacks, and lack "
+        f"{_first_few(lacking)}, which this one has. Load it into the kind of optimizer that "
+        "saved it"
+    )
 
 
 def _sharded_hint(saved: torch.Size, here: torch.Size, world_size: int) -> str:

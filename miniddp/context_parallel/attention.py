@@ -47,6 +47,7 @@ against an all-gather of K/V, the same bytes forward but all S keys held at once
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -59,6 +60,7 @@ from miniddp.collectives.comm_thread import Work, submit
 from miniddp.collectives.peers import Peers
 from miniddp.context_parallel.kernels import kernel_for
 from miniddp.context_parallel.sequence import chunks_of, group_size_and_rank
+from miniddp.job.agree import gather_rows
 from miniddp.job.faults import wait_for
 
 
@@ -303,6 +305,33 @@ def _check(q, k, v, attn_mask, is_causal: bool, load_balance: bool) -> None:
         )
 
 
+def _refuse_what_other_ranks_hold_differently(q, k, v, group) -> None:
+    """Each rank's q, k, v can look right alone and still not be parts of one sequence: an S
+    that W does not divide, cut with torch.chunk, leaves the last rank fewer positions. The
+    ring's messages would then differ in size (gloo aborts one rank, and another returns a
+    finite, wrong output), so every rank states its shapes and dtype in one small all-reduce
+    (tens of microseconds, beside W - 1 hops of K/V) and all refuse together, naming them."""
+    dtype = zlib.crc32(str(q.dtype).encode()) & 0x7FFFFFFF
+    mine = [*q.shape, v.shape[3], dtype]
+    rows = gather_rows(mine, "ring_attention's check that the ranks' parts match", group, q.device)
+    if all(row == rows[0] for row in rows):
+        return
+    other = next(r for r, row in enumerate(rows) if row != rows[0])
+    if rows[other][2] != rows[0][2]:
+        raise ValueError(
+            f"ring_attention needs S/W positions on every rank of the context-parallel group, "
+            f"but rank 0 holds {rows[0][2]} positions and rank {other} holds {rows[other][2]}: "
+            "the sequence length S must be a multiple of W (of 2W with load_balance=True). Pad "
+            "or trim it, and cut it with shard_sequence(x, dim=2), which refuses an uneven S"
+        )
+    raise ValueError(
+        f"ring_attention needs q, k and v of the same shape and dtype on every rank of the "
+        f"context-parallel group, but rank 0's are [B, H, S/W, D] = {rows[0][:4]} (v's D "
+        f"{rows[0][4]}) and rank {other}'s {rows[other][:4]} (v's D {rows[other][4]}), or their "
+        "dtypes differ: give every rank its part of the same batch, in the same dtype"
+    )
+
+
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -319,4 +348,5 @@ def ring_attention(
     k.grad and v.grad are this rank's parts of the whole gradients. `attn_mask` is refused."""
     group_size_and_rank(group)
     _check(q, k, v, attn_mask, is_causal, load_balance)
+    _refuse_what_other_ranks_hold_differently(q, k, v, group)
     return _RingAttention.apply(q, k, v, group, is_causal, load_balance, scale)

@@ -48,6 +48,14 @@ autograd does not see as a change (before_forward says why). Without data parall
 ComputeInCopies (at the end) gives a module the same copies and folds, with no reduction:
 parallelize.py's mixed precision at dp = 1.
 
+float16 works too, with a loss scaler. Its exponent has 5 bits (largest value 65504; below 6e-5
+precision fades, below 6e-8 a value is 0), so small gradients underflow unless the loss is
+scaled up first: `scaler = torch.amp.GradScaler(device)`, `scaler.scale(loss).backward()`,
+`scaler.step(optimizer)`, `scaler.update()`. The scaler unscales the masters' fp32 `.grad`,
+which every rank holds alike after the all-reduce, so every rank finds the same inf and skips
+the same steps: torch's scaler serves as it is (sharded gradients need
+miniddp.sharding.ShardedGradScaler). bfloat16 has float32's 8-bit exponent and needs none.
+
 A forward with grad enabled whose backward never runs leaves the copies in the module until
 the next forward: evaluate under `torch.no_grad()`, which puts the masters back at once.
 """
@@ -66,13 +74,6 @@ from torch import nn
 from torch.autograd import Variable
 
 from miniddp.data_parallel.autograd_graph import find_tensors, when_backward_reaches
-
-NO_LOSS_SCALING = (
-    "float16 needs loss scaling: its exponent has 5 bits (largest value 65504; below 6e-5 "
-    "precision fades, below 6e-8 a value is 0), so small gradients underflow unless the loss "
-    "is scaled up first, which is torch.amp.GradScaler's job, and MiniDDP has no loss scaler. "
-    "bfloat16 has float32's 8-bit exponent and needs none: use torch.bfloat16."
-)
 
 
 @dataclass(frozen=True)
@@ -99,11 +100,6 @@ class MixedPrecision:
                 raise ValueError(
                     f"MixedPrecision's {name} must be a floating-point dtype (e.g. "
                     f"torch.bfloat16), got {dtype}: parameters and gradients are floats."
-                )
-        for name in ("param_dtype", "reduce_dtype"):
-            if getattr(self, name) is torch.float16:
-                raise ValueError(
-                    f"MixedPrecision({name}=torch.float16) is refused. {NO_LOSS_SCALING}"
                 )
 
 

@@ -97,6 +97,12 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
     ) -> None:
         super().__init__()
         Joinable.__init__(self)  # nn.Module's __init__ does not call it (torch's DDP does this)
+        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+            raise TypeError(
+                f"MiniDDP's mixed_precision must be a miniddp.MixedPrecision, such as "
+                f"MixedPrecision(torch.bfloat16); got {mixed_precision!r}. (fully_shard takes a "
+                "MixedPrecisionPolicy; MiniDDP keeps fp32 masters and bf16 copies of its own.)"
+            )
         if not dist.is_initialized():
             raise RuntimeError(f"MiniDDP needs a process group, and there is none. {HOW_TO_LAUNCH}")
         self.module = module

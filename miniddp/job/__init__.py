@@ -6,6 +6,8 @@ faults.py           the one wait seam: a collective that cannot finish names its
                     rank that is missing (`wait_for`, `CollectiveFailed`); public as
                     `miniddp.faults`
 notes.py            what ranks leave for each other in the store while something is wrong
+agree.py            every rank's few numbers on every rank (`gather_rows`), so that a mistake
+                    one rank sees is refused on all of them, before the collective it breaks
 meet.py             meeting points every rank must reach (cleanup, checkpoints), checked
                     through the store instead of a barrier that hangs
 checkpoint.py       atomic, complete checkpoints and a bit-identical resume; public as

@@ -43,6 +43,15 @@ class GPTConfig:
             )
 
 
+def refuse_a_window_longer_than_the_context(length: int, context: int) -> None:
+    """There are `context` position embeddings: a longer window has positions with none."""
+    if length > context:
+        raise ValueError(
+            f"a window of {length} tokens is longer than the model's context {context}: crop "
+            "it, or build the model with a longer context"
+        )
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -128,11 +137,8 @@ class GPT(nn.Module):
         parallelism gives a rank a part of each window, so it passes that part's positions
         (miniddp.context_parallel.positions_of; on the host, they follow the tokens)."""
         length = tokens.shape[1]
-        if positions is None and length > self.config.context:
-            raise ValueError(
-                f"a window of {length} tokens is longer than the model's context "
-                f"{self.config.context}: crop it, or build the model with a longer context"
-            )
+        if positions is None:
+            refuse_a_window_longer_than_the_context(length, self.config.context)
         if positions is None:
             positions = torch.arange(length, device=tokens.device)
         x = self.dropout(self.token(tokens) + self.position(positions.to(tokens.device)))

@@ -11,7 +11,8 @@ A schedule's action computes at one stage; around it, tensors cross the stage's 
 
 Before its first activation a stage sends its neighbour a header of their shapes (p2p.Header),
 unless the neighbour was given an example input; the receiver learns the shapes from it once and
-allocates its buffers from them in every later step.
+allocates its buffers from them in every later step, until the first stage's microbatches change
+shape (a smaller validation batch under eval()): then every border learns them again.
 
 Each transfer's tag names what it carries, for which microbatch, at which receiving stage, and
 which tensor of the tuple: with several stages a rank, two ranks exchange several streams and
@@ -59,6 +60,15 @@ class Borders:
             )
             for s in stages
         }
+
+    def relearn(self) -> None:
+        """Learn every border's shapes again, from a header before the next activation (an
+        example given at construction described the old ones): called on every rank at once,
+        when the first stage's microbatches change shape."""
+        for index, border in self._borders.items():
+            stage = self._by_index[index]
+            border.input_header = None if not stage.is_first else border.input_header
+            border.header_sent = stage.is_last
 
     def input_header(self, stage_index: int) -> Header | None:
         """The shapes stage `stage_index` receives (None on the first stage, or before the

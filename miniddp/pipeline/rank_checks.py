@@ -41,10 +41,10 @@ def stages_problem(
             f"it was given stages {[s.stage_index for s in stages]} (v = {v}); rank "
             f"{first.rank} holds stages {expected}, every one of them, in that order"
         )
-    if any(s.data_parallel for s in stages) and (v > 1 or splits_backward):
+    if any(s.data_parallel for s in stages) and splits_backward:
         return (
-            "a data-parallel stage (MiniDDP inside) runs under ScheduleGPipe or "
-            "Schedule1F1B, one stage a rank, its backward whole, or under the V schedules "
+            "a data-parallel stage (MiniDDP inside) runs under ScheduleGPipe, Schedule1F1B "
+            "or ScheduleInterleaved1F1B, its backward whole, or under the V schedules "
             "(ScheduleZBVZeroBubble, ScheduleDualPipeV)"
         )
     return None

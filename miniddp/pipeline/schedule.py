@@ -111,6 +111,22 @@ from miniddp.pipeline.step_checks import (
 EVENT_KIND = {FORWARD: "forward", BACKWARD: "backward", INPUT_GRAD: "input", WEIGHT_GRAD: "weight"}
 
 
+def _the_loss(returned: object, trains: bool) -> torch.Tensor:
+    """What loss_fn returned, if it is a loss: a tensor, of one element where the step trains
+    (the last stage divides it by m and backpropagates it). A tuple (loss, aux) would fail deep
+    inside, with a bare TypeError that names neither loss_fn nor the fix."""
+    if isinstance(returned, torch.Tensor) and (returned.numel() == 1 or not trains):
+        return returned
+    what = f"a {type(returned).__name__}"
+    if isinstance(returned, torch.Tensor):
+        what = f"a tensor of shape {tuple(returned.shape)}"
+    raise TypeError(
+        f"loss_fn must return the loss, one tensor of one element, as torch's schedules "
+        f"expect a torch.Tensor; it returned {what}: return the loss alone (reduce it, e.g. "
+        "with .mean()), and keep anything else yourself, e.g. in a list loss_fn appends to"
+    )
+
+
 class PipelineSchedule(EventRecorder):
     """Runs this rank's part of each step in the order `order()` gives. Subclasses define only
     the order; `loss_fn(output, target)` is called on the last stage, once per microbatch;
@@ -149,7 +165,8 @@ class PipelineSchedule(EventRecorder):
         self.setup_problem = stages_problem(
             self.stages, type(self).__name__, self.stages_per_rank_at_most, self.splits_backward
         )
-        self._first_microbatch_shapes: tuple[tuple[int, ...], ...] | None = None
+        self._first_microbatch_shapes: tuple[tuple[int, ...], ...] | None = None  # training's
+        self._border_shapes: tuple[tuple[int, ...], ...] | None = None  # the borders learnt
         self._orders_checked: set[bool] = set()  # a training and a forward-only order, once each
         self.peak_held = 0  # the most microbatch-stages this rank held at once, last step
         self._start_event_log()
@@ -205,9 +222,13 @@ class PipelineSchedule(EventRecorder):
         if not backward:  # the same forwards in the same order (replayed below, once)
             order = [a for a in order if a.kind == FORWARD]
         who = "stage" if len(self.stages) == 1 else "rank"
-        check_on_every_stage(
-            found, m, type(self).__name__, stage.group, stage.device, who, backward
-        )
+        shapes = microbatch_shapes(args, m) if self.has_first_stage and found[0] == 0 else None
+        relearn = shapes is not None and self._border_shapes not in (None, shapes)
+        if check_on_every_stage(
+            found, m, type(self).__name__, stage.group, stage.device, who, backward, relearn
+        ):
+            self.borders.relearn()
+        self._border_shapes = shapes or self._border_shapes
         if backward not in self._orders_checked:  # once: the orders of a schedule do not change
             longest = 3 * m * len(self.stages)  # every row as long: zeros pad (actions.py)
             codes = encode(order, stage.stage_index)
@@ -248,7 +269,7 @@ class PipelineSchedule(EventRecorder):
             output = stage.forward(i, inputs, keep=data.backward)
             if stage.is_last:
                 if self.loss_fn is not None and data.targets[i] is not None:
-                    loss = self.loss_fn(output, data.targets[i])
+                    loss = _the_loss(self.loss_fn(output, data.targets[i]), data.backward)
                     if data.backward:  # its share of the mean (unless scale_grads is off)
                         stage.keep_loss(i, loss / self.n_microbatches if self.scale_grads else loss)
                     data.losses.append(loss.detach())
@@ -275,7 +296,10 @@ class PipelineSchedule(EventRecorder):
         backward: bool,
     ) -> Found:
         """What this rank sees wrong with its stages or its part of the step (rank_checks);
-        the first step's microbatch shapes are kept, for every later step to match."""
+        the first training step's microbatch shapes are kept, for every later training step to
+        match. A forward-only step may take others (a smaller validation batch): the borders
+        learn its shapes, and the next training step's back (torch re-infers its shapes when
+        eval follows training)."""
         if self.setup_problem:
             return Problem.BAD_STAGES, 0, 0, self.setup_problem
         m, shapes = self.n_microbatches, self._first_microbatch_shapes
@@ -288,9 +312,9 @@ class PipelineSchedule(EventRecorder):
             losses,
             backward=backward,
             has_loss_fn=self.loss_fn is not None,
-            first_shapes=shapes,
+            first_shapes=shapes if backward else None,
         )
-        if found[0] == Problem.NONE and self.has_first_stage and shapes is None:
+        if found[0] == Problem.NONE and self.has_first_stage and shapes is None and backward:
             self._first_microbatch_shapes = microbatch_shapes(args, m)
         return found
 

@@ -65,9 +65,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from miniddp.job.agree import gather_rows
 from miniddp.job.env import HOW_TO_LAUNCH, size_and_rank_in
 from miniddp.pipeline.p2p import as_tuple, carries_gradient
-from miniddp.pipeline.step_checks import gather_rows
 from miniddp.placement import Stage, mark
 
 Activation = tuple[torch.Tensor, ...]  # what crosses a border (p2p.py)

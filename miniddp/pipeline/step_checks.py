@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from miniddp.job.faults import wait_for
+from miniddp.job.agree import gather_rows
 from miniddp.pipeline.actions import decode
 from miniddp.pipeline.bubble import replay
 
@@ -72,8 +72,9 @@ def describe(problem: Problem, a: int, b: int) -> str:
         ),
         Problem.INPUT_SHAPE_CHANGED: (
             f"was given microbatches of {a} samples, but the pipeline learnt its activation "
-            f"shapes from the first step's {b}: keep the batch size fixed (drop_last=True in "
-            "the DataLoader), or build a new stage and schedule for the new size"
+            f"shapes from the first training step's {b}: keep the batch size fixed "
+            "(drop_last=True in the DataLoader), or build a new stage and schedule for the new "
+            "size (eval() takes any size)"
         ),
         Problem.NO_TARGET: (
             "was given no target: call schedule.step(target=y, losses=losses) on the last "
@@ -119,16 +120,7 @@ class CheckRow(NamedTuple):
     schedule: int  # schedule_id of its class
     trains: int  # step() (1) or eval() (0)
     without_grad: int  # step() called under torch.no_grad()
-
-
-def gather_rows(row: list[int], what: str, group: dist.ProcessGroup | None, device) -> list:
-    """Every rank's `row` of integers, on every rank: each fills its own row of a zero table
-    and one all-reduce (SUM) adds them up."""
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    table = torch.zeros(size, len(row), dtype=torch.int64, device=device)
-    table[rank] = torch.tensor(row, dtype=torch.int64)
-    wait_for(dist.all_reduce(table, group=group, async_op=True), what, group)
-    return table.tolist()
+    relearn: int  # the first stage's microbatches changed shape since the borders learnt them
 
 
 def check_on_every_stage(
@@ -139,14 +131,17 @@ def check_on_every_stage(
     device: torch.device,
     who: str = "stage",
     backward: bool = True,
-) -> None:
+    relearn: bool = False,
+) -> bool:
     """Gather every rank's findings; raise the same error on all of them if any is wrong.
     `who`: how a rank is named, "stage" (one stage a rank) or "rank" (several); `backward`:
-    this rank's step trains (else it runs forward only)."""
+    this rank's step trains (else it runs forward only); `relearn`: this rank's first stage
+    was given microbatches of other shapes than the borders learnt. Returns whether any rank
+    said so: then every border learns its shapes again, on every rank alike."""
     problem, a, b, *detail = found
     grad_off = backward and not torch.is_grad_enabled()
     mine = CheckRow(
-        int(problem), a, b, n_microbatches, schedule_id(schedule_name), backward, grad_off
+        int(problem), a, b, n_microbatches, schedule_id(schedule_name), backward, grad_off, relearn
     )
     rows = [
         CheckRow(*row)
@@ -192,6 +187,7 @@ def check_on_every_stage(
         raise ValueError(
             f"This pipeline step cannot run (seen on stage {here}):\n  " + "\n  ".join(lines)
         )
+    return any(row.relearn for row in rows)
 
 
 def check_orders_together(

@@ -9,6 +9,7 @@ sharded_parameters.py  one fully_shard unit: its shards, and the collectives tha
 prefetch.py            fully_shard's overlap: the next unit's gather, the last reduce-scatter
 unit_lanes.py          a recorded fully_shard step as lanes: compute, all-gather, reduce-scatter
 mixed_precision.py     fully_shard's MixedPrecisionPolicy: bf16 compute, fp32 masters
+loss_scaling.py        ShardedGradScaler: float16's loss scaler, its overflow check the job's
 units.py               fully_shard's units by number, and the mistakes it refuses at the call
 full_state.py          a fully sharded model's and optimizer's full state, out and back in
 clipping.py            clip_grad_norm_ over the ranks: the true norm under every stage
@@ -22,6 +23,7 @@ from miniddp.sharding.full_state import (
     load_full_state_dict,
 )
 from miniddp.sharding.fully_shard import fully_shard
+from miniddp.sharding.loss_scaling import ShardedGradScaler
 from miniddp.sharding.memory import (
     Formula,
     MemoryPerRank,
@@ -37,6 +39,7 @@ __all__ = [
     "Formula",
     "MemoryPerRank",
     "MixedPrecisionPolicy",
+    "ShardedGradScaler",
     "ZeroRedundancyOptimizer",
     "clip_grad_norm_",
     "ddp_buckets",

@@ -23,9 +23,10 @@ bf16 gradients is exact in fp32, and the one division by W is gloo's AVG's); wit
 an ulp or two of bf16 (the three-term sum rounds in another order, fully_shard.py says why):
 about 5e-5 in the parameters after three AdamW steps at lr 0.01.
 
-Why no float16: bf16 has fp32's 8 exponent bits, so gradients neither overflow nor vanish; fp16
-has 5, and small gradients underflow to zero unless the loss is scaled first and the gradients
-unscaled after (torch.amp.GradScaler, which MiniDDP does not implement).
+float16 works too, with a loss scaler: bf16 has fp32's 8 exponent bits, so gradients neither
+overflow nor vanish; fp16 has 5, and small gradients underflow to zero unless the loss is scaled
+first and the gradients unscaled after. Sharded gradients need the ranks to agree on an overflow:
+use miniddp.sharding.ShardedGradScaler (loss_scaling.py), torch.amp.GradScaler's interface.
 """
 
 from __future__ import annotations
@@ -35,12 +36,6 @@ from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
-
-NO_LOSS_SCALER = (
-    "float16 needs a loss scaler (torch.amp.GradScaler: scale the loss so that small "
-    "gradients do not underflow fp16's 5-bit exponent, unscale before the step), which MiniDDP "
-    "does not implement. Use torch.bfloat16: it has fp32's exponent range and needs none."
-)
 
 
 @dataclass(frozen=True)
@@ -69,8 +64,6 @@ class MixedPrecisionPolicy:
                     f"MixedPrecisionPolicy's {name} must be a floating-point torch.dtype (such "
                     f"as torch.bfloat16), or None; got {dtype!r}"
                 )
-            if dtype == torch.float16:
-                raise ValueError(f"MixedPrecisionPolicy's {name} is float16: {NO_LOSS_SCALER}")
 
     def compute_dtype(self, master: torch.dtype) -> torch.dtype:
         """The dtype of the full parameters, for masters of dtype `master`."""

@@ -46,6 +46,7 @@ class InFlight:
     what: str
     group: dist.ProcessGroup | None
     first: InFlight | None = None
+    post_divide: float = 1.0  # what is left of the average's 1/W once the output arrives
 
     def wait(self) -> torch.Tensor:
         if self.first is not None:
@@ -127,7 +128,9 @@ class ShardedParameters:
         Two averages, each a sum and one division (gloo's AVG), in torch's FSDP2's order
         (`_get_gradient_divide_factors`: AVG for the reduce-scatter, AVG for the all-reduce,
         in fp32 and bf16): (sum over S of g) / S, then (sum over R of that) / R. Dividing by
-        a power of two is exact, so at 2 x 2 that is the sum over all four divided by 4."""
+        a power of two is exact, so at 2 x 2 that is the sum over all four divided by 4. In
+        float16 both are sums instead, with torch's factors over all S x R ranks: each
+        gradient divided by `pre` first, the result by `post` once it arrives."""
         world, length = self.world_size, sum(s.numel() for s in self.shards)
         pieces = torch.zeros(world, length, dtype=grads[0].dtype, device=grads[0].device)
         offset = 0
@@ -137,23 +140,32 @@ class ShardedParameters:
             pieces[:, offset : offset + shard.numel()] = padded.view(world, shard.numel())
             offset += shard.numel()
         mine = pieces.new_empty(length)
-        work = collectives.reduce_scatter_tensor(
-            mine, pieces, op=dist.ReduceOp.AVG, group=self.group, async_op=True
-        )
         what = f"reduce-scatter of {self.name}'s gradients ({pieces.nbytes:,} bytes)"
-        reducing = InFlight(work, mine, what, self.group)
+        op, post = dist.ReduceOp.AVG, 1.0
+        if pieces.dtype == torch.float16:  # divided on both sides of the sums: see below
+            replicas = 1 if self.replicas is None else dist.get_world_size(self.replicas)
+            pre, post = float16_divide_factors(world * replicas)
+            pieces.div_(pre)
+            op = dist.ReduceOp.SUM
+        work = collectives.reduce_scatter_tensor(
+            mine, pieces, op=op, group=self.group, async_op=True
+        )
+        reducing = InFlight(work, mine, what, self.group, post_divide=post)
         if self.replicas is None:
             return reducing
-        work = collectives.all_reduce(mine, dist.ReduceOp.AVG, self.replicas, async_op=True)
+        work = collectives.all_reduce(mine, op, self.replicas, async_op=True)
         what = f"all-reduce of {self.name}'s gradient shard over its replicas ({mine.nbytes:,} B)"
-        return InFlight(work, mine, what, self.replicas, first=reducing)
+        return InFlight(work, mine, what, self.replicas, first=reducing, post_divide=post)
 
     def finish_reduce_scatter(self, reducing: InFlight) -> None:
         """Wait for `reducing`, and add each shard's piece into its `.grad` in the shard's
         dtype, as autograd would have (None: set it; else add in place). Then run the shard's
         post-accumulate-grad hooks (an optimizer stepping in backward, say): autograd never
         accumulates into a shard, so it would not run them; torch's FSDP2 runs them here too."""
-        reduced = reducing.wait().split([s.numel() for s in self.shards])
+        reduced = reducing.wait()
+        if reducing.post_divide != 1:
+            reduced.div_(reducing.post_divide)
+        reduced = reduced.split([s.numel() for s in self.shards])
         for shard, piece in zip(self.shards, reduced):
             if shard.grad is None:
                 shard.grad = piece.to(shard.dtype)
@@ -214,3 +226,17 @@ def cut(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     padded = full.new_zeros(world * chunk)
     padded[: full.numel()] = full.reshape(-1)
     return padded[rank * chunk :][:chunk].clone()
+
+
+def float16_divide_factors(world_size: int) -> tuple[float, float]:
+    """How a float16 average over W ranks divides: by `pre` before the sum, `post` after.
+
+    fp16's largest value is 65504, and the loss scaler pushes gradients up towards it: a sum of
+    W of them may overflow where their average would not, and dividing each by W first may
+    underflow the small ones. So, as torch's FSDP2 does (and with its factors, to give its
+    bits), divide by about sqrt(W) on each side: pre doubles while it divides W and W / pre
+    exceeds it; post = W / pre. At W = 2: pre 2, post 1; at W = 8: pre 4, post 2."""
+    pre = 1
+    while world_size % pre == 0 and world_size / pre > pre:
+        pre *= 2
+    return float(pre), world_size / pre

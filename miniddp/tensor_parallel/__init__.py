@@ -9,7 +9,8 @@ The vocabulary (Megatron-LM, Shoeybi et al. 2019):
 
     layers.py           torch's chunk rule; f and g; ColwiseLinear, RowwiseLinear;
                         VocabParallelEmbedding (rowwise), ColwiseEmbedding; sequence
-                        parallelism's f-bar and g-bar, SequenceParallelLayerNorm
+                        parallelism's f-bar and g-bar, SequenceParallelLayerNorm and
+                        SequenceParallelRMSNorm
     plan.py             ColwiseParallel(), RowwiseParallel(), SequenceParallel(): which module
                         splits how, and parallelize_module(module, mesh or group, plan)
     cross_entropy.py    the loss from vocabulary-sharded logits, never gathered
@@ -33,6 +34,7 @@ from miniddp.tensor_parallel.layers import (
     ColwiseLinear,
     RowwiseLinear,
     SequenceParallelLayerNorm,
+    SequenceParallelRMSNorm,
     VocabParallelEmbedding,
     copy_to_tensor_parallel,
     gather_from_sequence_parallel,
@@ -58,6 +60,7 @@ __all__ = [
     "RowwiseParallel",
     "SequenceParallel",
     "SequenceParallelLayerNorm",
+    "SequenceParallelRMSNorm",
     "TinyGPT",
     "TransformerBlock",
     "VocabParallelEmbedding",

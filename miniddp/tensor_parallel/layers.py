@@ -100,6 +100,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from miniddp.collectives import all_gather_into_tensor, reduce_scatter_tensor
+from miniddp.job.agree import gather_rows
 from miniddp.job.env import size_and_rank_in
 from miniddp.job.faults import wait_for
 from miniddp.placement import TensorShard, mark
@@ -189,6 +190,28 @@ def reduce_from_tensor_parallel(x: torch.Tensor, group: dist.ProcessGroup | None
     return _ReduceFromTensorParallel.apply(x, group)
 
 
+def _refuse_uneven_parts(x: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """Each rank's positions look right alone; but torch.chunk(x, W, 1) of an S that W does
+    not divide leaves the last ranks fewer, and the all-gather's pieces would not match (gloo
+    aborts the process, as under torch's SequenceParallel). So every rank states its length in
+    one small all-reduce before the gather (tens of microseconds beside the gather's
+    (W-1)/W * B * S * H values), and all refuse together, naming S."""
+    lengths = [
+        row[0] for row in gather_rows([x.shape[1]], "the sequence lengths' check", group, x.device)
+    ]
+    other = next((r for r, length in enumerate(lengths) if length != lengths[0]), None)
+    if other is None:
+        return
+    size, whole = len(lengths), sum(lengths)
+    how = f"which W = {size} does not divide" if whole % size else "cut unevenly"
+    raise ValueError(
+        f"sequence parallelism needs S/W positions on every rank, but rank 0 holds "
+        f"{lengths[0]} positions and rank {other} holds {lengths[other]} (S = {whole}, {how}): "
+        f"pad or trim the sequence to a multiple of {size}, and give rank r "
+        f"torch.chunk(x, {size}, 1)[r]"
+    )
+
+
 def _gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """[B, S/W, ...] from every rank -> [B, S, ...], rank r's positions at chunk r."""
     world_size, _ = group_size_and_rank(group)
@@ -220,6 +243,7 @@ class _GatherFromSequenceParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         ctx.group = group
+        _refuse_uneven_parts(x, group)  # backward's gradients are even: a reduce-scatter's
         return _gather_sequence(x, group)
 
     @staticmethod
@@ -268,6 +292,24 @@ class SequenceParallelLayerNorm(nn.Module):
             for p in (self.weight, self.bias)
         )
         return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.normalized_shape)}, eps={self.eps}, on this rank's positions"
+
+
+class SequenceParallelRMSNorm(nn.Module):
+    """An nn.RMSNorm (every Llama-style block's norm) on this rank's positions [B, S/W, H]: it
+    too acts on each position alone, and its weight, whole, enters through f."""
+
+    def __init__(self, norm: nn.RMSNorm, group: dist.ProcessGroup | None, name: str) -> None:
+        super().__init__()
+        self.group = group
+        self.normalized_shape, self.eps = norm.normalized_shape, norm.eps
+        self.weight = norm.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = None if self.weight is None else copy_to_tensor_parallel(self.weight, self.group)
+        return F.rms_norm(x, self.normalized_shape, weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.normalized_shape)}, eps={self.eps}, on this rank's positions"

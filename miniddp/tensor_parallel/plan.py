@@ -17,6 +17,7 @@ give them. The outputs are plain local tensors, as with torch's `use_local_outpu
 
     module         SequenceParallel() (torch's name): the module whole, on [B, S/W, H]
     nn.LayerNorm   SequenceParallelLayerNorm: weight and bias entered through f
+    nn.RMSNorm     SequenceParallelRMSNorm: its weight entered through f
     nn.Dropout     itself: it acts on each element alone. Seed the ranks of a group
                    differently (Megatron's tensor-parallel RNG tracker), or their shards draw
                    the same mask
@@ -45,6 +46,7 @@ from miniddp.tensor_parallel.layers import (
     ColwiseLinear,
     RowwiseLinear,
     SequenceParallelLayerNorm,
+    SequenceParallelRMSNorm,
     VocabParallelEmbedding,
     group_size_and_rank,
 )
@@ -100,9 +102,13 @@ def _whole(module: nn.Module, group: dist.ProcessGroup | None, name: str) -> nn.
 
 
 class SequenceParallel(ParallelStyle):
-    """Run an nn.LayerNorm or nn.Dropout whole on this rank's positions [B, S/W, H]."""
+    """Run an nn.LayerNorm, nn.RMSNorm or nn.Dropout whole on this rank's positions [B, S/W, H]."""
 
-    splits = {nn.LayerNorm: SequenceParallelLayerNorm, nn.Dropout: _whole}
+    splits = {
+        nn.LayerNorm: SequenceParallelLayerNorm,
+        nn.RMSNorm: SequenceParallelRMSNorm,
+        nn.Dropout: _whole,
+    }
 
     def __init__(self) -> None:
         super().__init__()
