@@ -11,11 +11,12 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from miniddp.parallelize import parallelize
 from miniddp.sharding import clip_grad_norm_
 from tests.mesh_tasks import mesh_once
-from tests.parallelize_tasks import build_gpt, windows
+from tests.parallelize_tasks import build_gpt, full_tensors, windows
 
 TUTORIALS = Path(__file__).resolve().parents[1] / "tutorials"
 CHAPTER = TUTORIALS / "09b_large_model_template.py"
@@ -41,14 +42,15 @@ def torch_mesh(template: ModuleType, shape: tuple[int, int]):
     return _TORCH_MESHES[shape]
 
 
-def train_both(shape: tuple[int, int], clip: float) -> dict[str, list[float]]:
-    """This rank's replica loss at each step, under torch's composition and under MiniDDP's."""
+def train_both(shape: tuple[int, int], clip: float, dtype: torch.dtype = torch.float64) -> dict:
+    """This rank's replica loss at each step, under torch's composition and under MiniDDP's,
+    and every parameter after the last step, whole (gathered over "tp" and "dp")."""
     dp, tp = shape
     template = chapter()
     replica_windows = [windows(step, dp).tensor_split(dp) for step in range(STEPS)]
 
     mesh = torch_mesh(template, shape)
-    model = template.parallelize(build_gpt(), mesh)
+    model = template.parallelize(build_gpt().to(dtype), mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     replica = mesh["dp"].get_local_rank()
     theirs = [
@@ -57,7 +59,7 @@ def train_both(shape: tuple[int, int], clip: float) -> dict[str, list[float]]:
     ]
 
     ours_mesh = mesh_once((1, dp, tp), ("pp", "dp", "tp"))
-    parts = parallelize(build_gpt(), ours_mesh, data_parallel="fsdp")
+    parts = parallelize(build_gpt().to(dtype), ours_mesh, data_parallel="fsdp")
     optimizer = torch.optim.AdamW(parts.parameters(), lr=LR)
     assert ours_mesh["dp"].get_local_rank() == replica  # the same replica, the same windows
     ours = []
@@ -66,4 +68,15 @@ def train_both(shape: tuple[int, int], clip: float) -> dict[str, list[float]]:
         clip_grad_norm_(parts.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad()
-    return {"torch": theirs, "miniddp": ours}
+    whole = {  # TP's DTensors and FSDP2's alike; with tp = dp = 1, plain tensors
+        n: p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        for n, p in model.named_parameters()
+    }
+    mine = full_tensors(parts.model, ours_mesh, sharded=dp > 1)
+    # A sharded model's state dict names the tied matrix twice; named_parameters, once.
+    tied = mine.pop("head.weight", mine["token.weight"])
+    assert torch.equal(tied, mine["token.weight"])
+    return {
+        "losses": {"torch": theirs, "miniddp": ours},
+        "params": {"torch": whole, "miniddp": mine},
+    }
