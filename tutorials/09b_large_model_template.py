@@ -235,6 +235,24 @@ class Run:
         return [train_step(model, optimizer, b, self.settings.clip).item() for b in batches]
 
 
+def say_what_was_cut(rows: int, dp: int, tp: int) -> None:
+    """qkv's rows, as each parallelism cut them, in words."""
+    if tp > 1:
+        say_prose(f"""
+            TP's Shard(0) gives each of the {tp} TP ranks {rows // tp} of qkv's {rows} rows:
+            whole heads. It leaves the LayerNorms and the positions whole.
+            """)
+    if dp > 1 < tp:
+        say_prose(f"""
+            fully_shard then cuts each TP slice again over "dp", {rows // tp // dp} rows a rank,
+            which DTensor records as _StridedShard (FSDP2's rows of TP's rows), and the
+            LayerNorms over "dp" alone: two meshes in one model, the reason this
+            clip_grad_norm_ works mesh by mesh.
+            """)
+    elif dp > 1:
+        say(f"  fully_shard cuts every parameter's rows over \"dp\": {rows // dp} of qkv's {rows}.")
+
+
 def refuse_a_mesh_that_does_not_fit(tp: int) -> None:
     """Before any process group: every rank decides alike, rank 0 alone says why."""
     world = int(os.environ.get("WORLD_SIZE", "0"))
@@ -274,8 +292,8 @@ def main() -> None:
     model, optimizer = run.build()
     say_prose(f"""
         {env.world_size} ranks on {dist.get_backend()}, dropout off (under TP each rank draws
-        its own heads' masks, and the chapter ends by checking one process's bits). Every
-        parameter is now a DTensor: its whole shape, and how this rank's piece was cut.
+        its own heads' masks, and the chapter ends by checking one process's bits). What a
+        parallelism cut is now a DTensor: its whole shape, and how this rank's piece was cut.
         """)
     say(f"  {'parameter':<30} {'whole':>10} {'rank 0 holds':>13}  placements over {AXES}")
     for name in (
@@ -292,14 +310,7 @@ def main() -> None:
         )
         whole, mine = "x".join(map(str, p.shape)), "x".join(map(str, local.shape))
         say(f"  {name:<30} {whole:>10} {mine:>13}  {cuts or 'a plain tensor'}")
-    qkv = 3 * run.config.width
-    say_prose(f"""
-        qkv's {qkv} rows: TP's Shard(0) gives each of the {tp} TP ranks {qkv // tp} of them,
-        whole heads; fully_shard then cuts that slice again over "dp", {qkv // tp // dp} rows
-        a rank, which DTensor records as _StridedShard (FSDP2's rows of TP's rows). TP leaves
-        the LayerNorms and the positions whole, so fully_shard cuts them over "dp" alone: two
-        meshes in one model, the reason this clip_grad_norm_ works mesh by mesh.
-        """)
+    say_what_was_cut(3 * run.config.width, dp, tp)
     if tp > 1:
         assert model.head.weight is model.token.weight, "the tie survives TP: one shard"
 
@@ -310,10 +321,11 @@ def main() -> None:
             file.unlink()
     dist.barrier()
     losses = run.train(model, optimizer, range(args.steps), save_every=every)
-    for step in range(0, args.steps, 5):
-        say(f"  step {step:>3}: loss {losses[step]:.4f} nats per character (the replicas' mean)")
+    say("  the loss, in nats per character (the mean over the replicas):")
+    for step in sorted({*range(0, args.steps, 5), args.steps - 1}):
+        say(f"  step {step:>3}: {losses[step]:.4f}")
     files = sorted(os.listdir(args.checkpoints / f"step-{every}"))
-    say(f"  step-{every}/ holds {', '.join(files)}: one file a rank, and the index")
+    say(f"  step-{every}/ holds {', '.join(files)}: a file a rank, and the index")
 
     section("3. A crash, and a fresh job resumes from DCP")
     last, folder = newest(args.checkpoints)
