@@ -30,12 +30,13 @@ TORCH_LOG = re.compile(r"[DIWEF]\d{4} \d\d:\d\d:\d\d")
 # code on a tiny GPT, with its checks, instead.
 # Chapters 02 and 03 (the README's) run through `./launch.sh` below. Chapter 06 has its own
 # tests/test_failover.py: uninterrupted, crashed and restarted by torchrun, and once finished.
-# Chapter 15 needs 8 ranks, 08c 4: their own tests are at the end of this file.
+# Chapter 15 needs 8 ranks, 08c and 09b 4: their own tests are at the end of this file.
 OWN_TESTS = {
     "02_naive_ddp.py",
     "03_bucketing.py",
     "06_failover.py",
     "08c_hsdp.py",
+    "09b_large_model_template.py",
     "12_train_gpt.py",
     "15_three_d_parallel.py",
 }
@@ -218,4 +219,36 @@ def test_the_hsdp_chapter_refuses_another_world_size(tmp_path: Path) -> None:
     returncode, output = run_in_own_session([sys.executable, str(HSDP_CHAPTER)], env, 60)
     assert returncode == 1, tail(output)
     assert output.count("torchrun --nproc_per_node=4 tutorials/08c_hsdp.py") == 1
+    assert "Traceback" not in output
+
+
+LARGE_MODEL = REPO / "tutorials" / "09b_large_model_template.py"
+
+
+@pytest.mark.slow  # 95 s here; the default suite trains its functions: test_large_model_template
+def test_the_large_model_template_runs_on_four_ranks(tmp_path: Path) -> None:
+    """Its default run, (dp, tp) = (2, 2): DCP save, a lost checkpoint, a resume, one process."""
+    args = ("--checkpoints", str(tmp_path / "dcp"))
+    returncode, output = run_chapter(LARGE_MODEL, 4, tmp_path, *args)
+    assert returncode == 0, f"{LARGE_MODEL.name} exited with {returncode}:\n{tail(output)}"
+    assert "Verified on 4 ranks" in output
+    assert not too_wide(output, tmp_path)
+
+
+@pytest.mark.slow  # 30 s each here
+@pytest.mark.parametrize("tp", ["1", "2"])
+def test_the_large_model_template_runs_on_two_ranks(tp: str, tmp_path: Path) -> None:
+    """(dp, tp) = (2, 1), fully_shard alone, and (1, 2), TP alone."""
+    args = ("--tp", tp, "--steps", "4", "--checkpoints", str(tmp_path / "dcp"))
+    returncode, output = run_chapter(LARGE_MODEL, 2, tmp_path, *args)
+    assert returncode == 0, f"{LARGE_MODEL.name} exited with {returncode}:\n{tail(output)}"
+    assert "Verified on 2 ranks" in output
+
+
+def test_the_large_model_template_refuses_a_mesh_that_does_not_fit(tmp_path: Path) -> None:
+    """Started as one process, it says how to start it, once, before any process group."""
+    env = child_env(tmp_path, drop=(*LAUNCH_VARIABLES, "WORLD_SIZE", "RANK", "LOCAL_RANK"))
+    returncode, output = run_in_own_session([sys.executable, str(LARGE_MODEL)], env, 60)
+    assert returncode == 1, tail(output)
+    assert output.count("torchrun --nproc_per_node=4 tutorials/09b_large_model_template.py") == 1
     assert "Traceback" not in output
