@@ -43,6 +43,7 @@ from miniddp.context_parallel import (
     count_blocks,
     positions_of,
     ring_attention,
+    ring_bytes,
     sdpa_on_the_ring,
     shard_sequence,
     stats_for,
@@ -201,7 +202,7 @@ def section_bytes(world: int, checks: dict[str, bool]) -> None:
     traffic.reset()
     out.sum().backward()
     backward = traffic.bytes_sent
-    formula = (world - 1) * 2 * RING_LENGTH // world * HEADS * HEAD_DIM * 4
+    formula, _ = ring_bytes(RING_LENGTH, HEADS, HEAD_DIM, world, 4)
     say_prose(f"""\
         Per rank and call, B = 1: K and V, S/W positions each, travel W - 1 hops forward;
         backward sends them round again and brings dK and dV home the same way, twice that.

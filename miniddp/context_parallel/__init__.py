@@ -28,6 +28,7 @@ from miniddp.context_parallel.attention import (
     RingStats,
     count_blocks,
     ring_attention,
+    ring_bytes,
     stats_for,
     step_blocks,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "count_blocks",
     "positions_of",
     "ring_attention",
+    "ring_bytes",
     "sdpa_on_the_ring",
     "shard_sequence",
     "stats_for",

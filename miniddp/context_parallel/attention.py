@@ -123,6 +123,15 @@ def stats_for(
     return RingStats(rank, world_size, load_balance, is_causal, blocks, total - blocks, scores)
 
 
+def ring_bytes(
+    sequence: int, kv_heads: int, head_dim: int, world_size: int, itemsize: int, batch: int = 1
+) -> tuple[int, int]:
+    """(forward, backward) bytes one rank sends in one ring_attention call (the module
+    docstring): K and V, S/W positions each, W-1 hops forward; backward twice that."""
+    forward = (world_size - 1) * 2 * sequence // world_size * kv_heads * head_dim * itemsize
+    return forward * batch, 2 * forward * batch
+
+
 _recorded: list[RingStats] | None = None
 
 
