@@ -29,6 +29,7 @@ from miniddp.context_parallel.attention import (
     count_blocks,
     ring_attention,
     ring_bytes,
+    ring_seconds,
     stats_for,
     step_blocks,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "positions_of",
     "ring_attention",
     "ring_bytes",
+    "ring_seconds",
     "sdpa_on_the_ring",
     "shard_sequence",
     "stats_for",
