@@ -29,6 +29,12 @@ measures it on a GPU):
                      all-gather with forward, TP's collectives with the GEMMs (--tp-comm-overlap)
                      and PP's sends with compute; Megatron-LM 2021 overlapped none of them
     grad_bytes       bytes an element of the gradient DP reduces: 4 (fp32 main grads) in both
+    cp_all_gather    context parallelism all-gathers K/V before attending (Llama 3's, Grattafiori
+                     et al. 2024, section 3.3.2) instead of passing them round a ring (MiniDDP's
+                     and Megatron-Core's): the transfer is then never hidden under the scores
+    sharded_masters  Megatron-Core's distributed optimizer (2024, and Llama 3's training) shards
+                     the fp32 masters with Adam's states, as ZeRO's paper does: 12Ψ/d, not
+                     MiniDDP's ZeRO-1, which keeps them whole (Formula's 4Ψ + 8Ψ/d). 2021: none
 
 And the two constants fitted per GPU (calibrate.py, on the development set only):
 
@@ -68,6 +74,8 @@ class Cluster:
     causal_half: bool = True
     overlap: bool = True
     grad_bytes: int = 4
+    sharded_masters: bool = False
+    cp_all_gather: bool = False
     matmul_efficiency: float = 0.6
     memory_passes: float = 0.0
 
@@ -118,6 +126,7 @@ H100 = Cluster(
     network_bandwidth=45 * GB,
     causal_half=True,
     overlap=True,
+    sharded_masters=True,
     matmul_efficiency=0.6,
     memory_passes=0.0,
 )

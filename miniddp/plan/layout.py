@@ -12,7 +12,7 @@ tp·pp·cp·dp must be the number of GPUs. What `--layout` leaves out the plan c
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 
 from miniddp.plan.shapes import Transformer
 
@@ -64,7 +64,8 @@ class Partial:
     recompute: str | None = None
 
     def given(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name)}
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {name: value for name, value in values.items() if value is not None}
 
     def admits(self, layout: Layout) -> bool:
         return all(getattr(layout, name) == value for name, value in self.given().items())
@@ -141,6 +142,3 @@ def check_layout(layout: Layout, model: Transformer, gpus: int, seq: int, batch:
         raise BadLayout(f"v={layout.v} without a pipeline: interleaving needs pp > 1; set v=1")
 
 
-def complete(partial: Partial, **chosen) -> Layout:
-    """The layout with the partial's values, the rest from `chosen`."""
-    return replace(Layout(**{**chosen, **partial.given()}))

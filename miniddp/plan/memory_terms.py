@@ -5,7 +5,8 @@ A rank of pipeline stage s holds:
     parameters, gradients,        miniddp.sharding.memory.Formula (chapters 08, 08b, 13, 15):
     optimizer state, copies       fp32 masters, bf16 compute copies, fp32 gradients as bucket
                                   views, Adam's 8 bytes an element sharded over the dp·cp ranks
-                                  by ZeRO-1/2 (ZeRO-3: everything, 16Ψ/W)
+                                  by ZeRO-1/2 (ZeRO-3: everything, 16Ψ/W); the masters too
+                                  where the software shards them (clusters.py)
     activations                   Korthikanti's per-layer bytes (gpt_activations.
                                   megatron_layer_bytes) times the microbatch-stages the
                                   schedule holds at its peak (pipeline.bubble.held_formula,
@@ -19,7 +20,8 @@ the output layer (last stage; a tied GPT keeps a copy there) split by TP's vocab
 The plan takes the larger of the first and the last stage.
 
 Megatron-LM's distributed optimizer also shards the fp32 masters (6 + 12/d bytes an element,
-not MiniDDP's ZeRO-1's 10 + 8/d): the plan counts MiniDDP's, which is what the chapters measure.
+not MiniDDP's ZeRO-1's 10 + 8/d): the plan counts that only for a cluster whose software does
+(`sharded_masters`), and says that no chapter measures it.
 """
 
 from __future__ import annotations
@@ -39,12 +41,16 @@ TENSORS_PER_LAYER = 12  # a GPT block's (chapter 15); only Adam's 4-byte step co
 ELEMENT = 2  # bf16 activations and compute copies
 
 
+def end_stage_layers(model: Transformer, layout: Layout) -> float:
+    """Layers on a rank of the first (or last) stage: Llama 3's split gives it one fewer."""
+    layers = layers_per_stage(model, layout.pp, layout.v)
+    return layers - 1 if model.layers % (layout.pp * layout.v) else layers
+
+
 def stage_elements(model: Transformer, layout: Layout) -> float:
     """Parameter elements on a rank of the first stage (the last holds as many: the output
     layer is the embedding's size); without a pipeline, both, unless tied (GPT)."""
-    layers = layers_per_stage(model, layout.pp, layout.v)
-    if model.layers % (layout.pp * layout.v):  # Llama 3's split: one layer fewer at each end
-        layers -= 1
+    layers = end_stage_layers(model, layout)
     ends = 2 if layout.pp == 1 and not model.biases else 1
     return (layers * model.layer_parameters + ends * model.embedding_parameters) / layout.tp
 
@@ -81,7 +87,7 @@ def _stage_terms(model, cluster, layout, seq, microbatches, first: bool) -> list
     elements = stage_elements(model, layout)
     replicas = layout.dp * layout.cp  # CP's ranks hold the same weights: they average too
     stage = ZERO_STAGES[layout.zero]
-    layers = layers_per_stage(model, layout.pp, layout.v)
+    layers = end_stage_layers(model, layout)
     tensors = int(TENSORS_PER_LAYER * layers) + 2
     if stage == "zero3":  # fp32 fully_shard (chapter 08); the bf16 copies are the gathered ones
         formula = Formula(stage, int(elements), tensors, replicas).expected()
@@ -94,6 +100,16 @@ def _stage_terms(model, cluster, layout, seq, microbatches, first: bool) -> list
         copies, copies_why = formula.compute_copies, "bf16 copies of the fp32 masters"
         copies_source = "sharding.memory.Formula (chapter 08b, side_by_side)"
     source = "sharding.memory.Formula (chapters 08, 08b, 13, 15)"
+    masters, masters_why, masters_source = formula.parameters, "fp32 masters", source
+    if cluster.sharded_masters and stage in ("zero1", "zero2"):
+        masters = formula.parameters / replicas
+        masters_why = f"fp32 masters sharded over dp·cp = {replicas} with the states"
+        masters_source = (
+            f"{UNVERIFIED}: Formula's masters divided by dp·cp, as ZeRO's paper and Megatron's "
+            "distributed optimizer shard them (MiniDDP's ZeRO-1 keeps them whole)"
+        )
+    elif stage == "zero3":
+        masters_why = f"fp32 masters, sharded over dp·cp = {replicas} (zero3)"
     shard = "" if stage == "ddp" else f", sharded over dp·cp = {replicas} ({stage})"
     held = held_formula(layout.pp, microbatches, layout.v, 0 if first else layout.pp - 1)
     per_stage = layers / layout.v  # a microbatch-stage's layers
@@ -119,7 +135,7 @@ def _stage_terms(model, cluster, layout, seq, microbatches, first: bool) -> list
     buffers += token_bytes if layout.tp > 1 else 0.0  # SP's gathered layer input
     buffers += copies if stage == "zero3" else 0.0
     return [
-        Term("parameters", formula.parameters, f"fp32 masters{shard * (stage == 'zero3')}", source),
+        Term("parameters", masters, masters_why, masters_source),
         Term(
             "gradients",
             formula.gradients + formula.buckets,
