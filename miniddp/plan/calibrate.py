@@ -42,10 +42,16 @@ class Published:
     layout: Partial  # the knobs the source publishes
     tflops_per_gpu: float
     convention: str  # "hardware", "model" or "causal": how the source counts FLOPs
+    software: tuple[tuple[str, object], ...] = ()  # the run's own, where it differs (clusters.py)
 
-    def predict(self, cluster: Cluster) -> Plan:
-        """The plan's best layout for this run, with the source's published knobs fixed."""
-        return search(self.model, cluster, self.seq, self.batch, self.gpus, self.layout)[0]
+    def cluster(self, preset: Cluster) -> Cluster:
+        return replace(preset, **dict(self.software))
+
+    def predict(self, preset: Cluster, layout: Partial | None = None) -> Plan:
+        """The plan's best layout for this run, with the source's published knobs fixed (or
+        those of `layout`: Partial() searches them all)."""
+        given = self.layout if layout is None else layout
+        return search(self.model, self.cluster(preset), self.seq, self.batch, self.gpus, given)[0]
 
     def predicted_tflops(self, cluster: Cluster) -> float:
         return self.predict(cluster).tflops_per_gpu(self.convention)
@@ -77,7 +83,7 @@ DEVELOPMENT = {
         megatron_2024("462B", 112, 18432, 144, 8, 16, 6144, 3072, 459.9),
     ),
 }
-UNFITTED = {"a100": A100, "h100": H100}
+UNFITTED = {"a100": replace(A100, memory_passes=0.0), "h100": replace(H100, memory_passes=0.0)}
 
 
 def fit(cluster: Cluster, rows: tuple[Published, Published], steps: int = 8) -> Cluster:

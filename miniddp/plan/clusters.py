@@ -28,10 +28,16 @@ measures it on a GPU):
     overlap          Megatron-Core 2024 overlaps DP's reduce-scatter with backward, its param
                      all-gather with forward, TP's collectives with the GEMMs (--tp-comm-overlap)
                      and PP's sends with compute; Megatron-LM 2021 overlapped none of them
-    grad_bytes       bytes an element of the gradient DP reduces: 4 (fp32 main grads) in both
+    grad_bytes       bytes an element of the gradient DP reduces: 4 in 2024 (bf16 training
+                     reduces fp32 main grads); 2 in 2021 (the fp16 scripts of the time did not
+                     pass --accumulate-allreduce-grads-in-fp32: fp16 gradients all-reduced)
     cp_all_gather    context parallelism all-gathers K/V before attending (Llama 3's, Grattafiori
                      et al. 2024, section 3.3.2) instead of passing them round a ring (MiniDDP's
                      and Megatron-Core's): the transfer is then never hidden under the scores
+    sequence_parallel  Korthikanti et al.'s sequence parallelism and selective recomputation
+                     (Megatron 2022 on): 2024 yes; 2021 no, so its activations keep the
+                     replicated 10·sbh a layer and its only recomputation is full
+    context_parallel the sequence split over a ring: 2024 yes, 2021 no
     sharded_masters  Megatron-Core's distributed optimizer (2024, and Llama 3's training) shards
                      the fp32 masters with Adam's states, as ZeRO's paper does: 12Ψ/d, not
                      MiniDDP's ZeRO-1, which keeps them whole (Formula's 4Ψ + 8Ψ/d). 2021: none
@@ -76,6 +82,8 @@ class Cluster:
     grad_bytes: int = 4
     sharded_masters: bool = False
     cp_all_gather: bool = False
+    sequence_parallel: bool = True
+    context_parallel: bool = True
     matmul_efficiency: float = 0.6
     memory_passes: float = 0.0
 
@@ -113,8 +121,11 @@ A100 = Cluster(
     network_bandwidth=23 * GB,
     causal_half=False,
     overlap=False,
-    matmul_efficiency=0.6,
-    memory_passes=0.0,
+    grad_bytes=2,
+    sequence_parallel=False,
+    context_parallel=False,
+    matmul_efficiency=0.6631,
+    memory_passes=5.363,
 )
 H100 = Cluster(
     "h100",
@@ -127,8 +138,8 @@ H100 = Cluster(
     causal_half=True,
     overlap=True,
     sharded_masters=True,
-    matmul_efficiency=0.6,
-    memory_passes=0.0,
+    matmul_efficiency=0.5856,
+    memory_passes=19.422,
 )
 PRESETS = {"a100": A100, "h100": H100}
 

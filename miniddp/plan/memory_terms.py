@@ -63,7 +63,7 @@ def layer_activations(model: Transformer, cluster: Cluster, layout: Layout, seq:
         model.hidden,
         model.heads,
         tp=layout.tp,
-        sequence_parallel=layout.tp > 1,
+        sequence_parallel=layout.tp > 1 and cluster.sequence_parallel,
         recompute=recompute,
         kv_heads=model.key_value_heads,
         ffn=model.mlp_width,
@@ -132,8 +132,7 @@ def _stage_terms(model, cluster, layout, seq, microbatches, first: bool) -> list
     )
     token_bytes = ELEMENT * seq // layout.cp * layout.microbatch * model.hidden
     buffers = 2 * token_bytes / layout.tp if layout.pp > 1 else 0.0  # send and receive
-    buffers += token_bytes if layout.tp > 1 else 0.0  # SP's gathered layer input
-    buffers += copies if stage == "zero3" else 0.0
+    buffers += token_bytes if layout.tp > 1 and cluster.sequence_parallel else 0.0  # SP's
     return [
         Term("parameters", masters, masters_why, masters_source),
         Term(
@@ -143,12 +142,12 @@ def _stage_terms(model, cluster, layout, seq, microbatches, first: bool) -> list
             source,
         ),
         Term("optimizer_state", formula.optimizer_state, f"Adam's two moments{shard}", source),
-        Term("compute_copies", 0.0 if stage == "zero3" else copies, copies_why, copies_source),
+        Term("compute_copies", copies, copies_why, copies_source),
         Term("activations", activations, why, activation_source),
         Term(
             "buffers",
             buffers,
-            "pipeline send/receive, SP's all-gathered input, ZeRO-3's gathered layers",
+            "pipeline send/receive, SP's all-gathered input",
             f"{UNVERIFIED}: sizes from the code's shapes, no chapter measures them",
         ),
     ]

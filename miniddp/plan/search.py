@@ -6,7 +6,8 @@ tries every layout the model and the GPUs allow, keeps those that fit, and sorts
 step time; a `Partial` layout fixes some knobs and the search chooses the rest.
 
 The search keeps TP inside a node (tp <= gpus_per_node): its collectives run 4 to 6 times a
-layer and microbatch, too often for the network; the plan says so when it explains the winner.
+layer and microbatch, too often for the network (a --layout may still ask for more). It skips
+the time of a layout whose memory does not fit.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ from miniddp.plan.terms import Term
 from miniddp.plan.time_terms import time_terms
 
 GiB = 1024**3
+# The search splits a sequence over cp ranks only while each keeps 1,024 tokens or more: below
+# that a ring hop's latency outweighs its block's scores (time_terms' cp), and TP or PP split
+# the same activations for less.
+MIN_CP_TOKENS = 1024
 
 
 @dataclass(frozen=True)
@@ -90,14 +95,35 @@ class Plan:
 
 
 def evaluate(
-    model: Transformer, cluster: Cluster, layout: Layout, seq: int, batch: int, gpus: int
-) -> Plan:
-    """Every term of one layout (refused first if it cannot run)."""
+    model: Transformer,
+    cluster: Cluster,
+    layout: Layout,
+    seq: int,
+    batch: int,
+    gpus: int,
+    only_if_fits: bool = False,
+) -> Plan | None:
+    """Every term of one layout (refused first if it cannot run); `only_if_fits`: None, with no
+    time computed, for a layout whose memory does not fit (the search skips those)."""
     check_layout(layout, model, gpus, seq, batch)
+    check_software(layout, cluster)
     microbatches = batch // (layout.dp * layout.microbatch)
     memory = memory_terms(model, cluster, layout, seq, microbatches)
+    if only_if_fits and sum(term.value for term in memory) > cluster.memory_bytes:
+        return None
     time = time_terms(model, cluster, layout, seq, microbatches)
     return Plan(model, cluster, layout, seq, batch, memory, time)
+
+
+def check_software(layout: Layout, cluster: Cluster) -> None:
+    """Refuse what the cluster's software cannot run (clusters.py: 2021's Megatron had neither
+    context parallelism nor selective recomputation)."""
+    if layout.cp > 1 and not cluster.context_parallel:
+        raise BadLayout(f"cp={layout.cp}: {cluster.name}'s software has no context parallelism")
+    if layout.recompute == "selective" and not cluster.sequence_parallel:
+        raise BadLayout(
+            f"recompute=selective: {cluster.name}'s software recomputes whole layers only (full)"
+        )
 
 
 def divisors(n: int) -> list[int]:
@@ -115,7 +141,8 @@ def candidates(
 
     powers = [2**k for k in range(21) if 2**k <= gpus]
     tps = options("tp", [t for t in powers if t <= cluster.gpus_per_node])
-    for tp, cp in itertools.product(tps, options("cp", powers)):
+    cps = options("cp", [c for c in powers if c == 1 or seq // c >= MIN_CP_TOKENS])
+    for tp, cp in itertools.product(tps, cps):
         if gpus % (tp * cp):
             continue
         for pp in options("pp", divisors(gpus // (tp * cp))):
@@ -131,6 +158,7 @@ def candidates(
                 layout = Layout(tp, pp, cp, dp, 1, v, microbatch, zero, recompute)
                 try:
                     check_layout(layout, model, gpus, seq, batch)
+                    check_software(layout, cluster)
                 except BadLayout:
                     continue
                 yield layout
@@ -145,21 +173,37 @@ def search(
     partial: Partial = Partial(),
 ) -> list[Plan]:
     """The layouts that fit, fastest first. Raises BadLayout naming why when none fits."""
-    plans = [
-        evaluate(model, cluster, layout, seq, batch, gpus)
-        for layout in candidates(model, cluster, seq, batch, gpus, partial)
-    ]
-    if not plans:
+    layouts = list(candidates(model, cluster, seq, batch, gpus, partial))
+    if not layouts:
+        refuse_as_given(model, cluster, seq, batch, gpus, partial)
         given = ",".join(f"{k}={v}" for k, v in partial.given().items()) or "no layout"
         raise BadLayout(
             f"no layout of {gpus} GPUs runs {model.name} with {given}: check that tp divides the "
             "heads, pp·v the layers, 2·cp the sequence and dp·microbatch the global batch"
         )
-    fitting = [plan for plan in plans if plan.fits]
+    plans = [evaluate(model, cluster, layout, seq, batch, gpus, True) for layout in layouts]
+    fitting = [plan for plan in plans if plan is not None]
     if not fitting:
-        closest = min(plans, key=lambda plan: plan.memory_bytes)
+        closest = min(
+            (evaluate(model, cluster, layout, seq, batch, gpus) for layout in layouts),
+            key=lambda plan: plan.memory_bytes,
+        )
         raise BadLayout(not_fitting(closest))
     return sorted(fitting, key=lambda plan: (plan.step_s, plan.memory_bytes))
+
+
+def refuse_as_given(
+    model: Transformer, cluster: Cluster, seq: int, batch: int, gpus: int, partial: Partial
+) -> None:
+    """Raise the exact refusal for the layout as given, the knobs it leaves out at their
+    simplest (1, dp whatever the GPUs leave), so that a bad --layout is told its own problem."""
+    given = partial.given()
+    tp, pp, cp = (given.get(name, 1) for name in ("tp", "pp", "cp"))
+    dp = given.get("dp", max(1, gpus // (tp * pp * cp)))
+    knobs = {name: given[name] for name in ("ep", "v", "microbatch", "zero", "recompute")}
+    layout = Layout(tp, pp, cp, dp, **{k: v for k, v in knobs.items() if k in given})
+    check_layout(layout, model, gpus, seq, batch)
+    check_software(layout, cluster)
 
 
 def not_fitting(plan: Plan) -> str:
@@ -186,6 +230,8 @@ def why_best(plans: list[Plan]) -> str:
         ),
     )
     said = ", ".join(f"{name} {delta * 1e3:+.0f} ms" for delta, name in differences[:3])
+    if next_.step_s - best.step_s < 1e-3 * best.step_s:
+        return f"{best.layout} and {next_.layout} tie (within 0.1%); the first holds less memory"
     return (
         f"{best.layout} beats {next_.layout} by {(next_.step_s - best.step_s) * 1e3:.0f} ms a "
         f"step: {said}"

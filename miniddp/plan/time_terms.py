@@ -34,6 +34,9 @@ from miniddp.plan.shapes import Transformer
 from miniddp.plan.terms import UNVERIFIED, Term
 
 BUCKET_ELEMENTS = 40_000_000  # Megatron-Core's gradient buckets
+# The overlap model walks bucket by bucket; past 32 buckets its exposed time changes by less
+# than 1/32 of the reduction, so larger stages are cut into 32 (and the search stays quick).
+MAX_BUCKETS = 32
 ADAM_BYTES = 36  # read gradient and master, read and write both moments and the master, write bf16
 
 
@@ -205,10 +208,10 @@ def _data_parallel(model, cluster, layout, m, per_microbatch, layers) -> Term:
         """`kind` in buckets while `compute_s` of compute runs (ring: its steps' alphas and
         wire bytes per bucket, as chapter 04's model takes them)."""
         steps, wire = schedule(kind, "ring", int(nbytes), replicas)
-        buckets = uniform_buckets(int(nbytes), bucket)
+        buckets = uniform_buckets(int(nbytes), max(bucket, nbytes / MAX_BUCKETS))
         return predict_step(buckets, compute_s, steps * alpha, wire / nbytes / bandwidth)
 
-    buckets = max(1, round(grads / (BUCKET_ELEMENTS * cluster.grad_bytes)))
+    buckets = min(MAX_BUCKETS, max(1, round(grads / (BUCKET_ELEMENTS * cluster.grad_bytes))))
     reduced = overlapped(collective, grads, BUCKET_ELEMENTS * cluster.grad_bytes, backward)
     comm, exposed = reduced.comm_s, reduced.exposed_s
     if gather_time:
