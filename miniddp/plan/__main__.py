@@ -93,7 +93,8 @@ def table(plans: list[Plan], top: int) -> str:
 
 
 def terms_text(plan: Plan) -> str:
-    lines = [f"memory per GPU, {plan.memory_bytes / GiB:.1f} of {plan.cluster.memory_gib:g} GiB:"]
+    usable = plan.cluster.memory_bytes / GiB
+    lines = [f"memory per GPU, {plan.memory_bytes / GiB:.1f} of the {usable:g} GiB usable:"]
     for term in plan.memory:
         lines.append(f"  {term.name:<16}{term.value / GiB:>8.2f} GiB  {term.why}")
         lines.append(f"  {'':<16}{'':>12}  from {term.source}")

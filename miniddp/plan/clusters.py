@@ -17,8 +17,11 @@ running Megatron-Core in 2024. Every number below is an assumption, written down
                      on Llama 3's clusters (50 GB/s, about 45 achieved). Per GPU, not per node:
                      the fabric is rail-optimised and NCCL runs one ring per rail, so a
                      collective over GPUs of other nodes gets its own NIC's bandwidth
-    *_latency        alpha per collective step: 10 us inside a node, 30 us across (NCCL's
-                     small-message times)
+    *_latency        alpha per step of a ring collective: 1 us inside a node, 5 us across
+                     (NCCL pipelines a ring's steps: a small all-reduce on 8 NVLink GPUs takes
+                     about 15 us in all, 14 steps; across nodes a few us a hop more)
+    reserved_gib     memory the training never gets: CUDA's context, cuBLAS's and NCCL's
+                     workspaces, the allocator's fragmentation, 3 GiB in all
 
 What the software did (each source says so in its text; the plan models it, no chapter here
 measures it on a GPU):
@@ -38,6 +41,9 @@ measures it on a GPU):
                      (Megatron 2022 on): 2024 yes; 2021 no, so its activations keep the
                      replicated 10·sbh a layer and its only recomputation is full
     context_parallel the sequence split over a ring: 2024 yes, 2021 no
+    max_zero         the highest ZeRO stage the software has: 2021's Megatron none (0);
+                     Megatron-Core 2024 its distributed optimizer (1); Llama 3's FSDP kept the
+                     parameters after forward (2); a JSON cluster may allow 3 (fully_shard)
     sharded_masters  Megatron-Core's distributed optimizer (2024, and Llama 3's training) shards
                      the fp32 masters with Adam's states, as ZeRO's paper does: 12Ψ/d, not
                      MiniDDP's ZeRO-1, which keeps them whole (Formula's 4Ψ + 8Ψ/d). 2021: none
@@ -75,8 +81,9 @@ class Cluster:
     gpus_per_node: int
     nvlink_bandwidth: float
     network_bandwidth: float
-    nvlink_latency: float = 10e-6
-    network_latency: float = 30e-6
+    nvlink_latency: float = 1e-6
+    network_latency: float = 5e-6
+    reserved_gib: float = 3.0
     causal_half: bool = True
     overlap: bool = True
     grad_bytes: int = 4
@@ -84,6 +91,7 @@ class Cluster:
     cp_all_gather: bool = False
     sequence_parallel: bool = True
     context_parallel: bool = True
+    max_zero: int = 3
     matmul_efficiency: float = 0.6
     memory_passes: float = 0.0
 
@@ -100,7 +108,8 @@ class Cluster:
 
     @property
     def memory_bytes(self) -> float:
-        return self.memory_gib * GiB
+        """What training may use: the GPU's memory less `reserved_gib`."""
+        return (self.memory_gib - self.reserved_gib) * GiB
 
     def link(self, group: int, stride: int) -> tuple[float, float]:
         """(latency, bandwidth) of a collective over `group` GPUs `stride` ranks apart: NVLink
@@ -122,10 +131,11 @@ A100 = Cluster(
     causal_half=False,
     overlap=False,
     grad_bytes=2,
+    max_zero=0,
     sequence_parallel=False,
     context_parallel=False,
-    matmul_efficiency=0.6631,
-    memory_passes=5.363,
+    matmul_efficiency=0.6555,
+    memory_passes=5.045,
 )
 H100 = Cluster(
     "h100",
@@ -138,8 +148,9 @@ H100 = Cluster(
     causal_half=True,
     overlap=True,
     sharded_masters=True,
-    matmul_efficiency=0.5856,
-    memory_passes=19.422,
+    max_zero=1,
+    matmul_efficiency=0.5689,
+    memory_passes=18.585,
 )
 PRESETS = {"a100": A100, "h100": H100}
 
@@ -166,6 +177,7 @@ def measured_cpu(link_alpha: float = 100e-6, link_bandwidth: float = 1e6 / 8) ->
         "cpu",
         peak_flops=flops,
         memory_gib=pages / GiB,
+        reserved_gib=0.0,
         hbm_bandwidth=10 * GB,
         gpus_per_node=8,
         nvlink_bandwidth=link_bandwidth,

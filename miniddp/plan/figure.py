@@ -39,8 +39,9 @@ def draw(plans: list[Plan], path: Path) -> Path:
         panel.legend(fontsize=8)
         panel.tick_params(axis="x", labelsize=7)
     cluster = plans[0].cluster
-    memory.axhline(cluster.memory_gib, color="black", linestyle="--", linewidth=1)
-    memory.set_title(f"memory per term, {cluster.memory_gib:g} GiB a {cluster.name} (dashed)")
+    usable = cluster.memory_bytes / GiB
+    memory.axhline(usable, color="black", linestyle="--", linewidth=1)
+    memory.set_title(f"memory per term; dashed: the {usable:g} GiB a {cluster.name} leaves")
     time.set_title(f"time per term; {plans[0].model.name} on {plans[0].layout.gpus} GPUs")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -140,5 +140,3 @@ def check_layout(layout: Layout, model: Transformer, gpus: int, seq: int, batch:
         )
     if layout.v > 1 and layout.pp == 1:
         raise BadLayout(f"v={layout.v} without a pipeline: interleaving needs pp > 1; set v=1")
-
-

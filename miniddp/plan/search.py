@@ -101,15 +101,16 @@ def evaluate(
     seq: int,
     batch: int,
     gpus: int,
-    only_if_fits: bool = False,
+    only_if_fits: float = 0.0,
 ) -> Plan | None:
     """Every term of one layout (refused first if it cannot run); `only_if_fits`: None, with no
-    time computed, for a layout whose memory does not fit (the search skips those)."""
+    time computed, for a layout whose memory passes that share of what a GPU leaves for
+    training (the search skips those)."""
     check_layout(layout, model, gpus, seq, batch)
     check_software(layout, cluster)
     microbatches = batch // (layout.dp * layout.microbatch)
     memory = memory_terms(model, cluster, layout, seq, microbatches)
-    if only_if_fits and sum(term.value for term in memory) > cluster.memory_bytes:
+    if only_if_fits and sum(term.value for term in memory) > only_if_fits * cluster.memory_bytes:
         return None
     time = time_terms(model, cluster, layout, seq, microbatches)
     return Plan(model, cluster, layout, seq, batch, memory, time)
@@ -120,6 +121,11 @@ def check_software(layout: Layout, cluster: Cluster) -> None:
     context parallelism nor selective recomputation)."""
     if layout.cp > 1 and not cluster.context_parallel:
         raise BadLayout(f"cp={layout.cp}: {cluster.name}'s software has no context parallelism")
+    if layout.zero > cluster.max_zero:
+        raise BadLayout(
+            f"zero={layout.zero}: {cluster.name}'s software shards up to ZeRO-{cluster.max_zero}"
+            " (clusters.py); choose a lower stage, or a cluster file with a higher max_zero"
+        )
     if layout.recompute == "selective" and not cluster.sequence_parallel:
         raise BadLayout(
             f"recompute=selective: {cluster.name}'s software recomputes whole layers only (full)"
@@ -170,9 +176,13 @@ def search(
     seq: int,
     batch: int,
     gpus: int,
-    partial: Partial = Partial(),
+    partial: Partial | None = None,
+    slack: float = 1.0,
 ) -> list[Plan]:
-    """The layouts that fit, fastest first. Raises BadLayout naming why when none fits."""
+    """The layouts that fit, fastest first. Raises BadLayout naming why when none fits.
+    `slack` > 1 lets memory pass by that factor: a published layout that ran is held to the
+    plan's memory model within 10% (calibrate.py)."""
+    partial = Partial() if partial is None else partial
     layouts = list(candidates(model, cluster, seq, batch, gpus, partial))
     if not layouts:
         refuse_as_given(model, cluster, seq, batch, gpus, partial)
@@ -181,7 +191,7 @@ def search(
             f"no layout of {gpus} GPUs runs {model.name} with {given}: check that tp divides the "
             "heads, pp·v the layers, 2·cp the sequence and dp·microbatch the global batch"
         )
-    plans = [evaluate(model, cluster, layout, seq, batch, gpus, True) for layout in layouts]
+    plans = [evaluate(model, cluster, layout, seq, batch, gpus, slack) for layout in layouts]
     fitting = [plan for plan in plans if plan is not None]
     if not fitting:
         closest = min(
@@ -200,8 +210,8 @@ def refuse_as_given(
     given = partial.given()
     tp, pp, cp = (given.get(name, 1) for name in ("tp", "pp", "cp"))
     dp = given.get("dp", max(1, gpus // (tp * pp * cp)))
-    knobs = {name: given[name] for name in ("ep", "v", "microbatch", "zero", "recompute")}
-    layout = Layout(tp, pp, cp, dp, **{k: v for k, v in knobs.items() if k in given})
+    knobs = ("ep", "v", "microbatch", "zero", "recompute")
+    layout = Layout(tp, pp, cp, dp, **{k: v for k, v in given.items() if k in knobs})
     check_layout(layout, model, gpus, seq, batch)
     check_software(layout, cluster)
 
@@ -211,7 +221,9 @@ def not_fitting(plan: Plan) -> str:
     dominant = plan.dominant_memory()
     return (
         f"{plan.layout} does not fit: {plan.memory_bytes / GiB:.1f} GiB a GPU, {over:.1f} GiB "
-        f"over the {plan.cluster.memory_gib:g} GiB of a {plan.cluster.name}; the largest term is "
+        f"over the {plan.cluster.memory_bytes / GiB:g} GiB a {plan.cluster.name} leaves for "
+        f"training ({plan.cluster.memory_gib:g} less {plan.cluster.reserved_gib:g} reserved); "
+        "the largest term is "
         f"{dominant.name}, {dominant.value / GiB:.1f} GiB ({dominant.why}). Shard it further: "
         "more tp or pp, a higher zero stage, or recompute=full"
     )
