@@ -43,6 +43,13 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     parser.add_argument("--json", type=Path, help="write the layouts, best first, to PATH")
     parser.add_argument("--plot", type=Path, help="draw memory and time per term to PATH")
     parser.add_argument("--top", type=int, default=8, help="layouts in the table (8)")
+    parser.add_argument(
+        "--memory-slack",
+        type=float,
+        default=1.0,
+        help="let memory pass by this factor (1.1 for a published layout: the memory model is "
+        "checked to 10%%)",
+    )
     return parser, parser.parse_args(argv)
 
 
@@ -115,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("seq", "global_batch", "gpus"):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-        plans = search(model, cluster, args.seq, args.global_batch, args.gpus, partial)
+        if not 1.0 <= args.memory_slack <= 2.0:
+            raise ValueError(f"--memory-slack {args.memory_slack}: give a factor from 1.0 to 2.0")
+        batch, gpus, slack = args.global_batch, args.gpus, args.memory_slack
+        plans = search(model, cluster, args.seq, batch, gpus, partial, slack)
     except (BadLayout, ValueError) as error:
         parser.error(str(error))
     if args.layout:

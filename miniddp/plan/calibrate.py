@@ -28,6 +28,10 @@ from miniddp.plan.layout import Partial
 from miniddp.plan.search import Plan, search
 from miniddp.plan.shapes import Transformer, gpt
 
+# The plan's memory model is held to the published layouts within 10%: a run that trained
+# fits if the plan puts it under 110% of what its GPU leaves for training.
+SLACK = 1.1
+
 
 @dataclass(frozen=True)
 class Published:
@@ -47,7 +51,7 @@ class Published:
     def cluster(self, preset: Cluster) -> Cluster:
         return replace(preset, **dict(self.software))
 
-    def predict(self, preset: Cluster, layout: Partial | None = None, slack=SLACK) -> Plan:
+    def predict(self, preset: Cluster, layout: Partial | None = None, slack: float = SLACK) -> Plan:
         """The plan's best layout for this run, with the source's published knobs fixed (or
         those of `layout`: Partial() searches them all, and slack=1.0 holds them to the
         memory a GPU leaves, as the plan's own advice is)."""
@@ -59,9 +63,6 @@ class Published:
         return self.predict(cluster).tflops_per_gpu(self.convention)
 
 
-# The plan's memory model is held to the published layouts within 10%: a run that trained
-# fits if the plan puts it under 110% of what its GPU leaves for training.
-SLACK = 1.1
 MEGATRON_2021 = "Megatron-LM README, April 2021 (Narayanan et al. SC21, Table 1)"
 MEGATRON_2024 = "Megatron-LM README, July 2024 (Megatron-Core weak scaling, model_table.png)"
 

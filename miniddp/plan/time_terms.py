@@ -94,8 +94,9 @@ def time_terms(
         Term(
             "tp",
             tp_time,
-            f"{per_layer} all-reduces (SP: all-gather + reduce-scatter, the same bytes) of "
-            f"{token_bytes / 2**20:.3g} MiB a layer over {tp} GPUs, "
+            f"{per_layer} all-reduces a layer"
+            + (" (SP: all-gather + reduce-scatter, the same bytes)" * cluster.sequence_parallel)
+            + f" of {token_bytes / 2**20:.3g} MiB each over {tp} GPUs, "
             + ("hidden behind the GEMMs but a chunk" if cluster.overlap else "not overlapped"),
             "collectives.cost_model.CostModel, its ring 2(t-1)/t n (chapters 01, 13, 15); "
             + (f"{UNVERIFIED}: the GEMM overlap" if cluster.overlap else "exposed"),
