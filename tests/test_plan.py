@@ -131,7 +131,7 @@ def test_a_bubble_without_v_is_caught(monkeypatch):
 
 def tp_errors() -> list[str]:
     errors = []
-    cluster = replace(H100, nvlink_latency=0.0, overlap=False)
+    cluster = replace(H100, nvlink_latency=0.0, tp_overlap=False)
     for tp in (2, 4, 8):
         layout = Layout(tp, 1, 1, 1, microbatch=1)
         plan = evaluate(SMALL, cluster, layout, 1024, 4, tp)

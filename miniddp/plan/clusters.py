@@ -29,8 +29,11 @@ measures it on a GPU):
     causal_half      a flash kernel skips the masked half of causal scores (2024: yes; 2021:
                      Megatron's fused softmax computed all s² scores)
     overlap          Megatron-Core 2024 overlaps DP's reduce-scatter with backward, its param
-                     all-gather with forward, TP's collectives with the GEMMs (--tp-comm-overlap)
-                     and PP's sends with compute; Megatron-LM 2021 overlapped none of them
+                     all-gather with forward and PP's sends with compute; Megatron-LM 2021
+                     overlapped none of them
+    tp_overlap       TP's collectives split into chunks that travel under the GEMMs (Megatron-
+                     Core's --tp-comm-overlap, 2024); Llama 3's paper describes no such overlap,
+                     so its runs keep TP's collectives exposed
     grad_bytes       bytes an element of the gradient DP reduces: 4 in 2024 (bf16 training
                      reduces fp32 main grads); 2 in 2021 (the fp16 scripts of the time did not
                      pass --accumulate-allreduce-grads-in-fp32: fp16 gradients all-reduced)
@@ -86,6 +89,7 @@ class Cluster:
     reserved_gib: float = 3.0
     causal_half: bool = True
     overlap: bool = True
+    tp_overlap: bool = True
     grad_bytes: int = 4
     sharded_masters: bool = False
     cp_all_gather: bool = False
@@ -130,6 +134,7 @@ A100 = Cluster(
     network_bandwidth=23 * GB,
     causal_half=False,
     overlap=False,
+    tp_overlap=False,
     grad_bytes=2,
     max_zero=0,
     sequence_parallel=False,
@@ -186,6 +191,7 @@ def measured_cpu(link_alpha: float = 100e-6, link_bandwidth: float = 1e6 / 8) ->
         network_latency=link_alpha,
         causal_half=False,
         overlap=False,
+        tp_overlap=False,
         matmul_efficiency=1.0,
     )
 

@@ -18,7 +18,8 @@ kappa = memory_passes (clusters.py):
     optimizer  Adam over the elements a rank owns, at HBM bandwidth
 
 Without overlap (Megatron-LM 2021) every communication term is exposed; with it (Megatron-Core
-2024) TP's is hidden behind its GEMMs but for one chunk in tp, PP's but for the fill and drain.
+2024) TP's is hidden behind its GEMMs but for one chunk in tp (tp_overlap), PP's but for the
+fill and drain.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def time_terms(
     per_layer = 6 if layout.recompute == "full" else 4
     tp_time = m * layers * per_layer * tp_cost.predict("all_reduce", "ring", token_bytes, tp)
     tp_time = tp_time if tp > 1 else 0.0
-    tp_exposed = tp_time / tp + max(0.0, tp_time - compute) if cluster.overlap else tp_time
+    tp_exposed = tp_time / tp + max(0.0, tp_time - compute) if cluster.tp_overlap else tp_time
     terms.append(
         Term(
             "tp",
@@ -97,9 +98,9 @@ def time_terms(
             f"{per_layer} all-reduces a layer"
             + (" (SP: all-gather + reduce-scatter, the same bytes)" * cluster.sequence_parallel)
             + f" of {token_bytes / 2**20:.3g} MiB each over {tp} GPUs, "
-            + ("hidden behind the GEMMs but a chunk" if cluster.overlap else "not overlapped"),
+            + ("hidden behind the GEMMs but a chunk" if cluster.tp_overlap else "not overlapped"),
             "collectives.cost_model.CostModel, its ring 2(t-1)/t n (chapters 01, 13, 15); "
-            + (f"{UNVERIFIED}: the GEMM overlap" if cluster.overlap else "exposed"),
+            + (f"{UNVERIFIED}: the GEMM overlap" if cluster.tp_overlap else "exposed"),
             tp_exposed,
         )
     )
