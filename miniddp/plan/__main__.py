@@ -84,7 +84,8 @@ def model_of(args: argparse.Namespace) -> Transformer:
 def table(plans: list[Plan], top: int) -> str:
     head = (
         f"{'tp':>3} {'pp':>3} {'cp':>3} {'dp':>5} {'v':>2} {'mb':>3} {'zero':>4} "
-        f"{'recompute':>9} {'GiB':>6} {'step s':>8} {'TFLOP/s':>8} {'hw':>6} {'MFU':>5}"
+        f"{'recompute':>9} {'GiB':>6} {'step s':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'hw':>6} "
+        f"{'MFU':>5}"
     )
     rows = [head]
     for plan in plans[:top]:
@@ -92,7 +93,7 @@ def table(plans: list[Plan], top: int) -> str:
         rows.append(
             f"{layout.tp:>3} {layout.pp:>3} {layout.cp:>3} {layout.dp:>5} {layout.v:>2} "
             f"{layout.microbatch:>3} {layout.zero:>4} {layout.recompute:>9} "
-            f"{plan.memory_bytes / GiB:>6.1f} {plan.step_s:>8.3f} "
+            f"{plan.memory_bytes / GiB:>6.1f} {plan.step_s:>8.3f} {plan.tokens_per_s:>10.3g} "
             f"{plan.tflops_per_gpu():>8.1f} {plan.tflops_per_gpu('hardware'):>6.1f} "
             f"{plan.mfu:>5.1%}"
         )

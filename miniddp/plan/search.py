@@ -199,7 +199,13 @@ def search(
             key=lambda plan: plan.memory_bytes,
         )
         raise BadLayout(not_fitting(closest))
-    return sorted(fitting, key=lambda plan: (plan.step_s, plan.memory_bytes))
+    return sorted(fitting, key=ranking)
+
+
+def ranking(plan: Plan) -> tuple:
+    """Fastest first; among equals, the least memory, then the fewest context and pipeline
+    ranks (a tie is a layout whose extra axis the model finds free: keep the simpler one)."""
+    return (plan.step_s, plan.memory_bytes, plan.layout.cp, plan.layout.pp, plan.layout.v)
 
 
 def refuse_as_given(
