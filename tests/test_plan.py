@@ -242,3 +242,12 @@ def test_bad_layouts_are_refused_with_the_fix(capsys, layout, gpus, seq, says):
     assert code == 2 and says in out, out
     if says == "does not fit":
         assert "GiB over" in out and "largest term is" in out
+
+
+def test_bench_plan_refuses_a_run_it_cannot_price():
+    from miniddp.bench.plan import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--link", "none"])
+    with pytest.raises(SystemExit):
+        parse_args(["--global-batch", "12"])  # not divisible by dp = 8

@@ -20,6 +20,10 @@ running Megatron-Core in 2024. Every number below is an assumption, written down
     *_latency        alpha per step of a ring collective: 1 us inside a node, 5 us across
                      (NCCL pipelines a ring's steps: a small all-reduce on 8 NVLink GPUs takes
                      about 15 us in all, 14 steps; across nodes a few us a hop more)
+    collective_overhead  LogP's o: the host's own time per collective or send, which no overlap
+                     hides (observe.overlap_model's overhead_s; chapter 08 measures it on the
+                     link). 0 for the GPUs: microseconds there, carried by the fitted constants;
+                     `bench plan` measures it on this machine
     reserved_gib     memory the training never gets: CUDA's context, cuBLAS's and NCCL's
                      workspaces, the allocator's fragmentation, 3 GiB in all
 
@@ -87,6 +91,7 @@ class Cluster:
     nvlink_latency: float = 1e-6
     network_latency: float = 5e-6
     reserved_gib: float = 3.0
+    collective_overhead: float = 0.0
     causal_half: bool = True
     overlap: bool = True
     tp_overlap: bool = True

@@ -88,7 +88,8 @@ def time_terms(
     tp_alpha, tp_bandwidth = cluster.link(tp, 1)
     tp_cost = CostModel(tp_alpha, 1 / tp_bandwidth)
     per_layer = 6 if layout.recompute == "full" else 4
-    tp_time = m * layers * per_layer * tp_cost.predict("all_reduce", "ring", token_bytes, tp)
+    one = tp_cost.predict("all_reduce", "ring", token_bytes, tp) + cluster.collective_overhead
+    tp_time = m * layers * per_layer * one
     tp_time = tp_time if tp > 1 else 0.0
     tp_exposed = tp_time / tp + max(0.0, tp_time - compute) if cluster.tp_overlap else tp_time
     terms.append(
@@ -134,7 +135,7 @@ def time_terms(
     pp_time = pp_exposed = 0.0
     if pp > 1:
         pp_alpha, pp_bandwidth = cluster.link(2, tp * cp * layout.dp)
-        send = pp_alpha + token_bytes / tp / pp_bandwidth
+        send = pp_alpha + token_bytes / tp / pp_bandwidth + cluster.collective_overhead
         pp_time = 2 * v * m * send
         pp_exposed = 2 * (pp - 1) * send if cluster.overlap else pp_time
     terms.append(
@@ -192,9 +193,13 @@ def _data_parallel(model, cluster, layout, m, per_microbatch, layers) -> Term:
             m * one.exposed_s,
         )
     collective = "all_reduce" if layout.zero == 0 else "reduce_scatter"
-    reduce_time = cost.predict(collective, "ring", grads, replicas)
+    reduce_time = cost.predict(collective, "ring", grads, replicas) + cluster.collective_overhead
     params = ELEMENT * elements  # ZeRO-1/2: the updated bf16 parameters, all-gathered
-    gather_time = cost.predict("all_gather", "ring", params, replicas) if layout.zero else 0.0
+    gather_time = (
+        cost.predict("all_gather", "ring", params, replicas) + cluster.collective_overhead
+        if layout.zero
+        else 0.0
+    )
     if not cluster.overlap:
         return Term(
             "dp",
