@@ -7,7 +7,7 @@ wins, and why.
 Everything here comes from `miniddp.plan` (read miniddp/plan/__init__.py first): a layout's
 memory and step time, term by term, each term the library's formula with the chapter that
 verifies it (or a note that none does). Its two constants per GPU were fitted on four published
-runs only, and it predicts 17 others within 11% (tests/test_plan_published.py).
+runs only, and it predicts 18 others within 11% (tests/test_plan_published.py).
 
     1. the toy, measured          chapter 12's GPT in this process, beside the plan's terms
     2. GPT-3 175B, 1,024 A100s    which layouts fit, which wins, every term of the best
@@ -140,7 +140,7 @@ def section_mfu(gpt3: Plan, llama: Plan, checks: dict[str, bool]) -> None:
     say_prose(f"""\
         And the two plans above: GPT-3 175B at {gpt3.mfu:.0%} MFU on A100s
         ({gpt3.tflops_per_gpu():.0f} model TFLOP/s), Llama 3 70B at {llama.mfu:.0%} on H100s.
-        The fit reproduces its four rows by construction; the test is the 17 it never saw
+        The fit reproduces its four rows by construction; the test is the 18 it never saw
         (tests/test_plan_published.py: median 4.7%, at most 10.5%).""")
     checks["MFU between 20% and 70% for both plans"] = all(0.2 < p.mfu < 0.7 for p in (gpt3, llama))
 
