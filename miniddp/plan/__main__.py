@@ -93,8 +93,8 @@ def table(plans: list[Plan], top: int) -> str:
         rows.append(
             f"{layout.tp:>3} {layout.pp:>3} {layout.cp:>3} {layout.dp:>5} {layout.v:>2} "
             f"{layout.microbatch:>3} {layout.zero:>4} {layout.recompute:>9} "
-            f"{plan.memory_bytes / GiB:>6.1f} {plan.step_s:>8.3f} {plan.tokens_per_s:>10.3g} "
-            f"{plan.tflops_per_gpu():>8.1f} {plan.tflops_per_gpu('hardware'):>6.1f} "
+            f"{plan.memory_bytes / GiB:>6.3g} {plan.step_s:>8.4g} {plan.tokens_per_s:>10.3g} "
+            f"{plan.tflops_per_gpu():>8.4g} {plan.tflops_per_gpu('hardware'):>6.4g} "
             f"{plan.mfu:>5.1%}"
         )
     return "\n".join(rows)
