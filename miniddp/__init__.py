@@ -5,7 +5,8 @@ The house has floors, and every import runs down (tests/test_layers.py keeps it 
 an import that runs up):
 
     floor 5  bench/ (and the baselines it measures), figures/: they use the library like a user
-    floor 4  steps/: the ladder, DDP built up one idea a rung, ending with MiniDDP
+    floor 4  steps/: the ladder, DDP built up one idea a rung, ending with MiniDDP; plan/: a
+             layout's memory and time at any scale, from the formulas below (issue 46)
     floor 3  checkpoint/ (every parallelism's state, to disk and back), parallelize.py (the
              GPT over a (pp, dp, tp) mesh: TP, the pipeline split, then DP or FSDP)
     floor 2  the parallelisms, side by side, none importing another: data_parallel/ (MiniDDP,

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from miniddp.context_parallel import chunks_of, stats_for, step_blocks
+from miniddp.context_parallel import chunks_of, ring_bytes, stats_for, step_blocks
 from miniddp.context_parallel.kernels import kernel_for
 from tests import context_parallel_tasks as tasks
 from tests.context_parallel_tasks import AttentionSpec
@@ -91,12 +91,14 @@ def test_blocks_counted_and_bytes_sent(rank_pools, load_balance):
     results = rank_pools(world_size).run(tasks.blocks_and_bytes, spec)
     per_rank_bytes = (world_size - 1) * 2 * spec.length // world_size * spec.heads
     per_rank_bytes *= spec.head_dim * 8 * spec.batch
+    expected = (per_rank_bytes, 2 * per_rank_bytes)
+    assert ring_bytes(spec.length, spec.heads, spec.head_dim, world_size, 8, spec.batch) == expected
     for rank, result in enumerate(results):
         (stats,) = result["stats"]
         chunk = spec.length // (2 if load_balance else 1) // world_size
         assert stats == stats_for(rank, world_size, True, load_balance, chunk, 6)
         assert stats.blocks == (2 * world_size + 1 if load_balance else rank + 1)
-        assert (result["forward"], result["backward"]) == (per_rank_bytes, 2 * per_rank_bytes)
+        assert (result["forward"], result["backward"]) == expected
     scores = {result["stats"][0].scores for result in results}
     assert len(scores) == (1 if load_balance else world_size)
 

@@ -32,6 +32,7 @@ FLOORS = {
     "checkpoint": 3,
     "parallelize": 3,
     "steps": 4,
+    "plan": 4,
     "bench": 5,
     "figures": 5,
 }

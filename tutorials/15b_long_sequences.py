@@ -43,6 +43,8 @@ from miniddp.context_parallel import (
     count_blocks,
     positions_of,
     ring_attention,
+    ring_bytes,
+    ring_seconds,
     sdpa_on_the_ring,
     shard_sequence,
     stats_for,
@@ -201,7 +203,7 @@ def section_bytes(world: int, checks: dict[str, bool]) -> None:
     traffic.reset()
     out.sum().backward()
     backward = traffic.bytes_sent
-    formula = (world - 1) * 2 * RING_LENGTH // world * HEADS * HEAD_DIM * 4
+    formula, _ = ring_bytes(RING_LENGTH, HEADS, HEAD_DIM, world, 4)
     say_prose(f"""\
         Per rank and call, B = 1: K and V, S/W positions each, travel W - 1 hops forward;
         backward sends them round again and brings dK and dV home the same way, twice that.
@@ -227,7 +229,7 @@ def section_bytes(world: int, checks: dict[str, bool]) -> None:
         t = measured_t * (length / RING_LENGTH) ** 2
         block = 2 * length // world * HEADS * HEAD_DIM * 4
         m = LINK.alpha + block * LINK.beta
-        ring, gather = (world - 1) * max(t, m) + t, (world - 1) * m + world * t
+        ring, gather = ring_seconds(world, t, m)
         held = f"{fmt_bytes(2 * block)} / {fmt_bytes(world * block)}"
         say(
             f"  {length:>6}  {t * 1e3:>8.1f}  {m * 1e3:>7.1f}  {ring * 1e3:>9.1f}  "

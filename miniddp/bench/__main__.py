@@ -20,8 +20,9 @@ COMMANDS = {
     "pp": "a pipeline step (GPipe, 1F1B, interleaved, zero bubble) against torch's, bare, linked",
     "compose": "the 3-D step (PP x DP x TP) of MiniDDP's pieces against torch's composition",
     "cp": "ring attention's step against one process and torch's ring, time and memory",
+    "plan": "miniddp.plan's predicted step against measured ones, 4 layouts on 8 ranks",
 }
-RANKS = {"sharding": 4, "compose": 8}  # sharding: groups of 1, 2 and 4; compose: (2, 2, 2)
+RANKS = {"sharding": 4, "compose": 8, "plan": 8}  # sharding: groups of 1, 2, 4; compose: 2, 2, 2
 
 
 def check_options(command: str, argv: list[str]) -> None:

@@ -28,6 +28,8 @@ from miniddp.context_parallel.attention import (
     RingStats,
     count_blocks,
     ring_attention,
+    ring_bytes,
+    ring_seconds,
     stats_for,
     step_blocks,
 )
@@ -41,6 +43,8 @@ __all__ = [
     "count_blocks",
     "positions_of",
     "ring_attention",
+    "ring_bytes",
+    "ring_seconds",
     "sdpa_on_the_ring",
     "shard_sequence",
     "stats_for",

@@ -124,6 +124,23 @@ def stats_for(
     return RingStats(rank, world_size, load_balance, is_causal, blocks, total - blocks, scores)
 
 
+def ring_bytes(
+    sequence: int, kv_heads: int, head_dim: int, world_size: int, itemsize: int, batch: int = 1
+) -> tuple[int, int]:
+    """(forward, backward) bytes one rank sends in one ring_attention call (the module
+    docstring): K and V, S/W positions each, W-1 hops forward; backward twice that."""
+    forward = (world_size - 1) * 2 * sequence // world_size * kv_heads * head_dim * itemsize
+    return forward * batch, 2 * forward * batch
+
+
+def ring_seconds(world_size: int, block_s: float, hop_s: float) -> tuple[float, float]:
+    """(ring, all-gather) seconds of one forward, with t = `block_s` a block's compute and
+    m = `hop_s` a hop's transfer (chapter 15b's model): the ring sends step i + 1's block
+    during step i's compute, (W-1)·max(t, m) + t; all-gathering K/V first, (W-1)·m + W·t."""
+    w, t, m = world_size, block_s, hop_s
+    return (w - 1) * max(t, m) + t, (w - 1) * m + w * t
+
+
 _recorded: list[RingStats] | None = None
 
 

@@ -133,6 +133,59 @@ def korthikanti_bytes(config: GPTConfig, batch: int, dtype: torch.dtype = torch.
     return s * b * h * (16 * e + 2) + a * s * s * b * (2 * e + 1)
 
 
+def megatron_layer_bytes(
+    seq: int,
+    batch: int,
+    width: int,
+    heads: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    kv_heads: int | None = None,
+    ffn: int | None = None,
+    gated: bool = False,
+    dropout: bool = True,
+    flash: bool = False,
+    element_bytes: int = 2,
+) -> float:
+    """One transformer layer's saved activations on a GPU, Korthikanti et al. (2022) Table 2,
+    term by term, so that a Llama-shaped layer (kv_heads < heads, a gated MLP of width ffn)
+    is counted as theirs is. With e = element_bytes, g = kv_heads/heads, F = ffn (4h):
+
+        replicated under plain TP     the two LayerNorms' inputs (2e·sbh), the inputs of qkv and
+                                      of the MLP's first matmul (2e·sbh), the two dropout masks
+                                      (2·sbh, 1 byte each)
+        split by t                    Q (e·sbh), K and V (2eg·sbh), the projection's input
+                                      (e·sbh); the MLP's e·sbF before and after its activation
+                                      (a gated MLP keeps its two branches and their product:
+                                      3e·sbF); the s² scores: softmax's output (e·as²b), its
+                                      dropout mask (as²b) and output (e·as²b)
+
+    At e = 2, g = 1, F = 4h: sbh(10 + 24/t + 5as/(ht)), their equation 2, and sbh(34 + 5as/h)
+    at t = 1 (korthikanti_bytes). Sequence parallelism splits the replicated part along the
+    sequence too: everything is divided by t (tests/test_sequence_parallel.py measures the
+    LayerNorm's and dropout's 1/t). Selective recomputation, or a flash kernel, keeps no s²
+    term; full recomputation keeps the layer's input only, e·sbh (split by t under sequence
+    parallelism). Without dropout (Llama) its masks go; `flash`: the fused kernel keeps no s²
+    term either (its log-sum-exp, 4·abs, is left out as Korthikanti leave out the norms'
+    statistics)."""
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute must be none, selective or full, not {recompute!r}")
+    s, b, h, a, e = seq, batch, width, heads, element_bytes
+    g = (heads if kv_heads is None else kv_heads) / heads
+    f = 4 * h if ffn is None else ffn
+    sbh = s * b * h
+    if recompute == "full":
+        return e * sbh / (tp if sequence_parallel else 1)
+    masks = 2 * sbh if dropout else 0
+    replicated = 2 * e * sbh + 2 * e * sbh + masks
+    mlp = (3 if gated else 2) * e * s * b * f
+    split = e * sbh + 2 * e * g * sbh + e * sbh + mlp
+    if recompute == "none" and not flash:
+        split += a * s * s * b * (2 * e + (1 if dropout else 0))
+    return (replicated / (tp if sequence_parallel else 1)) + split / tp
+
+
 def recompute_flops(config: GPTConfig, batch: int, checkpointing: Checkpointing) -> int:
     """The forward FLOPs checkpointing runs again in backward, all blocks: each matmul's 2·m·n·k
     (as torch.utils.flop_counter counts them; it has no formula for the CPU's flash kernel, so

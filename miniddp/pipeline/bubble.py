@@ -176,6 +176,18 @@ def peak_held(order: Sequence[Action]) -> int:
     return peak
 
 
+def held_formula(ranks: int, n_microbatches: int, stages_per_rank: int = 1, rank: int = 0) -> int:
+    """What `peak_held` finds in `rank`'s order, as a formula: 1F1B's min(m, p - r)
+    (schedule.py), or interleaved 1F1B's warm-up + 1, min((v - 1) R + 2 (p - 1 - r) + 1, v m)
+    microbatch-stages with R = m // max(1, m // p) (interleaved.py). A planner multiplies it by
+    a microbatch-stage's activations, without building the order."""
+    p, m, v = ranks, n_microbatches, stages_per_rank
+    if v == 1:
+        return min(m, p - rank)
+    per_round = m // max(1, m // p)
+    return min((v - 1) * per_round + 2 * (p - 1 - rank) + 1, v * m)
+
+
 def ascii_chart(blocks: Sequence[Sequence[Block]], columns: int = 96) -> str:
     """The classic picture: one row per rank, `columns` characters across the step. A block is
     its label (F3, B3, I3, W3; F3@2 at stage 2 where ranks hold several, as Action writes it)
