@@ -1,0 +1,190 @@
+"""What the ranks of the test pool run for tests/test_local_sgd.py: one small model trained
+with MiniDDP's LocalSGD and DiLoCo, each rank a replica with its own data, and the same runs
+written with torch's PostLocalSGDOptimizer or by hand. tests/torchft_reference.py runs
+torchft's DiLoCo on the same model and data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from miniddp.local_sgd import DiLoCo, LocalSGD
+
+
+@dataclass(frozen=True)
+class Spec:
+    replicas: int = 2
+    sync_every: int = 3
+    outer_steps: int = 3
+    fragments: int = 1  # Streaming DiLoCo's F: the model's Linear layers, split in F runs
+    delay: int = 0
+    widths: tuple[int, ...] = (5, 8, 3)
+    seed: int = 0
+    inner: str = "adamw"  # or "sgd"
+    inner_lr: float = 0.01
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    exchange_dtype: str | None = None  # "bfloat16"
+
+    @property
+    def inner_steps(self) -> int:
+        return self.sync_every * self.outer_steps
+
+
+def build_model(spec: Spec) -> nn.Sequential:
+    """The same initial weights on every replica (every rank seeds alike)."""
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(spec.seed)
+    layers: list[nn.Module] = []
+    for a, b in zip(spec.widths, spec.widths[1:]):
+        layers += [nn.Linear(a, b), nn.Tanh()]
+    torch.random.set_rng_state(generator_state)
+    return nn.Sequential(*layers[:-1])
+
+
+def fragments_of(model: nn.Sequential, count: int) -> list[nn.Module]:
+    """The Linear layers, in `count` consecutive runs."""
+    linears = [m for m in model if isinstance(m, nn.Linear)]
+    per = len(linears) // count
+    return [nn.ModuleList(linears[i * per : (i + 1) * per]) for i in range(count)]
+
+
+def batch(spec: Spec, replica: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(spec.seed * 7919 + replica * 101 + step * 13)
+    return torch.randn(4, spec.widths[0], generator=g), torch.randn(4, spec.widths[-1], generator=g)
+
+
+def inner_optimizer(spec: Spec, params) -> torch.optim.Optimizer:
+    if spec.inner == "sgd":
+        return torch.optim.SGD(params, lr=spec.inner_lr)
+    return torch.optim.AdamW(params, lr=spec.inner_lr)
+
+
+def outer_optimizer(spec: Spec, params) -> torch.optim.Optimizer:
+    nesterov = spec.outer_momentum > 0
+    return torch.optim.SGD(
+        params, lr=spec.outer_lr, momentum=spec.outer_momentum, nesterov=nesterov
+    )
+
+
+def train(spec: Spec, model: nn.Module, inner: torch.optim.Optimizer, replica: int) -> None:
+    for step in range(spec.inner_steps):
+        x, y = batch(spec, replica, step)
+        inner.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        inner.step()
+
+
+def params_of(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def diloco(spec: Spec, group_ranks: list[int] | None = None) -> dict:
+    """Our DiLoCo on this rank's replica; the result after every outer step."""
+    group = None if group_ranks is None else dist.new_group(group_ranks)
+    model = build_model(spec)
+    inner = inner_optimizer(spec, model.parameters())
+    outer = outer_optimizer(spec, model.parameters())
+    dtype = getattr(torch, spec.exchange_dtype) if spec.exchange_dtype else None
+    fragments = fragments_of(model, spec.fragments) if spec.fragments > 1 else None
+    run = DiLoCo(
+        model,
+        inner,
+        outer,
+        spec.sync_every,
+        process_group=group,
+        fragments=fragments,
+        fragment_sync_delay=spec.delay,
+        exchange_dtype=dtype,
+    )
+    with run:
+        train(spec, model, inner, dist.get_rank())
+    return {
+        "params": params_of(model),
+        "sent_bytes": run.sent_bytes,
+        "syncs_each": [f.syncs for f in run.fragments],
+    }
+
+
+def diloco_with_fragments_given(spec: Spec) -> list[torch.Tensor]:
+    """DiLoCo with fragments=[the whole model]: Streaming DiLoCo with one fragment."""
+    model = build_model(spec)
+    inner = inner_optimizer(spec, model.parameters())
+    outer = outer_optimizer(spec, model.parameters())
+    with DiLoCo(model, inner, outer, spec.sync_every, fragments=[model]):
+        train(spec, model, inner, dist.get_rank())
+    return params_of(model)
+
+
+def synchronous_data_parallel(spec: Spec) -> list[torch.Tensor]:
+    """Inner SGD on the gradient averaged over the replicas every step: plain synchronous DP."""
+    model = build_model(spec)
+    inner = inner_optimizer(spec, model.parameters())
+    world = dist.get_world_size()
+    for step in range(spec.inner_steps):
+        x, y = batch(spec, dist.get_rank(), step)
+        inner.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad.div_(world)
+        inner.step()
+    return params_of(model)
+
+
+def local_sgd_against_torch(spec: Spec) -> dict:
+    """LocalSGD, and torch's PostLocalSGDOptimizer + PeriodicModelAverager with the warm-up
+    that makes it average after the same steps (local_sgd.py's docstring says why H - 1)."""
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from torch.distributed.optim import PostLocalSGDOptimizer
+
+    ours = build_model(spec)
+    inner = inner_optimizer(spec, ours.parameters())
+    with LocalSGD(ours, spec.sync_every) as local_sgd:
+        train(spec, ours, inner, dist.get_rank())
+    theirs = build_model(spec)
+    subgroup = dist.new_group(list(range(dist.get_world_size())))
+    averager = PeriodicModelAverager(
+        period=spec.sync_every, warmup_steps=spec.sync_every - 1, process_group=subgroup
+    )
+    optimizer = PostLocalSGDOptimizer(inner_optimizer(spec, theirs.parameters()), averager)
+    train(spec, theirs, optimizer, dist.get_rank())
+    return {"ours": params_of(ours), "theirs": params_of(theirs), "syncs": local_sgd.syncs}
+
+
+def refused(build: str) -> None:
+    """Build something DiLoCo or LocalSGD must refuse; the test reads the message."""
+    from miniddp.placement import TensorShard, mark
+
+    spec = Spec()
+    model = build_model(spec)
+    inner = inner_optimizer(spec, model.parameters())
+    outer = outer_optimizer(spec, model.parameters())
+    if build == "sync_every_0":
+        DiLoCo(model, inner, outer, 0)
+    elif build == "local_sgd_sync_every_0":
+        LocalSGD(model, 0)
+    elif build == "outer_over_other_params":
+        other = build_model(spec)
+        DiLoCo(model, inner, outer_optimizer(spec, other.parameters()), 2)
+    elif build == "tensor_parallel_group":
+        mark(model[0].weight, tensor=TensorShard(None, 0))
+        DiLoCo(model, inner, outer, 2)
+    elif build == "fragments_not_covering":
+        DiLoCo(model, inner, outer, 2, fragments=[model[0]])
+    elif build == "fragments_overlapping":
+        DiLoCo(model, inner, outer, 2, fragments=[model, model[2]])
+    elif build == "delay_too_long":
+        DiLoCo(model, inner, outer, 4, fragments=[model[0], model[2]], fragment_sync_delay=2)
+    elif build == "replicas_start_apart":
+        with torch.no_grad():
+            model[0].bias.add_(dist.get_rank())
+        DiLoCo(model, inner, outer, 2)
+    elif build == "step_outside_with":
+        DiLoCo(model, inner, outer, 2)
+        train(spec, model, inner, dist.get_rank())
+    else:
+        raise AssertionError(build)
