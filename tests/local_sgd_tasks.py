@@ -82,9 +82,14 @@ def params_of(model: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def diloco(spec: Spec, group_ranks: list[int] | None = None) -> dict:
-    """Our DiLoCo on this rank's replica; the result after every outer step."""
-    group = None if group_ranks is None else dist.new_group(group_ranks)
+def diloco(spec: Spec, groups: list[list[int]] | None = None) -> dict:
+    """Our DiLoCo on this rank's replica, over the whole job or, with `groups`, over the group
+    that holds this rank (its replica number: its place in that group)."""
+    group, replica = None, dist.get_rank()
+    for ranks in groups or []:
+        made = dist.new_group(ranks)  # every rank makes every group, in the same order
+        if dist.get_rank() in ranks:
+            group, replica = made, ranks.index(dist.get_rank())
     model = build_model(spec)
     inner = inner_optimizer(spec, model.parameters())
     outer = outer_optimizer(spec, model.parameters())
@@ -101,7 +106,7 @@ def diloco(spec: Spec, group_ranks: list[int] | None = None) -> dict:
         exchange_dtype=dtype,
     )
     with run:
-        train(spec, model, inner, dist.get_rank())
+        train(spec, model, inner, replica)
     return {
         "params": params_of(model),
         "sent_bytes": run.sent_bytes,

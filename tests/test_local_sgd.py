@@ -32,19 +32,31 @@ REPO = Path(__file__).resolve().parents[1]
 torchft = pytest.importorskip("torchft", reason="torchft==0.2.0 is a test dependency")
 
 
-def torchft_run(spec: Spec, tmp_path: Path) -> list[list[torch.Tensor]]:
-    out = tmp_path / "torchft.pt"
+W2 = Spec(replicas=2, sync_every=3, outer_steps=3)
+AGAINST_TORCHFT = {
+    "W2": W2,
+    "W4": Spec(replicas=4, sync_every=3, outer_steps=3),
+    "W2-streaming": Spec(replicas=2, sync_every=4, outer_steps=3, fragments=2),
+    "W2-streaming-delay1": Spec(replicas=2, sync_every=4, outer_steps=3, fragments=2, delay=1),
+}
+
+
+@pytest.fixture(scope="module")
+def torchfts(tmp_path_factory) -> dict[str, list[list[torch.Tensor]]]:
+    """torchft's runs of every spec above, in one subprocess (one import of torch and torchft)."""
+    out = tmp_path_factory.mktemp("torchft") / "torchft.pt"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RUST_LOG": "error"}
+    specs = [repr(spec) for spec in AGAINST_TORCHFT.values()]
     done = subprocess.run(
-        [sys.executable, "-m", "tests.torchft_reference", repr(spec), str(out)],
+        [sys.executable, "-m", "tests.torchft_reference", str(out), *specs],
         cwd=REPO,
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
     )
     assert done.returncode == 0, f"torchft's run failed:\n{done.stderr[-3000:]}"
-    return torch.load(out)
+    return dict(zip(AGAINST_TORCHFT, torch.load(out)))
 
 
 def assert_bitwise(ours: list[torch.Tensor], theirs: list[torch.Tensor], what: str) -> None:
@@ -53,23 +65,23 @@ def assert_bitwise(ours: list[torch.Tensor], theirs: list[torch.Tensor], what: s
         assert torch.equal(a, b), f"{what}: parameter {index} differs by {difference:.3g}"
 
 
-@pytest.mark.parametrize(
-    "spec",
-    [
-        Spec(replicas=2, sync_every=3, outer_steps=3),
-        Spec(replicas=4, sync_every=3, outer_steps=3),
-        Spec(replicas=2, sync_every=4, outer_steps=3, fragments=2),
-        Spec(replicas=2, sync_every=4, outer_steps=3, fragments=2, delay=1),
-    ],
-    ids=["W2", "W4", "W2-streaming", "W2-streaming-delay1"],
-)
-def test_diloco_is_torchfts_bit_for_bit(rank_pools, tmp_path, spec):
-    theirs = torchft_run(spec, tmp_path)
+@pytest.mark.parametrize("name", AGAINST_TORCHFT)
+def test_diloco_is_torchfts_bit_for_bit(rank_pools, torchfts, name):
+    spec, theirs = AGAINST_TORCHFT[name], torchfts[name]
     ours = rank_pools(spec.replicas).run(local_sgd_tasks.diloco, spec)
     for replica, (mine, reference) in enumerate(zip(ours, theirs, strict=True)):
         assert_bitwise(mine["params"], reference, f"replica {replica} against torchft")
         # every fragment synced once per outer step: not twice, not skipped
         assert mine["syncs_each"] == [spec.outer_steps] * spec.fragments
+
+
+def test_diloco_averages_over_its_group_only(rank_pools, torchfts):
+    """Four ranks, two DiLoCo groups of two (a mesh's "diloco" axis, ranks 0+2 and 1+3): each
+    group trains as torchft's two replicas do, untouched by the other group."""
+    ours = rank_pools(4).run(local_sgd_tasks.diloco, W2, [[0, 2], [1, 3]])
+    for rank, mine in enumerate(ours):
+        reference = torchfts["W2"][rank // 2]
+        assert_bitwise(mine["params"], reference, f"rank {rank} against torchft's replica")
 
 
 def test_the_replicas_agree_after_every_sync_and_send_one_model_per_outer_step(pool2):

@@ -3,7 +3,7 @@ threads of one process, each with its own Manager, all meeting at a lighthouse o
 init_sync=False. tests/test_local_sgd.py runs it in a subprocess, to keep torchft's threads and
 servers out of the test process:
 
-    python -m tests.torchft_reference SPEC_REPR OUT.pt   # writes each replica's parameters
+    python -m tests.torchft_reference OUT.pt SPEC...   # each spec's replicas' parameters
 """
 
 from __future__ import annotations
@@ -90,4 +90,5 @@ def run(spec: Spec) -> list[list[torch.Tensor]]:
 
 
 if __name__ == "__main__":
-    torch.save(run(eval(sys.argv[1], {"Spec": Spec})), sys.argv[2])
+    specs = [eval(given, {"Spec": Spec}) for given in sys.argv[2:]]
+    torch.save([run(spec) for spec in specs], sys.argv[1])
