@@ -5,6 +5,7 @@ torchft's DiLoCo on the same model and data."""
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 
 import torch
@@ -70,11 +71,22 @@ def outer_optimizer(spec: Spec, params) -> torch.optim.Optimizer:
     )
 
 
-def train(spec: Spec, model: nn.Module, inner: torch.optim.Optimizer, replica: int) -> None:
-    for step in range(spec.inner_steps):
+def train(
+    spec: Spec,
+    model: nn.Module,
+    inner: torch.optim.Optimizer,
+    replica: int,
+    steps: range | None = None,
+    forward: nn.Module | None = None,
+    clip: float | None = None,
+) -> None:
+    """Inner steps on this replica's batches (`forward`: a wrapper of `model`, e.g. MiniDDP)."""
+    for step in steps or range(spec.inner_steps):
         x, y = batch(spec, replica, step)
         inner.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
+        nn.functional.mse_loss((forward or model)(x), y).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         inner.step()
 
 
@@ -193,3 +205,78 @@ def refused(build: str) -> None:
         train(spec, model, inner, dist.get_rank())
     else:
         raise AssertionError(build)
+
+
+def diloco_resumes_bitwise(spec: Spec) -> dict:
+    """A run straight through, and one saved after half its outer steps, rebuilt from nothing,
+    loaded and finished: the same bits."""
+    half = spec.sync_every * (spec.outer_steps // 2)
+
+    def build():
+        model = build_model(spec)
+        inner = inner_optimizer(spec, model.parameters())
+        outer = outer_optimizer(spec, model.parameters())
+        fragments = fragments_of(model, spec.fragments) if spec.fragments > 1 else None
+        return model, inner, DiLoCo(model, inner, outer, spec.sync_every, fragments=fragments)
+
+    rank = dist.get_rank()
+    model, inner, run = build()
+    with run:
+        train(spec, model, inner, rank)
+    straight = params_of(model)
+
+    model, inner, run = build()
+    with run:
+        train(spec, model, inner, rank, range(half))
+    saved = io.BytesIO()
+    torch.save({"model": model.state_dict(), "diloco": run.state_dict()}, saved)
+    del model, inner, run
+    model, inner, run = build()
+    saved.seek(0)
+    state = torch.load(saved, weights_only=True)
+    model.load_state_dict(state["model"])
+    run.load_state_dict(state["diloco"])
+    with run:
+        train(spec, model, inner, rank, range(half, spec.inner_steps))
+    return {"straight": straight, "resumed": params_of(model)}
+
+
+def diloco_across_ddp_replicas(spec: Spec, by_hand: bool, clip: float = 0.5) -> list:
+    """A (diloco, dp) = (2, 2) mesh: MiniDDP inside each replica over "dp", DiLoCo across
+    "diloco", inner gradients clipped; or the same run written by hand with all_reduce."""
+    from miniddp import MiniDDP
+    from miniddp.mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("diloco", "dp"))
+    replicas, dp = mesh["diloco"].get_group(), mesh["dp"].get_group()
+    data = mesh["diloco"].get_local_rank() * 2 + mesh["dp"].get_local_rank()
+    model = build_model(spec)
+    inner = inner_optimizer(spec, model.parameters())
+    outer = outer_optimizer(spec, model.parameters())
+    if not by_hand:
+        ddp = MiniDDP(model, process_group=dp)
+        with DiLoCo(model, inner, outer, spec.sync_every, process_group=replicas):
+            train(spec, model, inner, data, forward=ddp, clip=clip)
+        return params_of(model)
+    global_params = params_of(model)
+    for step in range(spec.inner_steps):
+        x, y = batch(spec, data, step)
+        inner.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        for p in model.parameters():  # DDP: each gradient times 1/W, summed
+            p.grad.mul_(1 / dist.get_world_size(dp))
+            dist.all_reduce(p.grad, group=dp)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        inner.step()
+        if (step + 1) % spec.sync_every:
+            continue
+        with torch.no_grad():  # DiLoCo: average θ_g − θ, restore θ_g, outer step on it
+            for p, g in zip(model.parameters(), global_params):
+                pseudo = g - p
+                dist.all_reduce(pseudo, group=replicas)
+                p.copy_(g)
+                p.grad = pseudo / dist.get_world_size(replicas)
+        outer.step()
+        outer.zero_grad()
+        global_params = params_of(model)
+    return params_of(model)

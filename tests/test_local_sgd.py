@@ -121,6 +121,21 @@ def test_streaming_with_one_fragment_and_no_delay_is_diloco_itself(pool2):
         assert_bitwise(streaming[replica], plain[replica]["params"], "one fragment")
 
 
+def test_a_checkpoint_of_global_params_both_optimizers_and_the_step_resumes_bitwise(pool2):
+    spec = Spec(sync_every=4, outer_steps=4, fragments=2)
+    for result in pool2.run(local_sgd_tasks.diloco_resumes_bitwise, spec):
+        assert_bitwise(result["resumed"], result["straight"], "resumed against straight")
+
+
+def test_diloco_across_replicas_each_running_miniddp_is_the_run_written_by_hand(rank_pools):
+    spec = Spec(sync_every=3, outer_steps=3)
+    ours = rank_pools(4).run(local_sgd_tasks.diloco_across_ddp_replicas, spec, False)
+    by_hand = rank_pools(4).run(local_sgd_tasks.diloco_across_ddp_replicas, spec, True)
+    for rank in range(4):
+        assert_bitwise(ours[rank], by_hand[rank], f"rank {rank} against the run by hand")
+    assert_bitwise(ours[0], ours[3], "replica 0 against replica 1")
+
+
 def test_local_sgd_is_torchs_post_local_sgd_bit_for_bit_at_w2(pool2):
     spec = Spec(sync_every=3, outer_steps=3)
     for result in pool2.run(local_sgd_tasks.local_sgd_against_torch, spec):

@@ -195,16 +195,17 @@ class DiLoCo:
             self.local_step = 0
 
     def state_dict(self) -> dict[str, Any]:
-        """The global parameters, both optimizers, and where in the schedule the run is: all a
-        resume needs, with the model's own state dict (its local parameters)."""
+        """What DiLoCo owns, for a checkpoint: the global parameters, both optimizers (the inner
+        one's moments are this replica's own, so each replica saves its own), and where in the
+        schedule the run is. With the model's state dict, all a bitwise resume needs."""
         if any(f.pending is not None for f in self.fragments):
             raise RuntimeError(
-                "a fragment's average is in flight (fragment_sync_delay); save between its "
-                "start and its application is not possible: save right after a fragment sync"
+                "a fragment's average is in flight (fragment_sync_delay): save right after a "
+                "fragment sync, when none is"
             )
         return {
             "global_params": [[g.clone() for g in f.global_params] for f in self.fragments],
-            "fragment_syncs_each": [f.syncs for f in self.fragments],
+            "syncs_each": [f.syncs for f in self.fragments],
             "inner_optimizer": self.inner_optimizer.state_dict(),
             "outer_optimizer": self.outer_optimizer.state_dict(),
             "local_step": self.local_step,
@@ -213,10 +214,15 @@ class DiLoCo:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for fragment, saved, syncs in zip(
-            self.fragments, state["global_params"], state["fragment_syncs_each"]
-        ):
-            for mine, theirs in zip(fragment.global_params, saved):
+        saved = state["global_params"]
+        shapes = [[tuple(g.shape) for g in f.global_params] for f in self.fragments]
+        if [[tuple(g.shape) for g in piece] for piece in saved] != shapes:
+            raise ValueError(
+                "this DiLoCo state was saved for other fragments or another model: its global "
+                "parameters do not match this run's in number or shape"
+            )
+        for fragment, piece, syncs in zip(self.fragments, saved, state["syncs_each"]):
+            for mine, theirs in zip(fragment.global_params, piece):
                 mine.copy_(theirs)
             fragment.syncs = syncs
         self.inner_optimizer.load_state_dict(state["inner_optimizer"])
