@@ -160,3 +160,18 @@ def test_local_sgd_is_torchs_post_local_sgd_bit_for_bit_at_w2(pool2):
 def test_bad_input_is_refused_on_every_rank_naming_the_fix(pool2, build, words):
     for outcome in pool2.run_expecting_errors(local_sgd_tasks.refused, build):
         assert words in outcome.message, outcome.message
+
+
+def test_a_replica_that_dies_is_named_and_the_others_go_on_as_if_it_never_was(tmp_path):
+    """Three replicas; replica 2 dies between syncs 1 and 2. The survivors finish, agree with
+    each other, and equal the run whose replicas were 0 and 1 alone from sync 2 on."""
+    from tests.diloco_replica_dies import VICTIM, launch
+
+    died, named = launch("death", 3, tmp_path)
+    reference, _ = launch("reference", 3, tmp_path)
+    assert VICTIM not in died
+    for rank in (0, 1):
+        assert f"rank {VICTIM} is missing" in named.get(rank, ""), named
+        assert isinstance(died.get(rank), list), f"rank {rank}: {died.get(rank)}"
+        assert_bitwise(died[rank], reference[rank], f"survivor {rank} against the reference")
+    assert_bitwise(died[0], died[1], "survivor 0 against survivor 1")

@@ -84,11 +84,13 @@ class Fragment:
         self.pending = exchange.start(pseudo)
 
     @torch.no_grad()
-    def finish(self, outer: torch.optim.Optimizer, every_param: list, alpha: float) -> None:
+    def finish(
+        self, exchange: Exchange, outer: torch.optim.Optimizer, every_param: list, alpha: float
+    ) -> None:
         """Wait for Δ; restore θ_g; outer step on Δ; save the new θ_g; mix in the local θ."""
         if self.pending is None:
             raise RuntimeError(f"fragment {self.index} has no average to apply")
-        averages, self.pending = self.pending.wait(), None
+        averages, self.pending = exchange.wait(self.pending), None
         local = [p.detach().clone() for p in self.params]
         for param, saved in zip(self.params, self.global_params):
             param.copy_(saved)
@@ -190,7 +192,9 @@ class DiLoCo:
         if self.local_step == self.steps_per_fragment - self.fragment_sync_delay:
             fragment.start(self.exchange)
         if self.local_step == self.steps_per_fragment:
-            fragment.finish(self.outer_optimizer, self.params, self.fragment_update_alpha)
+            fragment.finish(
+                self.exchange, self.outer_optimizer, self.params, self.fragment_update_alpha
+            )
             self.fragment_syncs += 1
             self.local_step = 0
 

@@ -30,6 +30,8 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from miniddp import collectives
+from miniddp.job.faults import CollectiveFailed, wait_for
+from miniddp.local_sgd.survivors import agree_on_survivors, ring_sum_among
 
 EXCHANGE_ALGORITHMS = ("gloo", *collectives.ALL_REDUCE_ALGORITHMS)
 EXCHANGE_DTYPES = (None, torch.bfloat16, torch.float16)
@@ -37,25 +39,18 @@ EXCHANGE_DTYPES = (None, torch.bfloat16, torch.float16)
 
 @dataclass
 class PendingAverage:
-    """All-reduces in flight; `wait()` returns the averages, in the dtype each tensor had."""
+    """All-reduces in flight (`Exchange.wait` returns the averages). `originals` are the tensors
+    as given, kept until the sum arrives: a sync that failed is redone from them."""
 
+    originals: list[torch.Tensor]
     travelling: list[torch.Tensor]
     works: list
-    dtypes: list[torch.dtype]
-    divide_by: int
-
-    def wait(self) -> list[torch.Tensor]:
-        for work in self.works:
-            work.wait()
-        averages = []
-        for tensor, dtype in zip(self.travelling, self.dtypes):
-            total = tensor if tensor.dtype == dtype else tensor.to(dtype)
-            averages.append(total.div_(self.divide_by))
-        return averages
+    sync: int
 
 
 class Exchange:
-    """Averages lists of tensors over `group` (None: the whole job), counting bytes sent."""
+    """Averages lists of tensors over `group` (None: the whole job), counting bytes sent; after
+    a replica died, over the survivors (survivors.py)."""
 
     def __init__(
         self,
@@ -75,15 +70,42 @@ class Exchange:
         self.group = group
         self.algorithm = algorithm
         self.dtype = dtype
-        self.size = dist.get_world_size(group)
+        self.survivors: list[int] | None = None  # global ranks, once a replica has died
+        self.failure: CollectiveFailed | None = None  # what named the dead, once one died
+        self.syncs = 0
         self.sent_bytes = 0
 
+    @property
+    def size(self) -> int:
+        """How many replicas the average is over."""
+        return dist.get_world_size(self.group) if self.survivors is None else len(self.survivors)
+
     def start(self, tensors: Sequence[torch.Tensor]) -> PendingAverage:
-        """Start summing every tensor over the group (in place, on a copy cast to `dtype`)."""
-        travelling = [t if self.dtype in (None, t.dtype) else t.to(self.dtype) for t in tensors]
-        works = [self._all_reduce(t) for t in travelling]
+        """Start summing every tensor over the group, on a copy (cast to `dtype`)."""
+        self.syncs += 1
+        travelling = [t.to(self.dtype or t.dtype, copy=True) for t in tensors]
         self.sent_bytes += sum(t.numel() * t.element_size() for t in travelling)
-        return PendingAverage(travelling, works, [t.dtype for t in tensors], self.size)
+        if self.survivors is not None:
+            ring_sum_among(travelling, self.group, self.survivors)
+            return PendingAverage(list(tensors), travelling, [], self.syncs)
+        works = [self._all_reduce(t) for t in travelling]
+        return PendingAverage(list(tensors), travelling, works, self.syncs)
+
+    def wait(self, pending: PendingAverage) -> list[torch.Tensor]:
+        """The averages, in the dtype each tensor was given in. A replica found dead here is
+        left out from this sync on (survivors.py)."""
+        try:
+            for index, work in enumerate(pending.works):
+                wait_for(work, f"sync {pending.sync}: all-reduce of tensor {index}", self.group)
+        except CollectiveFailed as failure:
+            self.failure = failure
+            self.survivors = agree_on_survivors(self.group, pending.sync, failure)
+            pending.travelling = [t.to(self.dtype or t.dtype, copy=True) for t in pending.originals]
+            ring_sum_among(pending.travelling, self.group, self.survivors)
+        return [
+            total.to(given.dtype).div_(self.size)
+            for total, given in zip(pending.travelling, pending.originals)
+        ]
 
     def _all_reduce(self, tensor: torch.Tensor):
         if self.algorithm == "gloo":

@@ -87,7 +87,8 @@ class LocalSGD:
     @torch.no_grad()
     def sync(self) -> None:
         """Every replica's parameters become their average over the group."""
-        averages = self.exchange.start([p.detach().clone() for p in self.params]).wait()
+        pending = self.exchange.start([p.detach() for p in self.params])
+        averages = self.exchange.wait(pending)
         for param, average in zip(self.params, averages):
             param.copy_(average)
         self.local_step = 0
