@@ -137,10 +137,10 @@ def main() -> None:
     rank, world = env.rank, env.world_size
     torch.set_num_threads(1)
     corpus = load_corpus(max_characters=300_000)
-    windows = Windows(corpus.validation, CONTEXT + 1)
+    windows = Windows(corpus.validation, CONTEXT)
     data = {
         "vocabulary": len(corpus.vocabulary),
-        "train": Windows(corpus.train, CONTEXT + 1),
+        "train": Windows(corpus.train, CONTEXT),
         "validation": windows[list(range(0, len(windows), max(1, len(windows) // 128)))[:128]],
     }
     model = build(data["vocabulary"])

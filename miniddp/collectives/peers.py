@@ -97,20 +97,6 @@ class Peers:
         self.collective = collective
         self.log = _message_log  # captured now: the collective may run after the block ends
 
-    @classmethod
-    def among(cls, group: ProcessGroup | None, ranks: Sequence[int], collective: str) -> Peers:
-        """Peers over some of `group`'s ranks only (global ranks, in ring order): a collective
-        among the ranks still alive after another died. gloo's point-to-point messages between
-        two live ranks still flow when a third is dead (miniddp/local_sgd/survivors.py)."""
-        peers = cls(group, collective)
-        me = peers.global_ranks[peers.rank]
-        if me not in ranks:
-            raise ValueError(f"rank {me} is not among the ranks {list(ranks)}")
-        peers.global_ranks = list(ranks)
-        peers.size = len(peers.global_ranks)
-        peers.rank = peers.global_ranks.index(me)
-        return peers
-
     def group_rank_of(self, global_rank: int) -> int:
         if global_rank not in self.global_ranks:
             raise ValueError(f"rank {global_rank} is not in the group {self.global_ranks}")

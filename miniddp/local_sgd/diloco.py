@@ -165,6 +165,7 @@ class DiLoCo:
         if self.phase is not Phase.BUILT:
             raise RuntimeError(f"this DiLoCo is {self.phase.value}: enter a DiLoCo once")
         self.phase = Phase.TRAINING
+        self.exchange.open()
         self._hooks.append(self.inner_optimizer.register_step_post_hook(self._after_inner_step))
         return self
 
@@ -177,6 +178,7 @@ class DiLoCo:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        self.exchange.close()
         self.phase = Phase.CLOSED
 
     def _before_inner_step(self, optimizer, args, kwargs) -> None:

@@ -31,7 +31,7 @@ from torch.distributed import ReduceOp
 
 from miniddp import collectives
 from miniddp.job.faults import CollectiveFailed, wait_for
-from miniddp.local_sgd.survivors import agree_on_survivors, ring_sum_among
+from miniddp.local_sgd.survivors import Heartbeat, agree_on_survivors, group_of
 
 EXCHANGE_ALGORITHMS = ("gloo", *collectives.ALL_REDUCE_ALGORITHMS)
 EXCHANGE_DTYPES = (None, torch.bfloat16, torch.float16)
@@ -70,24 +70,23 @@ class Exchange:
         self.group = group
         self.algorithm = algorithm
         self.dtype = dtype
-        self.survivors: list[int] | None = None  # global ranks, once a replica has died
+        self.survivors: list[int] | None = None  # global ranks, once a replica has died:
+        # then `group` is a new group of theirs (survivors.py)
         self.failure: CollectiveFailed | None = None  # what named the dead, once one died
+        self.heartbeat: Heartbeat | None = None  # beats while syncs are due: `open`
         self.syncs = 0
         self.sent_bytes = 0
 
     @property
     def size(self) -> int:
         """How many replicas the average is over."""
-        return dist.get_world_size(self.group) if self.survivors is None else len(self.survivors)
+        return dist.get_world_size(self.group)
 
     def start(self, tensors: Sequence[torch.Tensor]) -> PendingAverage:
         """Start summing every tensor over the group, on a copy (cast to `dtype`)."""
         self.syncs += 1
         travelling = [t.to(self.dtype or t.dtype, copy=True) for t in tensors]
         self.sent_bytes += sum(t.numel() * t.element_size() for t in travelling)
-        if self.survivors is not None:
-            ring_sum_among(travelling, self.group, self.survivors)
-            return PendingAverage(list(tensors), travelling, [], self.syncs)
         works = [self._all_reduce(t) for t in travelling]
         return PendingAverage(list(tensors), travelling, works, self.syncs)
 
@@ -100,12 +99,23 @@ class Exchange:
         except CollectiveFailed as failure:
             self.failure = failure
             self.survivors = agree_on_survivors(self.group, pending.sync, failure)
+            self.group = group_of(self.survivors)
             pending.travelling = [t.to(self.dtype or t.dtype, copy=True) for t in pending.originals]
-            ring_sum_among(pending.travelling, self.group, self.survivors)
+            for tensor in pending.travelling:  # the failed sync again, by send/recv
+                collectives.all_reduce(tensor, ReduceOp.SUM, group=self.group, algorithm="ring")
         return [
             total.to(given.dtype).div_(self.size)
             for total, given in zip(pending.travelling, pending.originals)
         ]
+
+    def open(self) -> None:
+        """Start beating, so that the others can tell this replica slow from dead."""
+        self.heartbeat = Heartbeat()
+
+    def close(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+            self.heartbeat = None
 
     def _all_reduce(self, tensor: torch.Tensor):
         if self.algorithm == "gloo":

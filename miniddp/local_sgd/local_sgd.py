@@ -62,6 +62,7 @@ class LocalSGD:
         if self._hook is not None:
             raise RuntimeError("this LocalSGD is already in use: enter it once")
         self._hook = register_optimizer_step_post_hook(self._after_step)
+        self.exchange.open()
         return self
 
     def __exit__(
@@ -73,6 +74,7 @@ class LocalSGD:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        self.exchange.close()
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         steps_ours = any(
