@@ -23,8 +23,9 @@ def loss_against_time_and_bytes(
         seconds, sent, loss = zip(*points)
         style = {"color": f"C{number}", "marker": "o", "markersize": 3, "label": label}
         by_time.plot([s / 60 for s in seconds], loss, **style)
-        if max(sent) > 0:  # alone sends nothing: no point on a log axis
-            by_bytes.plot([max(b, 1) / 2**20 for b in sent], loss, **style)
+        sending = [(b / 2**20, v) for b, v in zip(sent, loss) if b > 0]  # log axis: no zero
+        if sending:
+            by_bytes.plot(*zip(*sending), **style)
     by_time.set_xlabel("simulated wall-clock, minutes (compute + link)")
     by_bytes.set_xlabel("MiB sent by each replica (log scale)")
     by_bytes.set_xscale("log")
