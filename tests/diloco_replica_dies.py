@@ -26,18 +26,22 @@ REPO = Path(__file__).resolve().parents[1]
 VICTIM = 2
 DIES_AFTER_STEP = 4  # an inner step between sync 1 (after step 3) and sync 2 (after step 6)
 DEADLINE_S = 120.0
+SLOW_S = 0.5  # a slow replica's extra time per step
 
 
-def launch(mode: str, world_size: int, tmp: Path) -> tuple[dict[int, object], dict[int, str]]:
+def launch(
+    mode: str, world_size: int, tmp: Path, victim: int = VICTIM, slow: int = -1
+) -> tuple[dict[int, object], dict[int, str]]:
     """Run every rank; return each survivor's parameters (a list) or error (a str), and how
     each survivor heard of the death."""
     import torch
 
     out = tmp / mode
-    out.mkdir()
+    out.mkdir(parents=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     common = [sys.executable, __file__, "--mode", mode, "--world-size", str(world_size)]
     common += ["--store", str(tmp / f"{mode}-store"), "--out", str(out)]
+    common += ["--victim", str(victim), "--slow", str(slow)]
     processes = [
         subprocess.Popen([*common, "--rank", str(r)], env=env, start_new_session=True)
         for r in range(world_size)
@@ -71,7 +75,14 @@ def main(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from miniddp.local_sgd import DiLoCo
-    from tests.local_sgd_tasks import Spec, build_model, inner_optimizer, outer_optimizer, train
+    from tests import local_sgd_tasks
+    from tests.local_sgd_tasks import Spec, build_model, inner_optimizer, outer_optimizer
+
+    def train(spec, model, inner, replica, steps) -> None:
+        for step in steps:  # the slow rank lags: it must not be taken for dead
+            if args.rank == args.slow:
+                time.sleep(SLOW_S)
+            local_sgd_tasks.train(spec, model, inner, replica, range(step, step + 1))
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -93,16 +104,16 @@ def main(args: argparse.Namespace) -> None:
         if args.mode == "death":
             with run:
                 train(spec, model, inner, args.rank, first)
-                if args.rank == VICTIM:
+                if args.rank == args.victim:
                     train(spec, model, inner, args.rank, range(spec.sync_every, DIES_AFTER_STEP))
                     os._exit(1)
                 train(spec, model, inner, args.rank, rest)
         else:
             with run:
                 train(spec, model, inner, args.rank, first)
-            survivors = [r for r in range(args.world_size) if r != VICTIM]
+            survivors = [r for r in range(args.world_size) if r != args.victim]
             group = dist.new_group(survivors)  # every rank makes it, the victim too
-            if args.rank == VICTIM:
+            if args.rank == args.victim:
                 os._exit(0)
             state = run.state_dict()
             run = DiLoCo(model, inner, outer, spec.sync_every, process_group=group)
@@ -111,7 +122,8 @@ def main(args: argparse.Namespace) -> None:
                 train(spec, model, inner, args.rank, rest)
         torch.save([p.detach().clone() for p in model.parameters()], out / f"rank{args.rank}.pt")
         if run.exchange.failure is not None:
-            (out / f"rank{args.rank}.named").write_text(str(run.exchange.failure))
+            named = f"survivors {run.exchange.survivors}\n{run.exchange.failure}"
+            (out / f"rank{args.rank}.named").write_text(named)
     except Exception as error:
         (out / f"rank{args.rank}.txt").write_text(f"{type(error).__name__}: {error}")
     os._exit(0)  # the dead replica's group cannot be shut down cleanly
@@ -120,7 +132,7 @@ def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="One rank of a DiLoCo run with a death.")
     parser.add_argument("--mode", choices=("death", "reference"), required=True)
-    for name in ("--rank", "--world-size"):
+    for name in ("--rank", "--world-size", "--victim", "--slow"):
         parser.add_argument(name, type=int, required=True)
     for name in ("--store", "--out"):
         parser.add_argument(name, required=True)
