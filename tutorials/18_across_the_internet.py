@@ -209,10 +209,11 @@ def main() -> None:
         communication (Douillard et al., 2023: 150M-400M parameters, H = 500); OpenDiLoCo and
         INTELLECT-1 trained across continents with it; Streaming DiLoCo lowers the peak
         bandwidth further by syncing fragments in turn. What this tiny run shows is printed
-        above, and it is noisy: the same comparison run for 1500 steps kept 53-70 % of the gain
-        from 4 replicas over one, at 10-100x less traffic. At this size the link costs DDP
-        about as much as its compute; for a model a thousand times larger it costs a thousand
-        times more, and compute only grows with it.
+        above, and it is noisy and short: a longer run of the same comparison (4 replicas of a
+        94k-parameter character model, 1500 steps, measured when this chapter was planned) kept
+        53-70 % of the gain from 4 replicas over one, at 10-100x less traffic. How much of DDP's
+        time the link takes depends on the ratio of bytes (the parameters) to compute (the
+        parameters times the tokens a step): the printed share is this model's and this batch's.
         """)
 
     section("3. Checks")
