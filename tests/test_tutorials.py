@@ -30,13 +30,14 @@ TORCH_LOG = re.compile(r"[DIWEF]\d{4} \d\d:\d\d:\d\d")
 # code on a tiny GPT, with its checks, instead.
 # Chapters 02 and 03 (the README's) run through `./launch.sh` below. Chapter 06 has its own
 # tests/test_failover.py: uninterrupted, crashed and restarted by torchrun, and once finished.
-# Chapter 15 needs 8 ranks: its own tests are at the end of this file.
+# Chapter 15 needs 8 ranks, chapter 18 4 (one dies): their own tests are at the end of this file.
 OWN_TESTS = {
     "02_naive_ddp.py",
     "03_bucketing.py",
     "06_failover.py",
     "12_train_gpt.py",
     "15_three_d_parallel.py",
+    "18_across_the_internet.py",
 }
 CHAPTERS = [
     chapter
@@ -198,3 +199,16 @@ def test_the_three_d_chapter_refuses_another_world_size(tmp_path: Path) -> None:
     assert returncode == 1, tail(output)
     assert output.count("torchrun --nproc_per_node=8 tutorials/15_three_d_parallel.py") == 1
     assert "this job has 1" in output and "Traceback" not in output
+
+
+ACROSS = REPO / "tutorials" / "18_across_the_internet.py"
+
+
+@pytest.mark.slow  # a minute or two: 4 ranks train six ways; tests/test_local_sgd.py checks them
+def test_the_across_the_internet_chapter_runs_short_on_four_ranks(tmp_path: Path) -> None:
+    """Chapter 18 on its 4 replicas, 40 steps a run: its checks, and replica 3's death."""
+    returncode, output = run_chapter(ACROSS, 4, tmp_path, "--steps", "40")
+    assert returncode == 0, f"{ACROSS.name} exited with {returncode}:\n{tail(output)}"
+    assert "Chapter 18 done: every check held." in output, tail(output)
+    wide = too_wide(output, tmp_path)
+    assert not wide, f"{ACROSS.name} printed lines over {LINE} characters:\n" + "\n".join(wide)

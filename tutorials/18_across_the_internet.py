@@ -46,7 +46,7 @@ from miniddp.observe.link import Link
 
 LINK = Link.parse("alpha=50ms,bandwidth=100mbit")
 CONTEXT, BATCH, EVALS = 32, 16, 10
-VICTIM, DIES_AFTER = 3, 15  # section 4: replica 3 dies after its 15th step (H = 10)
+DIES_AFTER = 15  # section 4: the last replica dies after its 15th step (H = 10)
 
 
 def build(vocabulary: int) -> GPT:
@@ -108,7 +108,7 @@ def train(way: str, h: int, data: dict, steps: int, rank: int) -> tuple[nn.Modul
     points, every, computing = [], max(1, steps // EVALS), 0.0
     with run or nullcontext():
         for step in range(1, steps + 1):
-            if way == "dies" and rank == VICTIM and step > DIES_AFTER:
+            if way == "dies" and rank == dist.get_world_size() - 1 and step > DIES_AFTER:
                 sys.stdout.flush()
                 os._exit(0)  # no goodbye: its connections simply close
             started = time.perf_counter()
@@ -135,6 +135,8 @@ def main() -> None:
     args = parser.parse_args()
     env = init_distributed()
     rank, world = env.rank, env.world_size
+    if world < 2:
+        parser.error("run it on several replicas: NPROC=4 ./launch.sh " + parser.prog)
     torch.set_num_threads(1)
     corpus = load_corpus(max_characters=300_000)
     windows = Windows(corpus.validation, CONTEXT)
@@ -231,7 +233,7 @@ def main() -> None:
 
     section("4. A replica dies")
     say_prose(f"""
-        DiLoCo at H = 10 again; replica {VICTIM} ends its process after step {DIES_AFTER},
+        DiLoCo at H = 10 again; replica {world - 1} ends its process after step {DIES_AFTER},
         between syncs 1 and 2. (torchrun ends a whole job when a worker fails; the replicas of a
         real DiLoCo run are separate jobs, so here the victim exits with status 0 instead: to
         the others it is the same, its connections close.)
