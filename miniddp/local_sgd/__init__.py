@@ -2,6 +2,7 @@
 
     exchange.py    how the replicas average what they send (gloo's all-reduce or the course's
                    own, optionally in bf16), and the bytes it costs
+    survivors.py   when a replica dies: heartbeats, agreeing on who is left, a group of theirs
     checks.py      what is refused at construction, before any message leaves
     local_sgd.py   LocalSGD: average the parameters every H optimizer steps
     diloco.py      DiLoCo: average the pseudo-gradient θ_global − θ_local every H inner steps

@@ -31,6 +31,10 @@ replicas hold the same parameters (two one-number all-reduces of a fingerprint),
 every rank if not: replicas that started apart would silently stay apart, since each applies
 the same average to its own θ_g.
 
+A replica that dies between syncs is named at the next one (miniddp.faults.wait_for); the
+others agree through the store on who is left, finish that sync among themselves and train on,
+as if the dead replica had never been there from that sync on (survivors.py).
+
 One outer optimizer serves every fragment: a fragment's sync gives only its own parameters a
 .grad, so the outer step moves (and keeps momentum for) that fragment alone. (torchft wants one
 outer optimizer per fragment for that; one over the whole model would also step the other

@@ -10,9 +10,14 @@ The average is SUM, then a division by W on arrival: what torchft's Manager does
 Which all-reduce: `"gloo"` is torch.distributed's own on the group's backend. It is the default
 because the proofs are against torchft and torch, which run gloo's: at W = 2 every algorithm gives
 the same bits (a + b = b + a), but at W >= 3 the bits depend on the order of the additions, and
-gloo's CPU ring folds chunk c in the order c-1, c-2, ..., c (leftwards), while ours
-(miniddp/collectives/ring.py) goes rightwards. The course's own all-reduces ("ring", "auto",
-"recursive_doubling", "reduce_broadcast") can be chosen instead: same average, last bits aside.
+gloo's CPU ring (seen here at W = 4 on 1,000 elements: chunk c folds ranks c-1, c-2, c-3, then
+c) runs leftwards, while ours (miniddp/collectives/ring.py) goes rightwards. The course's own
+all-reduces ("ring", "auto", "recursive_doubling", "reduce_broadcast") can be chosen instead:
+the same average, last bits aside.
+
+Every wait goes through `miniddp.faults.wait_for`, so that a replica that died is named. Then
+the survivors agree on who is left and finish the sync in a group of their own (survivors.py);
+every later sync runs there.
 
 Low precision: with `dtype=torch.bfloat16` each tensor travels (and is summed) as bf16, half the
 bytes of float32, and is cast back before the division. `sent_bytes` counts the payload handed
