@@ -42,7 +42,7 @@ from miniddp.job.env import init_distributed
 from miniddp.job.notes import board_of
 from miniddp.local_sgd import DiLoCo
 from miniddp.models.gpt import GPT, GPTConfig, next_character_loss
-from miniddp.observe.link import Link
+from miniddp.observe.link import Link, wire_bytes
 
 LINK = Link.parse("alpha=50ms,bandwidth=100mbit")
 CONTEXT, BATCH, EVALS = 32, 16, 10
@@ -63,7 +63,7 @@ def batch(windows: Windows, replica: int, step: int) -> torch.Tensor:
 def link_seconds(payload: int, world: int) -> float:
     """One sync on the link: its latency once (the all-reduces leave together, so their
     latencies overlap), then a ring all-reduce's 2(W-1)/W of the payload each way."""
-    return LINK.alpha + 2 * (world - 1) / world * payload / LINK.bandwidth
+    return LINK.seconds(wire_bytes("all_reduce", payload, world))
 
 
 class Run:
@@ -76,7 +76,7 @@ class Run:
 
     def record(self, steps: int, seconds_per_step: float, loss: float) -> None:
         syncs = 0 if self.syncs_every is None else steps // self.syncs_every
-        sent = syncs * 2 * (self.world - 1) / self.world * self.payload
+        sent = syncs * wire_bytes("all_reduce", self.payload, self.world)
         seconds = steps * seconds_per_step + syncs * link_seconds(self.payload, self.world)
         self.points.append((seconds, sent, loss))
 
