@@ -20,8 +20,10 @@ COMMANDS = {
     "pp": "a pipeline step (GPipe, 1F1B, interleaved, zero bubble) against torch's, bare, linked",
     "compose": "the 3-D step (PP x DP x TP) of MiniDDP's pieces against torch's composition",
     "cp": "ring attention's step against one process and torch's ring, time and memory",
+    "diloco": "DDP against DiLoCo at each H: bytes and simulated time to a fixed loss, --link",
 }
-RANKS = {"sharding": 4, "compose": 8}  # sharding: groups of 1, 2 and 4; compose: (2, 2, 2)
+# sharding: groups of 1, 2 and 4; compose: (2, 2, 2); diloco: 4 replicas
+RANKS = {"sharding": 4, "compose": 8, "diloco": 4}
 
 
 def check_options(command: str, argv: list[str]) -> None:
