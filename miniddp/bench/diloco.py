@@ -168,9 +168,9 @@ def report(args, ways: list[str], curves: dict, target: float, entropy: float) -
     payload = sum(p.numel() * 4 for p in GPT(GPTConfig(SYMBOLS, CONTEXT, 48, 2, 4)).parameters())
     print(
         f"{dist.get_world_size()} replicas, {payload // 4:,} parameters, link {args.link}; "
-        f"target loss {target:.3f} (the chain's entropy {entropy:.3f}, log {SYMBOLS} = "
-        f"{math.log(SYMBOLS):.3f}); compute {compute * 1e3:.0f} ms a step; {args.iters} "
-        "paired iterations, medians"
+        f"compute {compute * 1e3:.0f} ms a step\ntarget loss {target:.3f} (the chain's entropy "
+        f"{entropy:.3f}, log {SYMBOLS} = {math.log(SYMBOLS):.3f}); {args.iters} paired "
+        "iterations, medians"
     )
     print(f"{'':<8} {'steps':>6} {'MiB/replica':>12} {'sim. s':>8} {'time / DDP':>22}")
     reached = {
@@ -186,10 +186,17 @@ def report(args, ways: list[str], curves: dict, target: float, entropy: float) -
         ours = [r[2] for r in hits]
         theirs = [r[2] for r in reached["ddp"] if r is not None]
         ratio, (low, high) = paired_ratio(ours, theirs), paired_ratio_interval(ours, theirs)
-        results[way] = {"steps": steps, "bytes": sent, "seconds": seconds, "ratio": ratio}
+        results[way] = {
+            "steps": steps,
+            "bytes": sent,
+            "seconds": seconds,
+            "ratio": ratio,
+            "interval": [low, high],
+        }
         interval = f"{ratio:.2f} [{low:.2f}, {high:.2f}]"
         print(f"{way:<8} {steps:>6.0f} {sent / 2**20:>12.2f} {seconds:>8.1f} {interval:>22}")
     if args.json:
         with open(args.json, "w") as file:
-            json.dump({"args": {**vars(args), "link": str(args.link)}, "results": results}, file)
+            given = {**vars(args), "link": str(args.link)}
+            json.dump({"args": given, "target": target, "results": results}, file)
         print(f"wrote {args.json}")
