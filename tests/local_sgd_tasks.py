@@ -241,10 +241,13 @@ def diloco_resumes_bitwise(spec: Spec) -> dict:
     return {"straight": straight, "resumed": params_of(model)}
 
 
-def diloco_across_ddp_replicas(spec: Spec, by_hand: bool, clip: float = 0.5) -> list:
-    """A (diloco, dp) = (2, 2) mesh: MiniDDP inside each replica over "dp", DiLoCo across
-    "diloco", inner gradients clipped; or the same run written by hand with all_reduce."""
-    from miniddp import MiniDDP
+def diloco_across_ddp_replicas(
+    spec: Spec, by_hand: bool, clip: float = 0.5, inside: str = "ddp"
+) -> list:
+    """A (diloco, dp) = (2, 2) mesh: MiniDDP (or fully_shard) inside each replica over "dp",
+    DiLoCo across "diloco", inner gradients clipped; or the same run written by hand with
+    all_reduce. Returns the full parameters."""
+    from miniddp import MiniDDP, full_state_dict, fully_shard
     from miniddp.mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("diloco", "dp"))
@@ -253,6 +256,20 @@ def diloco_across_ddp_replicas(spec: Spec, by_hand: bool, clip: float = 0.5) -> 
     model = build_model(spec)
     inner = inner_optimizer(spec, model.parameters())
     outer = outer_optimizer(spec, model.parameters())
+    if not by_hand and inside == "fully_shard":  # each rank of a replica holds a flat piece
+        from miniddp.sharding.clipping import clip_grad_norm_
+
+        fully_shard(model, process_group=dp)
+        inner = inner_optimizer(spec, model.parameters())
+        outer = outer_optimizer(spec, model.parameters())
+        with DiLoCo(model, inner, outer, spec.sync_every, process_group=replicas):
+            for step in range(spec.inner_steps):
+                x, y = batch(spec, data, step)
+                inner.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                clip_grad_norm_(model.parameters(), clip)
+                inner.step()
+        return list(full_state_dict(model).values())
     if not by_hand:
         ddp = MiniDDP(model, process_group=dp)
         with DiLoCo(model, inner, outer, spec.sync_every, process_group=replicas):
