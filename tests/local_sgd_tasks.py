@@ -29,6 +29,7 @@ class Spec:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     exchange_dtype: str | None = None  # "bfloat16"
+    algorithm: str = "gloo"  # or one of the course's all-reduces: "ring", ...
 
     @property
     def inner_steps(self) -> int:
@@ -116,6 +117,7 @@ def diloco(spec: Spec, groups: list[list[int]] | None = None) -> dict:
         fragments=fragments,
         fragment_sync_delay=spec.delay,
         exchange_dtype=dtype,
+        algorithm=spec.algorithm,
     )
     with run:
         train(spec, model, inner, replica)

@@ -84,6 +84,15 @@ def test_diloco_averages_over_its_group_only(rank_pools, torchfts):
         assert_bitwise(mine["params"], reference, f"rank {rank} against torchft's replica")
 
 
+@pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling"])
+def test_the_courses_all_reduces_give_torchfts_bits_at_two_replicas(pool2, torchfts, algorithm):
+    """At W = 2 every all-reduce adds a + b, so the course's own (miniddp/collectives) are
+    torchft's bits too; at W >= 3 only gloo's order is (exchange.py)."""
+    spec = Spec(**{**W2.__dict__, "algorithm": algorithm})
+    for replica, mine in enumerate(pool2.run(local_sgd_tasks.diloco, spec)):
+        assert_bitwise(mine["params"], torchfts["W2"][replica], f"{algorithm}, replica {replica}")
+
+
 def test_the_replicas_agree_after_every_sync_and_send_one_model_per_outer_step(pool2):
     spec = Spec(sync_every=3, outer_steps=2)
     results = pool2.run(local_sgd_tasks.diloco, spec)
@@ -136,6 +145,7 @@ def test_diloco_across_replicas_each_running_miniddp_is_the_run_written_by_hand(
     assert_bitwise(ours[0], ours[3], "replica 0 against replica 1")
 
 
+@pytest.mark.slow  # ~10 s on 4 ranks; the MiniDDP-inside test covers the mesh by default
 def test_diloco_across_replicas_each_fully_sharded_trains_as_with_miniddp_inside(rank_pools):
     """fully_shard inside each replica: DiLoCo averages each rank's flat piece with the same
     piece of the other replica. Against MiniDDP inside: the same maths, other sums (the
