@@ -36,8 +36,9 @@ FIGURES = [
     "15_three_d.png",
     "15b_ring_attention.png",
 ]
-# Drawn only with --only 12: chapter 12's 3-minute training run (its claims: test_train_gpt.py).
-ON_REQUEST = ["12_loss.png"]
+# Drawn only with --only 12: chapter 12's 3-minute training run (its claims: test_train_gpt.py);
+# with --only 18, chapter 18's runs on 4 ranks (its claims: test_local_sgd.py, test_tutorials.py).
+ON_REQUEST = ["12_loss.png", "18_across_the_internet.png"]
 TIMEOUT_SECONDS = 300
 
 

@@ -27,6 +27,7 @@ FLOORS = {
     "tensor_parallel": 2,
     "pipeline": 2,
     "context_parallel": 2,
+    "local_sgd": 2,
     "mesh": 2,
     "models": 2,
     "checkpoint": 3,
@@ -42,6 +43,7 @@ PARALLELISMS = {
     "tensor_parallel",
     "pipeline",
     "context_parallel",
+    "local_sgd",
 }  # side by side
 
 

@@ -30,7 +30,8 @@ TORCH_LOG = re.compile(r"[DIWEF]\d{4} \d\d:\d\d:\d\d")
 # code on a tiny GPT, with its checks, instead.
 # Chapters 02 and 03 (the README's) run through `./launch.sh` below. Chapter 06 has its own
 # tests/test_failover.py: uninterrupted, crashed and restarted by torchrun, and once finished.
-# Chapter 15 needs 8 ranks, 08c and 09b 4: their own tests are at the end of this file.
+# Chapter 15 needs 8 ranks, 08c, 09b and 18 4 (in 18 one dies): their own tests are at the end
+# of this file.
 OWN_TESTS = {
     "02_naive_ddp.py",
     "03_bucketing.py",
@@ -39,6 +40,7 @@ OWN_TESTS = {
     "09b_large_model_template.py",
     "12_train_gpt.py",
     "15_three_d_parallel.py",
+    "18_across_the_internet.py",
 }
 CHAPTERS = [
     chapter
@@ -252,3 +254,16 @@ def test_the_large_model_template_refuses_a_mesh_that_does_not_fit(tmp_path: Pat
     assert returncode == 1, tail(output)
     assert output.count("torchrun --nproc_per_node=4 tutorials/09b_large_model_template.py") == 1
     assert "Traceback" not in output
+
+
+ACROSS = REPO / "tutorials" / "18_across_the_internet.py"
+
+
+@pytest.mark.slow  # a minute or two: 4 ranks train six ways; tests/test_local_sgd.py checks them
+def test_the_across_the_internet_chapter_runs_short_on_four_ranks(tmp_path: Path) -> None:
+    """Chapter 18 on its 4 replicas, 40 steps a run: its checks, and replica 3's death."""
+    returncode, output = run_chapter(ACROSS, 4, tmp_path, "--steps", "40")
+    assert returncode == 0, f"{ACROSS.name} exited with {returncode}:\n{tail(output)}"
+    assert "Chapter 18 done: every check held." in output, tail(output)
+    wide = too_wide(output, tmp_path)
+    assert not wide, f"{ACROSS.name} printed lines over {LINE} characters:\n" + "\n".join(wide)

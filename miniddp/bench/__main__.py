@@ -21,8 +21,10 @@ COMMANDS = {
     "compose": "the 3-D step (PP x DP x TP) of MiniDDP's pieces against torch's composition",
     "cp": "ring attention's step against one process and torch's ring, time and memory",
     "plan": "miniddp.plan's predicted step against measured ones, 4 layouts on 8 ranks",
+    "diloco": "DDP against DiLoCo at each H: bytes and simulated time to a fixed loss, --link",
 }
-RANKS = {"sharding": 4, "compose": 8, "plan": 8}  # sharding: groups of 1, 2, 4; compose: 2, 2, 2
+# sharding: groups of 1, 2 and 4; compose: (2, 2, 2); plan: 4 layouts of 8; diloco: 4 replicas
+RANKS = {"sharding": 4, "compose": 8, "plan": 8, "diloco": 4}
 
 
 def check_options(command: str, argv: list[str]) -> None:

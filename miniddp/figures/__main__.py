@@ -28,6 +28,8 @@ Where the data comes from:
   causal, plain and load-balanced (figures/context_parallel.py).
 - 12 (only when asked, `--only 12`: a 3-minute training run): chapter 12 under torchrun on 2
   ranks with `--plot`, its GPT's loss curves on MiniDDP and torch's DDP.
+- 18 (only when asked, `--only 18`: minutes of training): chapter 18 under torchrun on 4 ranks
+  with `--plot`, validation loss against simulated time and bytes sent (figures/local_sgd.py).
 """
 
 from __future__ import annotations
@@ -64,10 +66,12 @@ CHAPTER_08B = REPO / "tutorials" / "08b_memory.py"
 CHAPTER_08B_TIMEOUT_S = 300
 CHAPTER_12 = REPO / "tutorials" / "12_train_gpt.py"
 CHAPTER_12_TIMEOUT_S = 900
+CHAPTER_18 = REPO / "tutorials" / "18_across_the_internet.py"
+CHAPTER_18_TIMEOUT_S = 1800
 # the default set
 FIGURE_SETS = ("00", "01", "02", "03", "04", "05", "06", "08", "08b", "13", "14", "14b")
 FIGURE_SETS += ("15", "15b")
-ON_REQUEST = ("12",)  # a whole training run: only with --only 12
+ON_REQUEST = ("12", "18")  # whole training runs: only with --only 12 or --only 18
 
 
 def run_chapter_04(out: Path, iters: int) -> None:
@@ -97,12 +101,13 @@ def run_chapter_04(out: Path, iters: int) -> None:
         )
 
 
-def run_chapter(chapter: Path, figure: Path, timeout: float, *args: str) -> Path:
-    """`chapter`'s default run under torchrun on 2 ranks, with --plot into `figure`'s folder.
-    Like chapter 04, it checks its own claims: here, the picture."""
+def run_chapter(chapter: Path, figure: Path, timeout: float, *args: str, ranks: int = 2) -> Path:
+    """`chapter`'s default run under torchrun on `ranks` ranks, with --plot into `figure`'s
+    folder. Like chapter 04, it checks its own claims: here, the picture."""
     figure.unlink(missing_ok=True)
     command = [
-        *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"),
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
+        f"--nproc_per_node={ranks}",
         *(str(chapter), "--plot", str(figure.parent), *args),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -195,6 +200,9 @@ def main(argv: list[str] | None = None) -> None:
         written += [args.out / name for name in CHAPTER_04_FIGURES]
     if "12" in chosen:
         written.append(run_chapter_12(args.out))
+    if "18" in chosen:  # its 4 replicas, DDP and DiLoCo over the simulated link
+        figure = args.out / "18_across_the_internet.png"
+        written.append(run_chapter(CHAPTER_18, figure, CHAPTER_18_TIMEOUT_S, ranks=4))
     if "13" in chosen:
         written.append(tensor_parallel.column_row_split(args.out / "13_tensor_parallel.png"))
     if "14" in chosen:
