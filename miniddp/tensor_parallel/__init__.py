@@ -44,6 +44,7 @@ from miniddp.tensor_parallel.plan import (
     ParallelStyle,
     RowwiseParallel,
     SequenceParallel,
+    Style,
     parallelize_module,
 )
 
@@ -58,6 +59,7 @@ __all__ = [
     "RowwiseParallel",
     "SequenceParallel",
     "SequenceParallelLayerNorm",
+    "Style",
     "TinyGPT",
     "TransformerBlock",
     "VocabParallelEmbedding",
