@@ -12,6 +12,7 @@ The vocabulary (GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2021):
     experts.py      GroupedExperts: E SwiGLUs with stacked weights, on rows sorted by expert
     moe.py          MoE: route, permute (stably), drop past capacity, compute, combine
     parallel.py     ExpertParallel: this rank's experts, and the all-to-all dispatch
+    gradients.py    beside data parallelism: experts summed over their own group
 
     moe = MoE(dim=64, hidden_dim=128, num_experts=8, top_k=2, aux_loss_coef=0.01)
     parallelize_module(moe.experts, mesh["ep"], ExpertParallel())  # tensor_parallel's
@@ -22,8 +23,17 @@ The all-to-all itself is one of the collectives (miniddp/collectives/all_to_all.
 """
 
 from miniddp.expert_parallel.experts import GroupedExperts
+from miniddp.expert_parallel.gradients import all_reduce_gradients
 from miniddp.expert_parallel.moe import MoE
 from miniddp.expert_parallel.parallel import ExpertParallel
 from miniddp.expert_parallel.router import Router, Routing, load_balancing_loss
 
-__all__ = ["ExpertParallel", "GroupedExperts", "MoE", "Router", "Routing", "load_balancing_loss"]
+__all__ = [
+    "ExpertParallel",
+    "GroupedExperts",
+    "MoE",
+    "Router",
+    "Routing",
+    "all_reduce_gradients",
+    "load_balancing_loss",
+]
