@@ -27,6 +27,7 @@ FLOORS = {
     "tensor_parallel": 2,
     "pipeline": 2,
     "context_parallel": 2,
+    "expert_parallel": 2,
     "mesh": 2,
     "models": 2,
     "checkpoint": 3,
@@ -41,6 +42,7 @@ PARALLELISMS = {
     "tensor_parallel",
     "pipeline",
     "context_parallel",
+    "expert_parallel",
 }  # side by side
 
 
