@@ -20,6 +20,7 @@ COMMANDS = {
     "pp": "a pipeline step (GPipe, 1F1B, interleaved, zero bubble) against torch's, bare, linked",
     "compose": "the 3-D step (PP x DP x TP) of MiniDDP's pieces against torch's composition",
     "cp": "ring attention's step against one process and torch's ring, time and memory",
+    "ep": "an MoE layer's step with expert parallelism; its all-to-alls against the model",
 }
 RANKS = {"sharding": 4, "compose": 8}  # sharding: groups of 1, 2 and 4; compose: (2, 2, 2)
 
