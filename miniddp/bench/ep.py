@@ -21,7 +21,9 @@ own `--tokens` tokens through one MoE layer:
 
 Timed interleaved (a barrier before each, the order rotated each iteration), the slowest rank's
 seconds per step; ratios are medians of per-iteration ratios with 95% intervals (paired.py).
-DeepSpeed-MoE is not compared here: see docs or the closing note of the issue.
+DeepSpeed-MoE is not compared yet: installed beside torch 2.13 (0.19.8, torch unchanged), its
+`deepspeed.init_distributed` JIT-compiles a shared-memory communication extension on CPU, which
+had not finished after minutes on the shared 2-core machine this was written on.
 """
 
 from __future__ import annotations
