@@ -7,7 +7,7 @@ own tokens, `torch.chunk(batch, W)[rank]`, and reports how its part compares.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -15,6 +15,7 @@ import torch.distributed as dist
 from miniddp.collectives import all_reduce
 from miniddp.expert_parallel import ExpertParallel, MoE, all_reduce_gradients
 from miniddp.mesh import init_device_mesh
+from miniddp.models import GPT, GPTConfig, MoEConfig, moe_aux_loss
 from miniddp.tensor_parallel import parallelize_module
 
 
@@ -153,3 +154,43 @@ def refusal(case: str) -> str:
     except (ValueError, TypeError) as error:
         return str(error)
     return "accepted"
+
+
+def gpt_with_experts(seed: int) -> dict[str, object]:
+    """Chapter 12's GPT with experts in every other block, its experts split over the ranks,
+    each rank its own windows: the logits and the experts' gradients against one process on
+    every window (dropout off: a mask drawn per rank is another mask)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(seed)
+    config = GPTConfig(vocab_size=20, context=16, width=32, layers=2, heads=2, dropout=0.0)
+    model = GPT(replace(config, moe=MoEConfig(num_experts=4, top_k=2)))
+    windows = torch.randint(0, 20, (2 * world_size, 16))
+    weights = torch.randn(2 * world_size, 16, 20)
+
+    def run(tokens: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        model.zero_grad()
+        logits = model(tokens)
+        ((logits * g).sum() + moe_aux_loss(model)).backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    reference_logits, reference = run(windows, weights)
+    for block in model.blocks:
+        if isinstance(block.mlp, MoE):
+            parallelize_module(block.mlp.experts, dist.group.WORLD, ExpertParallel())
+    mine = slice(2 * rank, 2 * rank + 2)
+    logits, grads = run(windows[mine], weights[mine])
+    experts = {n: g for n, g in grads.items() if ".experts." in n}
+    others = {n: g for n, g in grads.items() if n not in experts}
+    for grad in others.values():
+        all_reduce(grad)
+    return {
+        "logits": torch.equal(logits, reference_logits[mine]),
+        "experts": all(
+            torch.equal(g, reference[n].chunk(world_size)[rank]) for n, g in experts.items()
+        ),
+        "others": max(  # relative: the embeddings' gradients are sums of hundreds of terms
+            ((g - reference[n]).abs().max() / reference[n].abs().max()).item()
+            for n, g in others.items()
+        ),
+        "expert blocks": sum(isinstance(b.mlp, MoE) for b in model.blocks),
+    }

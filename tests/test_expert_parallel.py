@@ -126,3 +126,11 @@ def test_capacity_keeps_first_choices_first_in_token_order():
     moe = MoE(8, 8, 2, 2, capacity_factor=0.5)
     kept = moe.within_capacity(torch.tensor([[0, 1]] * 4))
     assert kept.tolist() == [[True, True], [True, True], [False, False], [False, False]]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_gpt_with_experts_is_one_process(rank_pools, world_size):
+    for result in rank_pools(world_size).run(tasks.gpt_with_experts, 0):
+        assert result["expert blocks"] == 1
+        assert result["logits"] and result["experts"], result
+        assert result["others"] < ROUNDING, result
