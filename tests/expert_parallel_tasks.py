@@ -119,6 +119,7 @@ def with_data_parallel(spec: Spec) -> dict[str, object]:
     reference = run(moe, x, dy, 1.0)
     moe.zero_grad()
     parallelize_module(moe.experts, mesh["ep"], ExpertParallel())
+    moe.routing_group = dist.group.WORLD  # every rank routes: the aux loss over all of them
     # Each ep group must see its tokens in rank order: dp row d holds quarters 2d and 2d+1.
     mine = x.chunk(4)[rank], dy.chunk(4)[rank]
     ours = run(moe, *mine, 1.0)
@@ -128,7 +129,10 @@ def with_data_parallel(spec: Spec) -> dict[str, object]:
         expert_data_parallel_group=mesh["dp"].get_group(),
     )
     ep_rank = mesh["ep"].get_local_rank()
-    differences = {"y": (ours["y"] - reference["y"].chunk(4)[rank]).abs().max().item()}
+    differences = {
+        "y": (ours["y"] - reference["y"].chunk(4)[rank]).abs().max().item(),
+        "aux": (ours["aux"] - reference["aux"]).abs().item(),
+    }
     for name, param in moe.named_parameters():
         expected = reference[name]
         if name.startswith("experts."):

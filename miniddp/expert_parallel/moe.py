@@ -4,7 +4,8 @@
     y = moe(x)                       # x (B, T, dim) or (N, dim); y the same shape
     loss = task_loss(y) + moe.aux_loss
 
-For each of the N tokens the router (router.py) picks top_k experts and their weights. Each
+For each of the N tokens the router (router.py) picks top_k experts and their weights (experts
+of equal probability in the order of their index, the lower first: a stable sort). Each
 (token, expert) pair is one row for the experts; the N k rows are sorted by expert with a
 stable sort, so expert e sees its rows in token order, the same rows in the same order whether
 one process holds the whole batch or an expert-parallel group holds it split by rank in rank
@@ -28,7 +29,9 @@ After each forward:
     dropped            how many (token, expert) choices capacity dropped
 
 Under expert parallelism (parallel.py) all three are global: summed over every rank of the
-group, the same numbers one process gets on the whole batch. Capacity, though, stays this
+group, the same numbers one process gets on the whole batch. Beside data parallelism, the ranks
+that route are dp x ep, not the ep group alone: set `routing_group` to all of them (Megatron's
+global auxiliary loss sums over every data-parallel rank too). Capacity, though, stays this
 rank's: see parallel.py for why, and by how much that differs from a global one.
 """
 
@@ -37,6 +40,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from miniddp.collectives import all_reduce
@@ -75,6 +79,9 @@ class MoE(nn.Module):
         self.aux_loss = torch.zeros(())
         self.tokens_per_expert = torch.zeros(num_experts, dtype=torch.int64)
         self.dropped = 0
+        # Whose statistics the three sum: None, the experts' group (this process alone before
+        # ExpertParallel, the ep group after it).
+        self.routing_group: dist.ProcessGroup | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.dim or x.dim() not in (2, 3):
@@ -119,7 +126,7 @@ class MoE(nn.Module):
                 torch.tensor([len(probs), dropped], dtype=torch.float64),
             ]
         )
-        group = self.experts.dispatch.group
+        group = self.routing_group or self.experts.dispatch.group
         if group is not None:
             all_reduce(totals, group=group)
         e = self.num_experts
