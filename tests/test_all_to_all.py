@@ -17,15 +17,15 @@ from tests import all_to_all_tasks as tasks
     "dtype, row_shape", [(torch.float32, (5,)), (torch.int64, ()), (torch.bfloat16, (2, 3))]
 )
 def test_all_to_all_is_bitwise_torchs(rank_pools, world_size, dtype, row_shape):
-    for seed in range(3):
+    for seed in range(2):
         for result in rank_pools(world_size).run(tasks.exchange, seed, dtype, row_shape):
             assert result["bitwise"], (seed, result)
             assert result["bytes_sent"] == result["expected_bytes_sent"]
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_its_autograd_form_is_torchs(rank_pools, world_size):
-    for result in rank_pools(world_size).run(tasks.gradients, 5):
+def test_its_autograd_form_is_torchs(rank_pools):
+    """At W = 4 only: torch's functional collectives cost seconds to start in each process."""
+    for result in rank_pools(4).run(tasks.gradients, 5):
         assert result == {"output": True, "gradient": True}
 
 

@@ -225,19 +225,20 @@ def all_to_all_single(
             f"output rows {tuple(output.shape[1:])} and input rows {tuple(input.shape[1:])} "
             "must hold as many elements: a row travels whole"
         )
-    outputs = _pieces(output, output_split_sizes, peers.size, "output")
-    inputs = _pieces(input.contiguous(), input_split_sizes, peers.size, "input")
+    output_sizes = _piece_sizes(output, output_split_sizes, peers.size, "output")
+    input_sizes = _piece_sizes(input, input_split_sizes, peers.size, "input")
+    inputs = input.contiguous().view(-1).split(input_sizes)
 
-    def exchange(flat: torch.Tensor) -> None:
-        all_to_all.pairwise(peers, list(flat.split(outputs)), list(inputs))
+    def exchange(flat: torch.Tensor) -> None:  # the output, flat and contiguous (_issue)
+        all_to_all.pairwise(peers, list(flat.split(output_sizes)), list(inputs))
 
     return _issue(exchange, output, [output], async_op)
 
 
-def _pieces(
+def _piece_sizes(
     tensor: torch.Tensor, split_sizes: Sequence[int] | None, world_size: int, name: str
-) -> Sequence[Any]:
-    """The output's sizes in elements (it is split flat, in place), or the input's pieces."""
+) -> list[int]:
+    """The W pieces' sizes in elements: `split_sizes` rows each (None: equal), checked."""
     rows = tensor.shape[0]
     if split_sizes is None:
         if rows % world_size:
@@ -253,9 +254,7 @@ def _pieces(
             f"adding up to {name}'s {rows} rows (dim 0); got {split_sizes}"
         )
     row = math.prod(tensor.shape[1:])
-    if name == "output":
-        return [size * row for size in split_sizes]
-    return tensor.reshape(-1).split([size * row for size in split_sizes])
+    return [size * row for size in split_sizes]
 
 
 class _AllToAll(torch.autograd.Function):
