@@ -29,8 +29,10 @@ def test_the_bench_times_the_all_to_alls_against_the_model(tmp_path):
     assert bare["dispatch_combine_predicted_ms"] < linked["dispatch_combine_predicted_ms"]
     for run in (bare, linked):
         assert all(len(seconds) == 3 for seconds in run["times"].values())
-        low, high = run["ratios"]["ep / dp"]["interval"]
-        assert 0 < low <= run["ratios"]["ep / dp"]["ratio"] <= high
+        for ratio in run["ratios"].values():  # "ep / deepspeed" too, where it is installed
+            low, high = ratio["interval"]
+            assert 0 < low <= ratio["ratio"] <= high
+        assert "ep / dp" in run["ratios"]
 
 
 def test_more_choices_than_experts_is_refused_at_once(tmp_path):
