@@ -153,6 +153,12 @@ def refusal(case: str) -> str:
         elif case == "a group without this rank":
             group = dist.new_group([0])
             parallelize_module(MoE(8, 8, 4, 1).experts, group, ExpertParallel())
+        elif case == "not the experts":
+            parallelize_module(MoE(8, 8, 4, 1), dist.group.WORLD, ExpertParallel())
+        elif case == "split twice":
+            moe = MoE(8, 8, 4, 1)
+            parallelize_module(moe, dist.group.WORLD, {"experts": ExpertParallel()})
+            parallelize_module(moe.experts, dist.group.WORLD, ExpertParallel())
         elif case == "wrong width":
             MoE(8, 8, 4, 1)(torch.zeros(3, 7))
     except (ValueError, TypeError) as error:

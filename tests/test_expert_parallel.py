@@ -66,6 +66,8 @@ def test_beside_data_parallel_it_is_one_process(rank_pools):
         ("capacity_factor <= 0", "capacity_factor must be > 0"),
         ("experts not divisible by ep", "3 experts cannot be split evenly over 2"),
         ("wrong width", "MoE takes (B, T, 8) or (N, 8); got (3, 7)"),
+        ("not the experts", "ExpertParallel splits a GroupedExperts (an MoE's .experts)"),
+        ("split twice", "is already expert-parallel"),
     ],
 )
 def test_bad_input_is_refused_on_every_rank(pool2, case, expected):
