@@ -12,9 +12,10 @@ an import that runs up):
     floor 2  the parallelisms, side by side, none importing another: data_parallel/ (MiniDDP,
              its buckets, layout, comm hooks, static graph, sampler), sharding/ (ZeRO-1/2/3,
              clipping), tensor_parallel/, pipeline/, context_parallel/ (the sequence split,
-             ring attention), local_sgd/ (LocalSGD, DiLoCo: replicas that sync
-             rarely); beside them mesh.py (init_device_mesh, one
-             grid and a group per axis) and models/ (the GPT chapter 12 trains)
+             ring attention), expert_parallel/ (MoE, its all-to-all dispatch), local_sgd/
+             (LocalSGD, DiLoCo: replicas that sync rarely); beside them mesh.py
+             (init_device_mesh, one grid and a group per axis) and models/ (the GPT chapter
+             12 trains)
     floor 1  the ground: collectives/ (from send/recv), job/ (the environment, the wait seam
              and its faults, meeting points), observe/ (events, timelines, the simulated link,
              the overlap model), placement.py (the mark each parallelism leaves on its

@@ -8,10 +8,20 @@ different model there unnoticed. These hold the model to its own docstring.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.nn import functional as F
 
-from miniddp.models.gpt import GPT, GPTConfig
+from miniddp.expert_parallel import MoE
+from miniddp.models.gpt import (
+    GPT,
+    MLP,
+    GPTConfig,
+    MoEConfig,
+    moe_aux_loss,
+    next_character_loss,
+    parameter_groups,
+)
 
 
 def test_the_head_is_the_token_embedding_and_counted_once():
@@ -41,3 +51,25 @@ def test_the_tied_gradient_is_the_sum_of_the_embedding_and_the_head():
     assert multiplied.grad.abs().sum() > 0 and looked_up.grad.abs().sum() > 0  # both uses count
     both = looked_up.grad + multiplied.grad
     torch.testing.assert_close(model.token.weight.grad, both, rtol=0, atol=1e-12)
+
+
+def test_experts_go_in_every_other_block_and_their_aux_loss_is_added():
+    config = GPTConfig(vocab_size=11, context=8, width=16, layers=4, heads=2)
+    model = GPT(GPTConfig(**{**config.__dict__, "moe": MoEConfig(num_experts=4, top_k=2)}))
+    assert [type(block.mlp) for block in model.blocks] == [MLP, MoE, MLP, MoE]
+    windows = torch.randint(0, 11, (3, 9))
+    loss = next_character_loss(model, windows)
+    aux = moe_aux_loss(model)
+    layers = [block.mlp for block in model.blocks if isinstance(block.mlp, MoE)]
+    assert aux.item() == pytest.approx(sum(m.aux_loss.item() for m in layers)) and aux > 0
+    (loss + aux).backward()
+    assert all(m.router.gate.weight.grad.abs().sum() > 0 for m in layers)
+    decayed = {id(p) for p in parameter_groups(model, 0.1)[0]["params"]}
+    assert all(id(m.experts.w2) in decayed for m in layers)  # the experts are matrices too
+
+
+def test_a_dense_gpt_has_no_aux_loss_and_every_must_be_positive():
+    model = GPT(GPTConfig(vocab_size=11, context=8, width=16, layers=2, heads=2))
+    assert moe_aux_loss(model).item() == 0.0
+    with pytest.raises(ValueError, match="every must be >= 1"):
+        MoEConfig(num_experts=4, every=0)

@@ -28,6 +28,7 @@ FLOORS = {
     "pipeline": 2,
     "context_parallel": 2,
     "local_sgd": 2,
+    "expert_parallel": 2,
     "mesh": 2,
     "models": 2,
     "checkpoint": 3,
@@ -44,6 +45,7 @@ PARALLELISMS = {
     "pipeline",
     "context_parallel",
     "local_sgd",
+    "expert_parallel",
 }  # side by side
 
 

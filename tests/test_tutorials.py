@@ -92,13 +92,16 @@ def torchrun(chapter: Path, nproc: int) -> list[str]:
 # Run with `pytest -m slow`, each a long run whose checks the default suite makes elsewhere:
 # 04's claims are timings over the simulated link (its gradients against torch's DDP:
 # tests/test_link.py); 07's ranks on emulated nodes (tests/test_multinode.py); 14's, 14b's and
-# 14c's orders on the logical clock and their bits (tests/test_pipeline*.py).
+# 14c's orders on the logical clock and their bits (tests/test_pipeline*.py); 17's layer against
+# one process and its all-to-all (tests/test_expert_parallel.py, tests/test_all_to_all.py): it
+# trains for 2 x 200 steps.
 SLOW_CHAPTERS = {
     "04_overlap.py",
     "07_multinode.py",
     "14_pipeline_parallel.py",
     "14b_interleaved_zero_bubble.py",
     "14c_v_schedules.py",
+    "17_experts.py",
 }
 
 

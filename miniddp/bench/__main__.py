@@ -22,6 +22,7 @@ COMMANDS = {
     "cp": "ring attention's step against one process and torch's ring, time and memory",
     "plan": "miniddp.plan's predicted step against measured ones, 4 layouts on 8 ranks",
     "diloco": "DDP against DiLoCo at each H: bytes and simulated time to a fixed loss, --link",
+    "ep": "an MoE layer's step with expert parallelism; its all-to-alls against the model",
 }
 # sharding: groups of 1, 2 and 4; compose: (2, 2, 2); plan: 4 layouts of 8; diloco: 4 replicas
 RANKS = {"sharding": 4, "compose": 8, "plan": 8, "diloco": 4}

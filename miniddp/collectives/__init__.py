@@ -9,6 +9,7 @@ order:
     tree.py         the binomial tree: broadcast, reduce, and all-reduce in ceil(log2 W) steps
     doubling.py     recursive doubling: the all-reduce with the fewest steps
     ring.py         the ring: reduce-scatter, all-gather, the bandwidth-optimal all-reduce
+    all_to_all.py   the pairwise exchange: a different piece from every rank to every rank
     comm_thread.py  async collectives: one thread runs them all, in the order they were issued
     api.py          the functions a user calls, their argument checks and algorithm choice
     cost_model.py   every algorithm's steps and bytes side by side, the alpha-beta model
@@ -23,6 +24,8 @@ from miniddp.collectives.api import (
     all_gather,
     all_gather_into_tensor,
     all_reduce,
+    all_to_all_single,
+    all_to_all_single_autograd,
     broadcast,
     reduce,
     reduce_scatter,
@@ -34,6 +37,7 @@ from miniddp.collectives.cost_model import (
     CostModel,
     KiB,
     MiB,
+    all_to_all_time,
     choose_all_reduce_algorithm,
     fit_cost_model,
     schedule,
@@ -57,6 +61,9 @@ __all__ = [
     "all_gather",
     "all_gather_into_tensor",
     "all_reduce",
+    "all_to_all_single",
+    "all_to_all_single_autograd",
+    "all_to_all_time",
     "broadcast",
     "choose_all_reduce_algorithm",
     "fit_cost_model",

@@ -5,24 +5,28 @@
     all_reduce(tensor, op)             op over all ranks' tensors, into every rank's tensor
     reduce_scatter(output, inputs, op) rank r gets op over everyone's inputs[r]
     all_gather(outputs, tensor)        every rank gets every rank's tensor
+    all_to_all_single(output, input,   rank r's piece d of input becomes rank d's piece r of
+        output_splits, input_splits)   output (and its autograd form, for expert parallelism)
 
 Chapter 01 (tutorials/01_collectives.py) calls them throughout, side by side with torch's. Each
 one checks its arguments first, so that bad input is refused before any message leaves (a rank
 that failed half-way through a collective would leave the others waiting), picks its algorithm
-(naive.py, tree.py, doubling.py, ring.py), and hands the run to the communication thread
-(comm_thread.py): `async_op=True` returns a `Work` at once, as torch.distributed's does.
+(naive.py, tree.py, doubling.py, ring.py, all_to_all.py), and hands the run to the communication
+thread (comm_thread.py): `async_op=True` returns a `Work` at once, as torch.distributed's does.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
-from miniddp.collectives import doubling, naive, ring, tree
+from miniddp.collectives import all_to_all, doubling, naive, ring, tree
 from miniddp.collectives.comm_thread import Work, submit
 from miniddp.collectives.cost_model import choose_all_reduce_algorithm
 from miniddp.collectives.peers import COMBINE, INTEGER_ONLY, Peers, finish_average, wait_all
@@ -194,6 +198,102 @@ def all_gather_into_tensor(
             labelled.check(labels)
 
     return _issue(gather, output_tensor, [output_tensor], async_op)
+
+
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: Sequence[int] | None = None,
+    input_split_sizes: Sequence[int] | None = None,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Cut `input` along dim 0 into W pieces of `input_split_sizes` rows (None: equal), send
+    piece d to group rank d, and fill `output` with the pieces received, rank s's at the s-th
+    place of `output_split_sizes` rows. Sizes may be zero; every rank's sizes must agree with
+    its peers' (what r sends to d is what d expects from r), as torch's requires and, like
+    torch's, does not check: that would cost a message more.
+    """
+    peers = Peers(group, "all_to_all/pairwise")
+    if output.dim() == 0 or input.dim() == 0 or output.dtype != input.dtype:
+        raise ValueError(
+            f"output and input must be tensors of rows (dim >= 1) of one dtype; got "
+            f"{tuple(output.shape)} {output.dtype} and {tuple(input.shape)} {input.dtype}"
+        )
+    if math.prod(output.shape[1:]) != math.prod(input.shape[1:]):
+        raise ValueError(
+            f"output rows {tuple(output.shape[1:])} and input rows {tuple(input.shape[1:])} "
+            "must hold as many elements: a row travels whole"
+        )
+    output_sizes = _piece_sizes(output, output_split_sizes, peers.size, "output")
+    input_sizes = _piece_sizes(input, input_split_sizes, peers.size, "input")
+    inputs = input.contiguous().view(-1).split(input_sizes)
+
+    def exchange(flat: torch.Tensor) -> None:  # the output, flat and contiguous (_issue)
+        all_to_all.pairwise(peers, list(flat.split(output_sizes)), list(inputs))
+
+    return _issue(exchange, output, [output], async_op)
+
+
+def _piece_sizes(
+    tensor: torch.Tensor, split_sizes: Sequence[int] | None, world_size: int, name: str
+) -> list[int]:
+    """The W pieces' sizes in elements: `split_sizes` rows each (None: equal), checked."""
+    rows = tensor.shape[0]
+    if split_sizes is None:
+        if rows % world_size:
+            raise ValueError(
+                f"{name} has {rows} rows, which {world_size} ranks cannot share equally: give "
+                f"{name}_split_sizes"
+            )
+        split_sizes = [rows // world_size] * world_size
+    split_sizes = [int(size) for size in split_sizes]
+    if len(split_sizes) != world_size or min(split_sizes) < 0 or sum(split_sizes) != rows:
+        raise ValueError(
+            f"{name}_split_sizes must be {world_size} sizes, one per rank, none negative, "
+            f"adding up to {name}'s {rows} rows (dim 0); got {split_sizes}"
+        )
+    row = math.prod(tensor.shape[1:])
+    return [size * row for size in split_sizes]
+
+
+class _AllToAll(torch.autograd.Function):
+    """Forward the all-to-all; backward the same with the sizes swapped: a gradient row goes
+    back to the rank its row came from. The backward of expert parallelism's dispatch is the
+    combine's all-to-all, and the combine's is the dispatch's."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int] | None,
+        input_split_sizes: Sequence[int] | None,
+        group: ProcessGroup | None,
+    ) -> torch.Tensor:
+        ctx.sizes, ctx.group = (output_split_sizes, input_split_sizes), group
+        ctx.input_rows = input.shape[0]
+        rows = input.shape[0] if output_split_sizes is None else sum(output_split_sizes)
+        output = input.new_empty((rows, *input.shape[1:]))
+        all_to_all_single(output, input, output_split_sizes, input_split_sizes, group)
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        output_split_sizes, input_split_sizes = ctx.sizes
+        grad_input = grad.new_empty((ctx.input_rows, *grad.shape[1:]))
+        all_to_all_single(grad_input, grad, input_split_sizes, output_split_sizes, ctx.group)
+        return grad_input, None, None, None
+
+
+def all_to_all_single_autograd(
+    input: torch.Tensor,
+    output_split_sizes: Sequence[int] | None,
+    input_split_sizes: Sequence[int] | None,
+    group: ProcessGroup | None = None,
+) -> torch.Tensor:
+    """`all_to_all_single` that returns a new tensor and passes gradients back (torch's
+    `_functional_collectives.all_to_all_single_autograd`)."""
+    return _AllToAll.apply(input, output_split_sizes, input_split_sizes, group)
 
 
 def _issue(

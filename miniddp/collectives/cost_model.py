@@ -17,10 +17,13 @@ that build them derive each line:
     reduce_scatter ring            W-1        (W-1)/W n
     all_gather     ring            W-1        (W-1)/W n
     all_reduce ring                2(W-1)     2(W-1)/W n   reduce_scatter, then all_gather
+    all_to_all pairwise            W-1        (W-1)/W n    each piece straight to its rank
 
-(+2: two more steps, and one more n, when W is not a power of two.) Few steps win when each
-message's fixed cost dominates (small tensors), few bytes when bandwidth does (large ones);
-`CostModel` puts a time on both from two numbers fitted on the running machine.
+(+2: two more steps, and one more n, when W is not a power of two. For the all-to-all, n is
+the input's bytes cut into W even pieces; with uneven pieces the slowest rank is the one that
+sends or receives the most, and `all_to_all_time` prices it from the sizes themselves.) Few
+steps win when each message's fixed cost dominates (small tensors), few bytes when bandwidth
+does (large ones); `CostModel` puts a time on both from two numbers fitted on the running machine.
 """
 
 from __future__ import annotations
@@ -60,6 +63,20 @@ class CostModel:
         return steps * self.alpha + step_bytes * self.beta
 
 
+def all_to_all_time(model: CostModel, row_bytes: int, counts: torch.Tensor) -> float:
+    """The alpha-beta time of one pairwise all-to-all with uneven pieces: `counts[s, d]` rows of
+    `row_bytes` go from rank s to rank d. At each of the W-1 steps every rank sends one piece
+    and receives one, and the step lasts as long as its largest piece (all travel at once); the
+    empty pieces of a step that carries nothing still cost nothing."""
+    w = counts.shape[0]
+    total = 0.0
+    for step in range(1, w):
+        pieces = [int(counts[s, (s + step) % w]) for s in range(w)]
+        if max(pieces):
+            total += model.alpha + max(pieces) * row_bytes * model.beta
+    return total
+
+
 def schedule(collective: str, algorithm: str, nbytes: int, world_size: int) -> tuple[int, int]:
     """(steps, bytes carried by the steps in all) of an algorithm on `world_size` ranks."""
     w, depth = world_size, tree_steps(world_size)
@@ -76,6 +93,7 @@ def schedule(collective: str, algorithm: str, nbytes: int, world_size: int) -> t
         ("all_reduce", "ring"): (2 * (w - 1), 2 * (w - 1) * chunk),
         ("reduce_scatter", "ring"): (w - 1, (w - 1) * chunk),
         ("all_gather", "ring"): (w - 1, (w - 1) * chunk),
+        ("all_to_all", "pairwise"): (w - 1, (w - 1) * chunk),
     }
     if algorithm == "auto":
         algorithm = choose_all_reduce_algorithm(nbytes, world_size)

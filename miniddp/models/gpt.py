@@ -11,6 +11,12 @@ Attention is causal: the token at position t sees positions 0..t only, so one wi
 characters gives T next-character predictions at once. `scaled_dot_product_attention` does
 softmax(q·kᵀ/√d)·v with that mask, and its own dropout on the attention weights.
 
+With `moe=MoEConfig(num_experts, top_k)` the MLP of every `every`-th block (the second, the
+fourth, ... as GShard and Switch place them) is a mixture of SwiGLU experts instead
+(miniddp/expert_parallel/moe.py), each expert as wide as the dense MLP; `moe_aux_loss(model)`
+is the load-balancing loss to add to the training loss. Its experts split over ranks with
+`parallelize_module(block.mlp.experts, mesh["ep"], ExpertParallel())`.
+
 Dropout draws from torch's global generator, in a fixed order within a forward: two replicas
 seeded alike draw the same masks, which is what lets chapter 12 compare MiniDDP with torch's
 DDP bit for bit.
@@ -25,6 +31,27 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from miniddp.expert_parallel import GroupedExperts, MoE
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Which blocks get experts, how many, and how they route (MoE's arguments)."""
+
+    num_experts: int
+    top_k: int = 2
+    every: int = 2  # blocks every-1, 2 every-1, ...: every other block by default
+    hidden_dim: int | None = None  # each expert's; None: the dense MLP's 4 x width
+    capacity_factor: float | None = None  # None: dropless
+    aux_loss_coef: float = 0.01  # Switch's
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError(f"every must be >= 1 (1: every block has experts); got {self.every}")
+
+    def in_block(self, index: int) -> bool:
+        return index % self.every == self.every - 1
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -34,6 +61,7 @@ class GPTConfig:
     layers: int = 4  # N blocks
     heads: int = 4  # C / heads dimensions per head
     dropout: float = 0.1
+    moe: MoEConfig | None = None  # None: every block's MLP is dense
 
     def __post_init__(self) -> None:
         if self.width % self.heads:
@@ -91,16 +119,32 @@ class Block(nn.Module):
     """Pre-LayerNorm: the residual stream x itself is never normalized, only what each branch
     reads, so gradients reach the first block through the additions undamped."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, experts: bool = False) -> None:
         super().__init__()
         self.attention_norm = nn.LayerNorm(config.width)
         self.attention = CausalSelfAttention(config)
         self.mlp_norm = nn.LayerNorm(config.width)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config) if not experts else moe_layer(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x))
         return x + self.mlp(self.mlp_norm(x))
+
+
+def moe_layer(config: GPTConfig) -> MoE:
+    """An MoE in place of the MLP (no dropout on its output: Switch drops inside experts, if
+    at all, and a mask drawn per rank would break the comparison with one process)."""
+    moe = config.moe
+    assert moe is not None
+    hidden = moe.hidden_dim or 4 * config.width
+    return MoE(
+        config.width,
+        hidden,
+        moe.num_experts,
+        moe.top_k,
+        capacity_factor=moe.capacity_factor,
+        aux_loss_coef=moe.aux_loss_coef,
+    )
 
 
 class GPT(nn.Module):
@@ -110,7 +154,10 @@ class GPT(nn.Module):
         self.token = nn.Embedding(config.vocab_size, config.width)
         self.position = nn.Embedding(config.context, config.width)
         self.dropout = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.layers))
+        moe = config.moe
+        self.blocks = nn.ModuleList(
+            Block(config, experts=moe is not None and moe.in_block(i)) for i in range(config.layers)
+        )
         self.norm = nn.LayerNorm(config.width)
         self.head = nn.Linear(config.width, config.vocab_size, bias=False)
         # Tied: reading a character in and writing it out share one matrix (Press & Wolf,
@@ -120,7 +167,7 @@ class GPT(nn.Module):
         # GPT-2: each block adds two branches to the residual stream, so scale the last
         # projection of each by 1/√(2N) to keep the stream's variance from growing with depth.
         for name, param in self.named_parameters():
-            if name.endswith(("attention.proj.weight", "mlp.down.weight")):
+            if name.endswith(("attention.proj.weight", "mlp.down.weight", "experts.w2")):
                 nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.layers))
 
     @staticmethod
@@ -129,6 +176,9 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
+        if isinstance(module, GroupedExperts):
+            for weight in (module.w1, module.w2, module.w3):
+                nn.init.normal_(weight, mean=0.0, std=0.02)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, vocab) for the next character after each of `tokens` (B, T).
@@ -171,13 +221,21 @@ def next_character_loss(model: nn.Module, windows: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten())
 
 
+def moe_aux_loss(model: nn.Module) -> torch.Tensor:
+    """The sum of every MoE layer's aux_loss from the last forward (zero without experts): add
+    it to the loss. It looks through any wrapper (MiniDDP, fully_shard) by `modules()`."""
+    losses = [m.aux_loss for m in model.modules() if isinstance(m, MoE)]
+    return sum(losses, torch.zeros(()))
+
+
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """AdamW's two groups, as nanoGPT's: weight decay on the matrices (the Linear weights and
     the embeddings) and none on biases and LayerNorm gains, which only shift and scale and gain
     nothing from being pulled towards zero. Decided by name, not by shape, so that it holds for
     fully_shard's flat 1-D shards too."""
     named = dict(model.named_parameters())  # the tied weight once, as "token.weight"
-    decayed = {n for n in named if n.endswith("weight") and not n.endswith("norm.weight")}
+    matrices = ("weight", ".experts.w1", ".experts.w2", ".experts.w3")  # the experts' too
+    decayed = {n for n in named if n.endswith(matrices) and not n.endswith("norm.weight")}
     return [
         {"params": [p for n, p in named.items() if n in decayed], "weight_decay": weight_decay},
         {"params": [p for n, p in named.items() if n not in decayed], "weight_decay": 0.0},

@@ -46,6 +46,7 @@ from miniddp.tensor_parallel.plan import (
     ParallelStyle,
     RowwiseParallel,
     SequenceParallel,
+    Style,
     parallelize_module,
 )
 
@@ -61,6 +62,7 @@ __all__ = [
     "SequenceParallel",
     "SequenceParallelLayerNorm",
     "SequenceParallelRMSNorm",
+    "Style",
     "TinyGPT",
     "TransformerBlock",
     "VocabParallelEmbedding",

@@ -32,16 +32,23 @@ input, and so gets the same gradient (LayerNorms, position embeddings), with no 
 
 torch's `parallelize_module` takes a DeviceMesh where this one takes a process group; a 1-D mesh
 is accepted too, and means its group.
+
+A style is anything with that one `apply` method (`Style`, a structural protocol), not only a
+ParallelStyle: expert parallelism's ExpertParallel (miniddp/expert_parallel/, torchtitan's name)
+goes through this same `parallelize_module` without either package importing the other, as
+floor 2's parallelisms never do. Each style checks that this rank is in the group it is given,
+and names its kind of group when it is not.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch.distributed as dist
 from torch import nn
 
 from miniddp.tensor_parallel.layers import (
+    HOW_TO_LAUNCH,
     ColwiseEmbedding,
     ColwiseLinear,
     RowwiseLinear,
@@ -50,6 +57,16 @@ from miniddp.tensor_parallel.layers import (
     VocabParallelEmbedding,
     group_size_and_rank,
 )
+
+
+@runtime_checkable
+class Style(Protocol):
+    """What `parallelize_module` asks of a style: split `module` (named `name` in the model)
+    across `group`, and return what replaces it."""
+
+    def apply(self, module: nn.Module, group: dist.ProcessGroup | None, name: str) -> nn.Module:
+        """The split module, holding this rank's part only."""
+        ...
 
 
 class ParallelStyle:
@@ -62,6 +79,7 @@ class ParallelStyle:
         self.sequence_parallel = sequence_parallel
 
     def apply(self, module: nn.Module, group: dist.ProcessGroup | None, name: str) -> nn.Module:
+        group_size_and_rank(group)  # refuse a group without this rank, naming it tensor-parallel
         for kind, split in self.splits.items():
             if type(module) is not kind:  # a subclass may compute something else with its weight
                 continue
@@ -117,15 +135,16 @@ class SequenceParallel(ParallelStyle):
 def parallelize_module(
     module: nn.Module,
     group: dist.ProcessGroup | Any | None = None,
-    plan: ParallelStyle | dict[str, ParallelStyle] | None = None,
+    plan: Style | dict[str, Style] | None = None,
 ) -> nn.Module:
     """Split `module`'s named submodules across `group` (None: the default group); return it."""
     if hasattr(group, "get_group"):  # a 1-D DeviceMesh, as torch's API takes
         group = group.get_group()
-    group_size_and_rank(group)  # refuse at once when there is no process group
+    if not dist.is_initialized():  # refuse at once when there is no process group
+        raise RuntimeError(HOW_TO_LAUNCH)
     if plan is None:
         raise ValueError("give a plan: a style, or {submodule name: ColwiseParallel() ...}")
-    if isinstance(plan, ParallelStyle):
+    if isinstance(plan, Style):
         return plan.apply(module, group, "")
     names = dict(module.named_modules())
     unknown = [name for name in plan if name not in names or name == ""]
@@ -135,10 +154,10 @@ def parallelize_module(
             f"its submodules are {[n for n in names if n][:20]}"
         )
     for name, style in plan.items():
-        if not isinstance(style, ParallelStyle):
+        if not isinstance(style, Style):
             raise TypeError(
-                f"plan[{name!r}] is {style!r}: give ColwiseParallel(), RowwiseParallel() or "
-                "SequenceParallel()"
+                f"plan[{name!r}] is {style!r}: give ColwiseParallel(), RowwiseParallel(), "
+                "SequenceParallel(), or any style with an apply(module, group, name) method"
             )
     # Split everything first, then swap: a refused entry leaves the model as it was.
     split = {name: style.apply(names[name], group, name) for name, style in plan.items()}
