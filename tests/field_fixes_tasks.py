@@ -1,0 +1,55 @@
+"""What the ranks run for tests/test_field_fixes.py: the cases a hostile user found wrong (issue
+45), each beside its reference (one process, or torch's own implementation)."""
+
+from __future__ import annotations
+
+import torch
+
+from miniddp.parallelize import parallelize
+from tests.mesh_tasks import mesh_once
+from tests.parallelize_tasks import build_gpt, full_tensors, windows
+
+ACCUMULATED_STEPS = 2  # train_step() calls before each optimizer.step()
+
+
+def halves(step: int, replicas: int) -> list[list[torch.Tensor]]:
+    """[replica][h]: replica r's share of the step's windows, cut into ACCUMULATED_STEPS parts."""
+    shares = windows(step, replicas).tensor_split(replicas)
+    return [list(share.tensor_split(ACCUMULATED_STEPS)) for share in shares]
+
+
+def one_process_accumulating(replicas: int, steps: int) -> dict[str, torch.Tensor]:
+    """One process: for each part h, the loss over every replica's part h, backward; then the
+    optimizer. What `train_step` twice, then `optimizer.step()`, promises."""
+    model = build_gpt()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        parts = halves(step, replicas)
+        for h in range(ACCUMULATED_STEPS):
+            batch = torch.cat([parts[r][h] for r in range(replicas)])
+            logits = model(batch[:, :-1])
+            loss = torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), batch[:, 1:].flatten()
+            )
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def parallel_accumulating(
+    shape: tuple[int, int, int], data_parallel: str, steps: int
+) -> dict[str, torch.Tensor]:
+    mesh = mesh_once(shape, ("pp", "dp", "tp"))
+    parts = parallelize(build_gpt(), mesh, n_microbatches=2, data_parallel=data_parallel)
+    optimizer = torch.optim.AdamW(parts.parameters(), lr=1e-2)
+    replica = mesh["dp"].get_local_rank()
+    for step in range(steps):
+        for part in halves(step, shape[1])[replica]:
+            parts.train_step(part)
+        optimizer.step()
+        optimizer.zero_grad()
+    sharded = data_parallel == "fsdp" and shape[1] > 1
+    return full_tensors(parts.model, mesh, sharded)
+
+

@@ -1,0 +1,32 @@
+"""Cases a hostile user found giving a wrong result, hanging, or going unchecked (issue 45), each
+against its reference: one process, or torch's own implementation."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import field_fixes_tasks as tasks
+
+ACCUMULATING_MESHES = {  # name: ((pp, dp, tp), data parallelism)
+    "pp": ((2, 1, 1), "ddp"),
+    "pp x dp": ((2, 2, 1), "ddp"),
+    "pp x fsdp": ((2, 2, 1), "fsdp"),
+}
+
+
+@pytest.mark.parametrize("name", ACCUMULATING_MESHES)
+def test_two_pipeline_steps_before_the_optimizer_sum_as_one_process_accumulating(
+    rank_pools, name
+):
+    """The tied embedding's two copies (first and last stage) are summed after each step; what
+    the earlier step left in .grad must not be summed again."""
+    shape, data_parallel = ACCUMULATING_MESHES[name]
+    world = shape[0] * shape[1] * shape[2]
+    steps = 2
+    results = rank_pools(world).run(tasks.parallel_accumulating, shape, data_parallel, steps)
+    reference = tasks.one_process_accumulating(replicas=shape[1], steps=steps)
+    for rank, params in enumerate(results):
+        for name_, tensor in params.items():
+            expected = reference["token.weight" if name_ == "head.weight" else name_]
+            difference = (tensor - expected).abs().max().item()
+            assert difference < 1e-12, f"rank {rank}'s {name_} is off by {difference:.3g}"
