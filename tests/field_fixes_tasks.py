@@ -28,9 +28,7 @@ def one_process_accumulating(replicas: int, steps: int) -> dict[str, torch.Tenso
         for h in range(ACCUMULATED_STEPS):
             batch = torch.cat([parts[r][h] for r in range(replicas)])
             logits = model(batch[:, :-1])
-            loss = torch.nn.functional.cross_entropy(
-                logits.flatten(0, 1), batch[:, 1:].flatten()
-            )
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
             loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -51,5 +49,3 @@ def parallel_accumulating(
         optimizer.zero_grad()
     sharded = data_parallel == "fsdp" and shape[1] > 1
     return full_tensors(parts.model, mesh, sharded)
-
-

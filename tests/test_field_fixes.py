@@ -15,9 +15,7 @@ ACCUMULATING_MESHES = {  # name: ((pp, dp, tp), data parallelism)
 
 
 @pytest.mark.parametrize("name", ACCUMULATING_MESHES)
-def test_two_pipeline_steps_before_the_optimizer_sum_as_one_process_accumulating(
-    rank_pools, name
-):
+def test_two_pipeline_steps_before_the_optimizer_sum_as_one_process_accumulating(rank_pools, name):
     """The tied embedding's two copies (first and last stage) are summed after each step; what
     the earlier step left in .grad must not be summed again."""
     shape, data_parallel = ACCUMULATING_MESHES[name]
