@@ -49,3 +49,17 @@ def parallel_accumulating(
         optimizer.zero_grad()
     sharded = data_parallel == "fsdp" and shape[1] > 1
     return full_tensors(parts.model, mesh, sharded)
+
+
+def ring_attention_with_settings_per_rank(settings: list[dict]) -> str:
+    """ring_attention with `settings[rank]` as this rank's keywords: its error, or "accepted"."""
+    import torch.distributed as dist
+
+    from miniddp.context_parallel import ring_attention
+
+    q = torch.randn(1, 2, 4, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+    try:
+        ring_attention(q, q, q, **settings[dist.get_rank()])
+    except ValueError as error:
+        return str(error)
+    return "accepted"

@@ -28,3 +28,17 @@ def test_two_pipeline_steps_before_the_optimizer_sum_as_one_process_accumulating
             expected = reference["token.weight" if name_ == "head.weight" else name_]
             difference = (tensor - expected).abs().max().item()
             assert difference < 1e-12, f"rank {rank}'s {name_} is off by {difference:.3g}"
+
+
+@pytest.mark.parametrize(
+    "setting", [{"is_causal": True}, {"load_balance": True}], ids=["is_causal", "load_balance"]
+)
+def test_ring_attention_refuses_settings_that_differ_across_ranks_on_every_rank(pool2, setting):
+    """One rank causal and the other not would compute two different attentions, each rank's
+    part of its own: refused on both, naming each rank's settings."""
+    found = pool2.run(tasks.ring_attention_with_settings_per_rank, [setting, {}])
+    (name,) = setting
+    for rank, message in enumerate(found):
+        rank_0, rank_1 = message.split("rank 0: ")[1].split("rank 1: ")
+        assert f"{name}=True" in rank_0 and f"{name}=False" in rank_1, (rank, message)
+        assert "pass the same is_causal and load_balance on every rank" in message, message
