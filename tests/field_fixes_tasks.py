@@ -63,3 +63,34 @@ def ring_attention_with_settings_per_rank(settings: list[dict]) -> str:
     except ValueError as error:
         return str(error)
     return "accepted"
+
+
+class TakesAKeyword(torch.nn.Module):
+    """A module whose second input comes by keyword, and meets a weight in a matmul."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor:
+        return self.first(x) * self.second(other)
+
+
+def keyword_input_under_mixed_precision() -> dict[str, torch.Tensor]:
+    """MiniDDP(bf16) given the second input by keyword, and the same model given it by position:
+    a floating-point keyword input is cast to param_dtype as a positional one is."""
+    import torch.distributed as dist
+
+    from miniddp import MiniDDP, MixedPrecision
+
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x, other = torch.randn(2, 4, generator=g), torch.randn(2, 4, generator=g)
+    results = {}
+    for how in ("keyword", "position"):
+        model = MiniDDP(TakesAKeyword(), mixed_precision=MixedPrecision(torch.bfloat16))
+        output = model(x, other=other) if how == "keyword" else model(x, other)
+        output.float().square().sum().backward()
+        results[f"{how} output"] = output.detach()
+        results[f"{how} grad"] = model.module.second.weight.grad.clone()
+    return results

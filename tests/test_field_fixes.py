@@ -4,6 +4,7 @@ against its reference: one process, or torch's own implementation."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests import field_fixes_tasks as tasks
 
@@ -42,3 +43,12 @@ def test_ring_attention_refuses_settings_that_differ_across_ranks_on_every_rank(
         rank_0, rank_1 = message.split("rank 0: ")[1].split("rank 1: ")
         assert f"{name}=True" in rank_0 and f"{name}=False" in rank_1, (rank, message)
         assert "pass the same is_causal and load_balance on every rank" in message, message
+
+
+def test_mixed_precision_casts_a_floating_point_keyword_input(pool2):
+    """torch's DDP casts every floating-point input, positional or keyword, to param_dtype; a
+    keyword input left in float32 would meet bf16 weights in a matmul and fail."""
+    for result in pool2.run(tasks.keyword_input_under_mixed_precision):
+        assert result["keyword output"].dtype == torch.bfloat16
+        assert torch.equal(result["keyword output"], result["position output"])
+        assert torch.equal(result["keyword grad"], result["position grad"])
