@@ -94,3 +94,37 @@ def keyword_input_under_mixed_precision() -> dict[str, torch.Tensor]:
         results[f"{how} output"] = output.detach()
         results[f"{how} grad"] = model.module.second.weight.grad.clone()
     return results
+
+
+def optimizer_in_backward(wrapper: str) -> list[torch.Tensor]:
+    """SGD run inside backward, by post-accumulate-grad hooks on `model.parameters()` (the fp32
+    masters), under bf16 mixed precision: "miniddp" (MiniDDP(mixed_precision=...)) or "torch"
+    (torch's fully_shard with the same policy, whose hooks run on each reduced shard). The full
+    parameters after two backwards, each rank on its own data."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from miniddp import MiniDDP, MixedPrecision
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    if wrapper == "miniddp":
+        run = MiniDDP(model, mixed_precision=MixedPrecision(torch.bfloat16))
+    else:
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        run = fully_shard(model, mp_policy=policy)
+
+    def step(param: torch.Tensor) -> None:
+        with torch.no_grad():
+            param.add_(param.grad, alpha=-0.1)
+        param.grad = None
+
+    params = list(model.parameters())
+    for param in params:
+        param.register_post_accumulate_grad_hook(step)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(2):
+        run(torch.randn(3, 4, generator=g)).float().square().sum().backward()
+    if wrapper == "torch":
+        return [p.full_tensor().detach() for p in params]
+    return [p.detach().clone() for p in params]

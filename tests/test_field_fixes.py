@@ -52,3 +52,13 @@ def test_mixed_precision_casts_a_floating_point_keyword_input(pool2):
         assert result["keyword output"].dtype == torch.bfloat16
         assert torch.equal(result["keyword output"], result["position output"])
         assert torch.equal(result["keyword grad"], result["position grad"])
+
+
+def test_optimizer_in_backward_under_mixed_precision_steps_as_torch_s_fully_shard(pool2):
+    """Hooks on the fp32 masters run once each master's gradient is written, the average: as
+    torch's fully_shard runs them on each reduced shard. The same bits after two steps."""
+    ours = pool2.run(tasks.optimizer_in_backward, "miniddp")
+    torch_s = pool2.run(tasks.optimizer_in_backward, "torch")
+    for rank in range(2):
+        for mine, theirs in zip(ours[rank], torch_s[rank], strict=True):
+            assert torch.equal(mine, theirs), (rank, (mine - theirs).abs().max())

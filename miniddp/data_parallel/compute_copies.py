@@ -27,7 +27,8 @@ The life of one step, beside MiniDDP's own (ddp.py):
     reduce       each bucket is summed in reduce_dtype, and only then divided by W (bucket.py):
                  torch's DDP mixed-precision hook divides after its sum, and fully_shard reduces
                  with AVG (a sum, then a division), so their averages are these bits at any W.
-                 The average is written into the master's fp32 `.grad`.
+                 The average is written into the master's fp32 `.grad`, and then the hooks
+                 registered on the master run (optimizer in backward: gradient_written).
     backward     the masters take their places back, and the optimizer steps them in fp32.
     ends
 
@@ -202,6 +203,18 @@ class ComputeCopies:
 
         return hook
 
+    @staticmethod
+    def gradient_written(master: torch.Tensor) -> None:
+        """Run the post-accumulate-grad hooks registered on `master`, now that its `.grad` holds
+        this backward's gradient. Autograd runs a leaf's hooks when it accumulates into it, but
+        the graph's leaves are the copies: the masters' `.grad` is written here (the fold) and
+        by MiniDDP (the average), and their hooks, where optimizer-in-backward steps
+        (`p.register_post_accumulate_grad_hook` on `model.parameters()`), would never run. So
+        they run once each master's gradient is final: after the average in a synced backward,
+        after the fold otherwise, as fully_shard runs them on each reduced shard."""
+        for hook in (master._post_accumulate_grad_hooks or {}).values():
+            hook(master)
+
     def _put(self, holds: Holds) -> None:
         """Swap masters or copies into the module's slots. setattr, not `_parameters[name]`,
         so that modules that keep their own references (nn.LSTM's flat weights) follow."""
@@ -228,7 +241,7 @@ class ComputeInCopies(nn.Module):
         self.module = module
         trainable = [p for p in module.parameters() if p.requires_grad]
         self._copies = ComputeCopies(module, policy, trainable)  # as MiniDDP names it
-        fold = self._copies.fold_then(lambda index, master: None)
+        fold = self._copies.fold_then(lambda index, master: ComputeCopies.gradient_written(master))
         self._hooks = [
             copy.register_post_accumulate_grad_hook(partial(fold, index))
             for index, copy in enumerate(self._copies.trainable_copies)
