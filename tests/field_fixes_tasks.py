@@ -128,3 +128,41 @@ def optimizer_in_backward(wrapper: str) -> list[torch.Tensor]:
     if wrapper == "torch":
         return [p.full_tensor().detach() for p in params]
     return [p.detach().clone() for p in params]
+
+
+def validation_then_checkpoint(path: str) -> dict:
+    """MiniDDP(bf16): 2 steps, a validation forward without no_grad, save_checkpoint, 2 steps
+    more; then a fresh model loads the checkpoint and runs the same 2 steps. The saved weights'
+    dtypes, and both ends' parameters."""
+    import torch.distributed as dist
+
+    from miniddp import MiniDDP, MixedPrecision
+    from miniddp.checkpoint import Progress, load_checkpoint, save_checkpoint
+
+    def build() -> tuple[MiniDDP, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        model = MiniDDP(module, mixed_precision=MixedPrecision(torch.bfloat16))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def train(model: MiniDDP, optimizer: torch.optim.Optimizer, steps: range) -> None:
+        for step in steps:
+            g = torch.Generator().manual_seed(10 * step + dist.get_rank())
+            model(torch.randn(3, 4, generator=g)).float().square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    model, optimizer = build()
+    train(model, optimizer, range(2))
+    model(torch.randn(5, 4))  # validation, without torch.no_grad(): no backward follows
+    save_checkpoint(path, model, optimizer, Progress(step=2, epoch=0, batches_done=2))
+    train(model, optimizer, range(2, 4))
+    resumed, resumed_optimizer = build()
+    load_checkpoint(path, resumed, resumed_optimizer)
+    train(resumed, resumed_optimizer, range(2, 4))
+    saved = torch.load(path, weights_only=True)["model"]
+    return {
+        "saved dtypes": {name: tensor.dtype for name, tensor in saved.items()},
+        "uninterrupted": [p.detach().clone() for p in model.parameters()],
+        "resumed": [p.detach().clone() for p in resumed.parameters()],
+    }

@@ -62,3 +62,12 @@ def test_optimizer_in_backward_under_mixed_precision_steps_as_torch_s_fully_shar
     for rank in range(2):
         for mine, theirs in zip(ours[rank], torch_s[rank], strict=True):
             assert torch.equal(mine, theirs), (rank, (mine - theirs).abs().max())
+
+
+def test_a_checkpoint_after_a_validation_forward_holds_the_fp32_masters(pool2, tmp_path):
+    """A forward with grad enabled and no backward leaves the bf16 copies in the module's slots;
+    the checkpoint must still hold the masters, and the resume equal the run that went on."""
+    for result in pool2.run(tasks.validation_then_checkpoint, str(tmp_path / "checkpoint.pt")):
+        assert set(result["saved dtypes"].values()) == {torch.float32}, result["saved dtypes"]
+        for went_on, resumed in zip(result["uninterrupted"], result["resumed"], strict=True):
+            assert torch.equal(went_on, resumed)

@@ -50,7 +50,9 @@ ComputeInCopies (at the end) gives a module the same copies and folds, with no r
 parallelize.py's mixed precision at dp = 1.
 
 A forward with grad enabled whose backward never runs leaves the copies in the module until
-the next forward: evaluate under `torch.no_grad()`, which puts the masters back at once.
+the next forward: evaluate under `torch.no_grad()`, which puts the masters back at once. Either
+way `state_dict()` and `load_state_dict()` put the masters back first, so a checkpoint saves and
+restores the fp32 masters, never the copies (which the next forward would overwrite).
 """
 
 from __future__ import annotations
@@ -149,6 +151,9 @@ class ComputeCopies:
             if master is not None and id(master) in copy_of
         ]
         self.holds = Holds.MASTERS
+        # A checkpoint reads and writes the masters, whatever sits in the slots (the docstring).
+        module.register_state_dict_pre_hook(lambda *_: self._put(Holds.MASTERS))
+        module.register_load_state_dict_pre_hook(lambda *_: self._put(Holds.MASTERS))
         if policy.buffer_dtype is not None:
             for buffer in module.buffers():
                 if buffer.is_floating_point():
