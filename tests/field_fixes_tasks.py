@@ -166,3 +166,59 @@ def validation_then_checkpoint(path: str) -> dict:
         "uninterrupted": [p.detach().clone() for p in model.parameters()],
         "resumed": [p.detach().clone() for p in resumed.parameters()],
     }
+
+
+def _interleaved_step(schedule_class, wrap, mesh_shape: tuple[int, int]) -> dict:
+    """One step of `schedule_class` over v = 2 stages a rank, each a Linear + Tanh wrapped by
+    `wrap(module, mesh)`, on a (pp, dp) mesh; each stage's parameters' gradients afterwards."""
+    from miniddp.pipeline import PipelineStage
+
+    mesh = mesh_once(mesh_shape, ("pp", "dp"))
+    pp = mesh["pp"]
+    ranks, rank, v = pp.size(), pp.get_local_rank(), 2
+    stages = []
+    for i in range(v):
+        index = rank + i * ranks
+        torch.manual_seed(index)
+        module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+        stages.append(
+            PipelineStage(wrap(module, mesh), index, v * ranks, "cpu", group=pp.get_group())
+        )
+    schedule = schedule_class(stages, 4, lambda out, y: (out.float() - y).pow(2).mean())
+    g = torch.Generator().manual_seed(1 + mesh["dp"].get_local_rank())
+    x, y = torch.randn(8, 4, generator=g), torch.randn(8, 4, generator=g)
+    if rank == 0:
+        schedule.step(x)
+    elif rank == ranks - 1:
+        schedule.step(target=y)
+    else:
+        schedule.step()
+    return {stage.stage_index: [p.grad for p in stage.submodule.parameters()] for stage in stages}
+
+
+def compute_copies_under(schedule_name: str) -> dict:
+    """bf16 compute copies (ComputeInCopies, parallelize's mixed precision at dp = 1) in each
+    stage, under interleaved 1F1B or zero bubble: the masters' gradients."""
+    from miniddp.data_parallel.compute_copies import ComputeInCopies, MixedPrecision
+    from miniddp.pipeline import ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble
+
+    schedule_class = {
+        "interleaved 1F1B": ScheduleInterleaved1F1B,
+        "zero bubble": ScheduleInterleavedZeroBubble,
+    }[schedule_name]
+    policy = MixedPrecision(torch.bfloat16)
+    return _interleaved_step(
+        schedule_class, lambda module, mesh: ComputeInCopies(module, policy), (2, 1)
+    )
+
+
+def fully_sharded_stages_under_zero_bubble() -> dict:
+    """(pp, dp) = (2, 2): each stage module fully_shard'ed over mesh["dp"], under zero bubble."""
+    from miniddp import fully_shard
+    from miniddp.pipeline import ScheduleInterleavedZeroBubble
+
+    return _interleaved_step(
+        ScheduleInterleavedZeroBubble,
+        lambda module, mesh: fully_shard(module, process_group=mesh["dp"].get_group()),
+        (2, 2),
+    )

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests import field_fixes_tasks as tasks
+from tests.harness.pool import RankFailure
 
 ACCUMULATING_MESHES = {  # name: ((pp, dp, tp), data parallelism)
     "pp": ((2, 1, 1), "ddp"),
@@ -71,3 +72,27 @@ def test_a_checkpoint_after_a_validation_forward_holds_the_fp32_masters(pool2, t
         assert set(result["saved dtypes"].values()) == {torch.float32}, result["saved dtypes"]
         for went_on, resumed in zip(result["uninterrupted"], result["resumed"], strict=True):
             assert torch.equal(went_on, resumed)
+
+
+def test_compute_copies_under_zero_bubble_give_interleaved_1f1b_s_bits(pool2):
+    """The zero-bubble split computes each weight gradient apart, later, through the same graph:
+    its leaves are the bf16 copies, whose gradients fold into the masters as in one backward."""
+    zero_bubble = pool2.run(tasks.compute_copies_under, "zero bubble")
+    interleaved = pool2.run(tasks.compute_copies_under, "interleaved 1F1B")
+    for rank in range(2):
+        assert zero_bubble[rank].keys() == interleaved[rank].keys()
+        for stage, grads in interleaved[rank].items():
+            for expected, got in zip(grads, zero_bubble[rank][stage], strict=True):
+                assert got is not None, f"stage {stage} got no gradient"
+                assert got.dtype == torch.float32
+                assert torch.equal(got, expected), f"stage {stage}"
+
+
+def test_fully_sharded_stages_are_refused_by_zero_bubble_on_every_rank(rank_pools):
+    """fully_shard reduces a gradient when autograd accumulates it, which the zero-bubble split
+    never does in one piece: refused before any message, on every rank, naming the way out."""
+    outcomes = rank_pools(4).run_expecting_errors(tasks.fully_sharded_stages_under_zero_bubble)
+    for rank, outcome in enumerate(outcomes):
+        assert isinstance(outcome, RankFailure), f"rank {rank} trained: {outcome}"
+        assert "fully_shard" in outcome.message, outcome.message
+        assert "ScheduleInterleaved1F1B" in outcome.message, outcome.message

@@ -80,6 +80,7 @@ class Held:
 
     inputs: Activation
     output: torch.Tensor | Activation
+    weights: list[torch.Tensor]  # the parameters this forward computed with: the graph's leaves
     loss: torch.Tensor | None = None
     output_grads: Activation | None = None
 
@@ -168,7 +169,11 @@ class PipelineStage:
         with no_sync:
             output = self.submodule(*inputs)
         if keep:
-            self.held[microbatch] = Held(inputs, output)
+            # Read now: a wrapper computing in copies of its parameters (ComputeInCopies) holds
+            # the copies, the graph's leaves, until this forward's backward; later they may be
+            # back to the masters, which the graph never saw (backward_weight).
+            weights = [p for p in self.submodule.parameters() if p.requires_grad]
+            self.held[microbatch] = Held(inputs, output, weights)
             self.peak_held = max(self.peak_held, len(self.held))
         return output
 
@@ -209,12 +214,13 @@ class PipelineStage:
     def backward_weight(self, microbatch: int) -> None:
         """d loss / d parameters, into .grad, from the same roots and gradients as
         backward_input: `autograd.backward(..., inputs=parameters)` accumulates only the
-        parameters' .grad, then frees the graph and what forward kept."""
+        parameters' .grad, then frees the graph and what forward kept. The parameters are those
+        forward computed with (under ComputeInCopies, the bf16 copies: their hooks fold each
+        gradient into its fp32 master, as one whole backward does)."""
         held = self.held.pop(microbatch)
         roots, grads = held.root(held.output_grads)
-        weights = [p for p in self.submodule.parameters() if p.requires_grad]
-        if weights and roots:
-            torch.autograd.backward(roots, grad_tensors=grads, inputs=weights)
+        if held.weights and roots:
+            torch.autograd.backward(roots, grad_tensors=grads, inputs=held.weights)
 
     def start_step(self) -> None:
         if self.held:
