@@ -58,12 +58,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from miniddp.job.env import HOW_TO_LAUNCH, size_and_rank_in
 from miniddp.pipeline.p2p import as_tuple, carries_gradient
 from miniddp.pipeline.step_checks import gather_rows
-from miniddp.placement import Stage, mark
+from miniddp.placement import Stage, mark, placement_of
 
 Activation = tuple[torch.Tensor, ...]  # what crosses a border (p2p.py)
 ONE_GROUP_EACH = (
@@ -146,6 +147,7 @@ class PipelineStage:
         self.is_last = stage_index == num_stages - 1
         self.input_example = None if input_args is None else as_tuple(input_args)
         self.data_parallel = hasattr(submodule, "no_sync")  # MiniDDP or torch's DDP inside
+        self.fully_sharded = _fully_sharded(submodule)
         self.held: dict[int, Held] = {}
         self.peak_held = 0
         for param in submodule.parameters():
@@ -230,6 +232,16 @@ class PipelineStage:
                 "that raised: build a new PipelineStage and schedule to start again"
             )
         self.peak_held = 0
+
+
+def _fully_sharded(submodule: nn.Module) -> bool:
+    """Does fully_shard hold parameters of `submodule`? MiniDDP's marks each piece it keeps (a
+    DataShard with no owner: every rank of the group holds one, miniddp/placement.py); torch's
+    makes the modules it shards FSDPModules."""
+    pieces = (placement_of(p).data for p in submodule.parameters())
+    return any(data is not None and data.owner is None for data in pieces) or any(
+        isinstance(module, FSDPModule) for module in submodule.modules()
+    )
 
 
 def _arm_reduction(wrapper: nn.Module, output: torch.Tensor | Activation) -> None:
