@@ -3,11 +3,20 @@ against its reference: one process, or torch's own implementation."""
 
 from __future__ import annotations
 
+import os
+from datetime import timedelta
+from pathlib import Path
+
 import pytest
 import torch
+import torch.distributed as dist
 
+from miniddp.job.faults import CollectiveFailed
 from tests import field_fixes_tasks as tasks
 from tests.harness.pool import RankFailure
+from tests.test_pipeline_faults import run_processes
+
+PIPELINE_FAULT_DEADLINE_S = 60.0  # a hang lasts the process group's timeout, 10 times this
 
 ACCUMULATING_MESHES = {  # name: ((pp, dp, tp), data parallelism)
     "pp": ((2, 1, 1), "ddp"),
@@ -96,3 +105,59 @@ def test_fully_sharded_stages_are_refused_by_zero_bubble_on_every_rank(rank_pool
         assert isinstance(outcome, RankFailure), f"rank {rank} trained: {outcome}"
         assert "fully_shard" in outcome.message, outcome.message
         assert "ScheduleInterleaved1F1B" in outcome.message, outcome.message
+
+
+def stage_that_raises_in_forward(rank: int, store_path: str, out_dir: str) -> None:
+    """Two stages of 1F1B; in the second step the first stage's layer raises, and its script
+    catches that and calls cleanup(). Each rank writes what it raised last. The process group's
+    timeout is long: waiting it out would outlast the run's deadline."""
+    from miniddp import cleanup
+    from miniddp.pipeline import PipelineStage, Schedule1F1B
+
+    class Breaks(torch.nn.Linear):
+        broken = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.broken:
+                raise RuntimeError("the layer broke")
+            return super().forward(x)
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, 2)
+    timeout = timedelta(seconds=10 * PIPELINE_FAULT_DEADLINE_S)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
+    layer = Breaks(4, 4)
+    stage = PipelineStage(layer, rank, 2, "cpu")
+    schedule = Schedule1F1B(stage, 2, lambda output, target: (output - target).pow(2).mean())
+    x = torch.randn(4, 4)
+    said = "no error"
+    for step in range(2):
+        layer.broken = rank == 0 and step == 1
+        try:
+            schedule.step(x) if rank == 0 else schedule.step(target=x)
+        except RuntimeError as error:
+            said = f"{type(error).__name__}: {error}"
+            if isinstance(error, CollectiveFailed):
+                break
+            try:
+                cleanup()
+            except CollectiveFailed as failure:
+                said = f"{type(failure).__name__}: {failure}"
+            break
+    Path(out_dir, f"rank{rank}.txt").write_text(said)
+    os._exit(0)
+
+
+def test_a_stage_that_raises_and_cleans_up_is_named_on_both_ranks(tmp_path: Path) -> None:
+    """The stage that raised leaves through cleanup(); the one waiting for its activation hears
+    of it through the store, as MiniDDP's ranks do, instead of waiting out the timeout."""
+    raised, waiting = run_processes(
+        stage_that_raises_in_forward, 2, tmp_path, PIPELINE_FAULT_DEADLINE_S
+    )
+    assert waiting.startswith(
+        "CollectiveFailed: the receive of activation 0 from stage 0 could not finish on rank 1: "
+        "rank 0 is missing"
+    ), waiting
+    assert "rank 0: it called cleanup() while handling RuntimeError: the layer broke" in waiting
+    assert raised.startswith("CollectiveFailed: cleanup() on rank 0 cannot go on"), raised
+    assert "the receive of activation 0 from stage 0" in raised, raised
