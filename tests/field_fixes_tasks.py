@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from miniddp.parallelize import parallelize
@@ -158,11 +160,17 @@ def validation_then_checkpoint(path: str) -> dict:
     save_checkpoint(path, model, optimizer, Progress(step=2, epoch=0, batches_done=2))
     train(model, optimizer, range(2, 4))
     resumed, resumed_optimizer = build()
+    resumed(torch.randn(5, 4))  # the copies in its slots as it loads
     load_checkpoint(path, resumed, resumed_optimizer)
     train(resumed, resumed_optimizer, range(2, 4))
     saved = torch.load(path, weights_only=True)["model"]
+    loaded_directly, _ = build()
+    loaded_directly(torch.randn(5, 4))
+    loaded_directly.module.load_state_dict(saved)  # into the masters, not the copies
+    masters = dict(zip(loaded_directly.param_names, loaded_directly.params, strict=True))
     return {
         "saved dtypes": {name: tensor.dtype for name, tensor in saved.items()},
+        "loaded directly": all(torch.equal(masters[n], t) for n, t in saved.items()),
         "uninterrupted": [p.detach().clone() for p in model.parameters()],
         "resumed": [p.detach().clone() for p in resumed.parameters()],
     }
@@ -222,3 +230,34 @@ def fully_sharded_stages_under_zero_bubble() -> dict:
         lambda module, mesh: fully_shard(module, process_group=mesh["dp"].get_group()),
         (2, 2),
     )
+
+
+def master_hooks_under_mixed_precision() -> dict[str, list[bool]]:
+    """Post-accumulate-grad hooks on the fp32 masters, in a backward inside no_sync(), in a
+    synced one, and under ComputeInCopies: for each master, whether its hook ran exactly once
+    and saw the fp32 gradient the master holds when backward returns."""
+    from miniddp import MiniDDP, MixedPrecision
+    from miniddp.data_parallel.compute_copies import ComputeInCopies
+
+    policy = MixedPrecision(torch.bfloat16)
+    x = torch.randn(3, 4)
+    found = {}
+    for case in ("no_sync", "synced", "ComputeInCopies"):
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        seen: dict[torch.Tensor, list[torch.Tensor]] = {p: [] for p in module.parameters()}
+        for param in module.parameters():
+            param.register_post_accumulate_grad_hook(
+                lambda p, grads=seen[param]: grads.append(p.grad.clone())
+            )
+        if case == "ComputeInCopies":
+            model = ComputeInCopies(module, policy)
+        else:
+            model = MiniDDP(module, mixed_precision=policy)
+        with model.no_sync() if case == "no_sync" else contextlib.nullcontext():
+            model(x).float().sum().backward()
+        found[case] = [
+            len(grads) == 1 and grads[0].dtype == torch.float32 and torch.equal(grads[0], p.grad)
+            for p, grads in seen.items()
+        ]
+    return found

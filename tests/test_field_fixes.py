@@ -79,6 +79,7 @@ def test_a_checkpoint_after_a_validation_forward_holds_the_fp32_masters(pool2, t
     the checkpoint must still hold the masters, and the resume equal the run that went on."""
     for result in pool2.run(tasks.validation_then_checkpoint, str(tmp_path / "checkpoint.pt")):
         assert set(result["saved dtypes"].values()) == {torch.float32}, result["saved dtypes"]
+        assert result["loaded directly"]
         for went_on, resumed in zip(result["uninterrupted"], result["resumed"], strict=True):
             assert torch.equal(went_on, resumed)
 
@@ -161,3 +162,12 @@ def test_a_stage_that_raises_and_cleans_up_is_named_on_both_ranks(tmp_path: Path
     assert "rank 0: it called cleanup() while handling RuntimeError: the layer broke" in waiting
     assert raised.startswith("CollectiveFailed: cleanup() on rank 0 cannot go on"), raised
     assert "the receive of activation 0 from stage 0" in raised, raised
+    assert "This rank left a step with RuntimeError: the layer broke" in raised, raised
+
+
+def test_hooks_on_the_masters_run_once_with_the_final_gradient(pool2):
+    """Inside no_sync() (the fold is the last write), synced (the average), and under
+    ComputeInCopies (no reduction): each master's hook runs once, and sees its fp32 .grad."""
+    for found in pool2.run(tasks.master_hooks_under_mixed_precision):
+        for case, each_master in found.items():
+            assert all(each_master), (case, each_master)
