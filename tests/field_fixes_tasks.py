@@ -220,16 +220,32 @@ def compute_copies_under(schedule_name: str) -> dict:
     )
 
 
-def fully_sharded_stages_under_zero_bubble() -> dict:
-    """(pp, dp) = (2, 2): each stage module fully_shard'ed over mesh["dp"], under zero bubble."""
+def fully_sharded_stages_under_zero_bubble(which: str) -> dict:
+    """(pp, dp) = (2, 2): each stage module fully_shard'ed over the dp axis, by MiniDDP's
+    fully_shard or torch's, under zero bubble."""
     from miniddp import fully_shard
     from miniddp.pipeline import ScheduleInterleavedZeroBubble
 
-    return _interleaved_step(
-        ScheduleInterleavedZeroBubble,
-        lambda module, mesh: fully_shard(module, process_group=mesh["dp"].get_group()),
-        (2, 2),
-    )
+    def shard(module: torch.nn.Module, mesh) -> torch.nn.Module:
+        if which == "miniddp":
+            return fully_shard(module, process_group=mesh["dp"].get_group())
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        return torch_fully_shard(module, mesh=_torch_mesh((2, 2), ("pp", "dp"))["dp"])
+
+    return _interleaved_step(ScheduleInterleavedZeroBubble, shard, (2, 2))
+
+
+_TORCH_MESHES: dict = {}
+
+
+def _torch_mesh(shape: tuple[int, ...], names: tuple[str, ...]):
+    """torch's DeviceMesh, once per worker (its groups are made collectively, and kept)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if (shape, names) not in _TORCH_MESHES:
+        _TORCH_MESHES[shape, names] = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return _TORCH_MESHES[shape, names]
 
 
 def master_hooks_under_mixed_precision() -> dict[str, list[bool]]:

@@ -98,10 +98,14 @@ def test_compute_copies_under_zero_bubble_give_interleaved_1f1b_s_bits(pool2):
                 assert torch.equal(got, expected), f"stage {stage}"
 
 
-def test_fully_sharded_stages_are_refused_by_zero_bubble_on_every_rank(rank_pools):
-    """fully_shard reduces a gradient when autograd accumulates it, which the zero-bubble split
-    never does in one piece: refused before any message, on every rank, naming the way out."""
-    outcomes = rank_pools(4).run_expecting_errors(tasks.fully_sharded_stages_under_zero_bubble)
+@pytest.mark.parametrize("which", ["miniddp", "torch"])
+def test_fully_sharded_stages_are_refused_by_zero_bubble_on_every_rank(rank_pools, which):
+    """fully_shard gathers and reduces around one whole backward, which the zero-bubble split
+    runs in two passes: refused before any message, on every rank, naming the way out. Seen
+    from the mark MiniDDP's fully_shard leaves, or torch's FSDPModule."""
+    outcomes = rank_pools(4).run_expecting_errors(
+        tasks.fully_sharded_stages_under_zero_bubble, which
+    )
     for rank, outcome in enumerate(outcomes):
         assert isinstance(outcome, RankFailure), f"rank {rank} trained: {outcome}"
         assert "fully_shard" in outcome.message, outcome.message
