@@ -176,6 +176,8 @@ class ParallelGPT:
             loss.backward()
         else:
             stage, losses = self.schedule.stage, []
+            if self.tied is not None:
+                self.tied.set_aside()
             if stage.is_first:
                 self.schedule.step(inputs)
             elif stage.is_last:
@@ -203,17 +205,37 @@ def next_character_loss(
 
 class TiedAcrossStages:
     """The token embedding on the first stage and its copy in the last stage's head: after
-    backward, each gets the sum of both gradients, over the pair of ranks that hold them."""
+    backward, each gets the sum of both gradients, over the pair of ranks that hold them.
+
+    Only this step's part is summed. Two steps before the optimizer's: after the first, both
+    copies hold S1 = a1 + b1 (a from the embedding, b from the head); summing what the second
+    leaves, S1 + a2 and S1 + b2, would give 2 S1 + a2 + b2. So the earlier sum is set aside
+    before the step (.grad zeroed in place: a MiniDDP bucket view stays one), the step leaves a2
+    and b2 alone, their sum goes over the pair, and S1 comes back: S1 + (a2 + b2), as one process
+    accumulates the two steps."""
 
     def __init__(self, owner: nn.Module, attribute: str, pair: dist.ProcessGroup) -> None:
         self.owner, self.attribute, self.pair = owner, attribute, pair
+        self.earlier: torch.Tensor | None = None  # earlier steps' sum, while a step runs
+
+    def set_aside(self) -> None:
+        grad = self._grad()
+        if grad is not None:
+            self.earlier = grad.clone()
+            grad.zero_()
 
     def sum_gradients(self) -> None:
-        grad = getattr(self.owner, self.attribute).grad  # fully_shard: the shard's, looked up now
+        grad = self._grad()
         work = dist.all_reduce(grad, group=self.pair, async_op=True)
         wait_for(
             work, "all-reduce of the tied embedding's gradient (first + last stage)", self.pair
         )
+        if self.earlier is not None:
+            grad.add_(self.earlier)
+            self.earlier = None
+
+    def _grad(self) -> torch.Tensor | None:
+        return getattr(self.owner, self.attribute).grad  # fully_shard: the shard's, looked up now
 
 
 def parallelize(
