@@ -11,8 +11,9 @@ order, to what the previous one left:
     3. data parallelism     MiniDDP (or fully_shard) over mesh["dp"], last: it wraps exactly what
                             this rank holds, shards included (their mark tells it which group
                             it must not average over, miniddp/placement.py).
-    4. context parallelism  with a "cp" axis: the sequence cut over mesh["cp"], load-balanced,
-                            attention on the ring, and step 3 over dp x cp (below).
+
+With a "cp" axis, context parallelism cuts the sequence, not the model: each stage runs its
+attention on the ring over mesh["cp"], and step 3 averages over dp x cp (4-D, below).
 
 The plan (Megatron's): in each block, qkv colwise (whole heads: the GPT lays its rows out head
 by head) and proj rowwise, the MLP's up colwise and down rowwise; the token embedding rowwise
@@ -258,11 +259,10 @@ def parallelize(
     mixed_precision: MixedPrecision | None = None,
 ) -> ParallelGPT:
     """Split `model` (built alike on every rank) over `mesh`, whose axes are named from
-    ("pp", "dp", "tp"), any of them of size 1, from CP_AXES for context parallelism too, or for
-    HSDP from HSDP_AXES; `data_parallel` is
-    "ddp" (MiniDDP) or "fsdp"; `mixed_precision` computes in its param_dtype on fp32 masters
-    (the module docstring); `device`, where the pipeline's messages land, is the model's own
-    unless given."""
+    ("pp", "dp", "tp"), any of them of size 1, from CP_AXES to cut the sequence too, or for HSDP
+    from HSDP_AXES; `data_parallel` is "ddp" (MiniDDP) or "fsdp"; `mixed_precision` computes in
+    its param_dtype on fp32 masters (the module docstring); `device`, where the pipeline's
+    messages land, is the model's own unless given."""
     hsdp = sorted(mesh.mesh_dim_names) == sorted(HSDP_AXES)
     four_d = sorted(mesh.mesh_dim_names) == sorted(CP_AXES)
     if sorted(mesh.mesh_dim_names) != sorted(AXES) and not hsdp and not four_d:

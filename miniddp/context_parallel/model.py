@@ -141,7 +141,8 @@ class ContextParallel:
 
     def _refuse_other_shapes(self, windows: torch.Tensor) -> None:
         given = tuple(windows.shape) if windows.dim() == 2 else (-1, windows.dim())
-        shape = torch.tensor([*given, *(-s for s in given)])  # the largest and the smallest
+        # the largest and the smallest, on the windows' device (NCCL reduces only GPU tensors)
+        shape = torch.tensor([*given, *(-s for s in given)], device=windows.device)
         work = dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=self.replica, async_op=True)
         wait_for(work, "all-reduce of the windows' shapes over the replica", self.replica)
         largest, smallest = shape[:2].tolist(), (-shape[2:]).tolist()
