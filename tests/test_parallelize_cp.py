@@ -11,7 +11,7 @@ spec, against one process on the global batch, chapter 12's GPT (tiny, dropout 0
 - cp alone, dp x cp (MiniDDP with two train_step calls a step, and fully_shard), cp x tp (TP's
   vocabulary-parallel loss on each cp rank's tokens), pp x cp (1F1B, and a checkpoint saved
   after 2 steps, loaded into a fresh parallelized GPT, whose third step is the same bits);
-  8 ranks, 4-D, under -m slow;
+  a "cp" axis of size 1 (DP x TP as without it); 8 ranks, 4-D, under -m slow;
 - bf16 on fp32 masters, dp x cp: fp32 masters, and within BF16 tolerances of one fp32 process
   (bf16 rounds logits and activations to 8 bits, 2^-9 relative);
 - bad input, refused on every rank: T not a multiple of 2 cp, windows of other shapes on the
@@ -42,6 +42,7 @@ FOUR_RANKS = [  # the first saves, loads and resumes a checkpoint
     Scenario((1, 2, 2, 1), "fsdp"),
     Scenario((1, 1, 2, 2)),
     Scenario((1, 2, 2, 1), precision="bf16"),
+    Scenario((1, 2, 1, 2)),  # a "cp" axis of size 1: the 3-D path, as without one
 ]
 EIGHT_RANKS = [Scenario((2, 1, 2, 2)), Scenario((2, 2, 2, 1), "fsdp")]
 SCENARIOS = TWO_RANKS + FOUR_RANKS + [pytest.param(s, marks=pytest.mark.slow) for s in EIGHT_RANKS]
