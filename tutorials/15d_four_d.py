@@ -51,12 +51,13 @@ def section_mesh(parts: ParallelGPT) -> bool:
     mesh = parts.mesh
     say_prose("""\
         init_device_mesh("cpu", (2, 1, 2, 2), ("pp", "dp", "cp", "tp")) lays the ranks out as
-        torch.arange(8).view(2, 1, 2, 2): rank = 4 pp + 2 cp + tp. The axis that talks most
-        moves fastest, so that its ranks share a machine: TP all-reduces inside every layer,
-        the ring sends K and V at every attention layer, DP averages once a step, the pipeline
-        sends one activation a microbatch (torchtitan's order). Gradients are averaged over
-        dp x cp at once, on the group of every rank with this rank's pp and tp coordinates,
-        mesh["dp", "cp"]._flatten("dp_cp") (torchtitan's "dp_shard_cp"). Each rank's groups:""")
+        torch.arange(8).view(2, 1, 2, 2): rank = 4 pp + 2 cp + tp. The axes that talk most
+        move fastest, so that their ranks share a machine: TP all-reduces inside every layer,
+        the ring sends K and V at every attention layer; DP's once-a-step average and the
+        pipeline's one activation a microbatch cross machines (torchtitan's order). Gradients
+        are averaged over dp x cp at once, on the group of every rank with this rank's pp and
+        tp coordinates, mesh["dp", "cp"]._flatten("dp_cp") (torchtitan's "dp_shard_cp"). Each
+        rank's groups:""")
     names = (*CP_AXES, "dp_cp")
     mine = {name: dist.get_process_group_ranks(mesh[name].get_group()) for name in names}
     rows: list = [None] * WORLD
