@@ -30,8 +30,8 @@ TORCH_LOG = re.compile(r"[DIWEF]\d{4} \d\d:\d\d:\d\d")
 # code on a tiny GPT, with its checks, instead.
 # Chapters 02 and 03 (the README's) run through `./launch.sh` below. Chapter 06 has its own
 # tests/test_failover.py: uninterrupted, crashed and restarted by torchrun, and once finished.
-# Chapter 15 needs 8 ranks, 08c, 09b and 18 4 (in 18 one dies): their own tests are at the end
-# of this file.
+# Chapters 15 and 15d need 8 ranks, 08c, 09b and 18 4 (in 18 one dies): their own tests are at
+# the end of this file.
 OWN_TESTS = {
     "02_naive_ddp.py",
     "03_bucketing.py",
@@ -41,6 +41,7 @@ OWN_TESTS = {
     "12_train_gpt.py",
     "15_three_d_parallel.py",
     "18_across_the_internet.py",
+    "15d_four_d.py",
 }
 CHAPTERS = [
     chapter
@@ -270,3 +271,22 @@ def test_the_across_the_internet_chapter_runs_short_on_four_ranks(tmp_path: Path
     assert "Chapter 18 done: every check held." in output, tail(output)
     wide = too_wide(output, tmp_path)
     assert not wide, f"{ACROSS.name} printed lines over {LINE} characters:\n" + "\n".join(wide)
+
+
+FOUR_D = REPO / "tutorials" / "15d_four_d.py"
+
+
+@pytest.mark.slow  # 8 ranks on 2 cores; the default suite checks the same compositions in
+def test_the_four_d_chapter_runs_on_eight_ranks(tmp_path: Path) -> None:  # test_parallelize_cp
+    returncode, output = run_chapter(FOUR_D, 8, tmp_path)
+    assert returncode == 0, f"{FOUR_D.name} exited with {returncode}:\n{tail(output)}"
+    assert "Verified on 8 ranks" in output
+    assert not too_wide(output, tmp_path)
+
+
+def test_the_four_d_chapter_refuses_another_world_size(tmp_path: Path) -> None:
+    env = child_env(tmp_path, drop=(*LAUNCH_VARIABLES, "WORLD_SIZE", "RANK", "LOCAL_RANK"))
+    returncode, output = run_in_own_session([sys.executable, str(FOUR_D)], env, 60)
+    assert returncode == 1, tail(output)
+    assert output.count("torchrun --nproc_per_node=8 tutorials/15d_four_d.py") == 1
+    assert "Traceback" not in output
