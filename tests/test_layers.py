@@ -31,6 +31,7 @@ FLOORS = {
     "models": 2,
     "checkpoint": 3,
     "parallelize": 3,
+    "parallelize_formulas": 3,
     "steps": 4,
     "bench": 5,
     "figures": 5,

@@ -8,8 +8,9 @@ under them what it sent on each axis, when: TP's all-reduces inside every F and 
 between the stages, DP's one all-reduce and the tied embedding's at the end.
 
 The data: an 8-rank gloo job (spawned, with a deadline) trains the GPT two steps and records
-the second (`record_step`); chapter 15 records its own step the same way and draws it with
---plot. `recording_the_wire` is also how the chapter counts what each axis sends.
+the second (`record_step`); chapter 15c records its own step the same way and draws it with
+--plot. `recording_the_wire` is also how chapter 15c counts what each axis sends, and
+`measure_step` how chapter 15 and tests/test_three_d_audit.py measure what each rank holds.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ import torch.distributed as dist
 from miniddp.figures.record import spawn_and_collect
 from miniddp.mesh import DeviceMesh, init_device_mesh
 from miniddp.models.gpt import GPT, GPTConfig
+from miniddp.observe.activation_memory import PeakSavedActivations
 from miniddp.parallelize import ParallelGPT, parallelize
 from miniddp.pipeline.bubble import Block, blocks_of
+from miniddp.sharding import MemoryPerRank, ddp_buckets, ddp_compute_copies, measure_memory
 
 AXES = ("pp", "dp", "tp")
 SHAPE = (2, 2, 2)
@@ -141,6 +144,32 @@ def record_step(parts: ParallelGPT, windows: torch.Tensor) -> tuple[torch.Tensor
         step.waits = list(zip(idle[::2], idle[1::2]))  # start, end, start, end...
         schedule.record_events(False)
     return loss, step
+
+
+@dataclass
+class StepMeasured:
+    """One rank's recorded step (`step`), its loss, and what the rank held in it: `memory` from
+    the storages after backward, the `activations` saved for backward at their peak, and the
+    microbatches its pipeline stage `held` at once."""
+
+    loss: torch.Tensor | None
+    step: RankStep
+    memory: MemoryPerRank
+    activations: int
+    held: int
+
+
+def measure_step(
+    parts: ParallelGPT, optimizer: torch.optim.Optimizer, windows: torch.Tensor
+) -> StepMeasured:
+    """`record_step`, and what this rank holds in it, before `optimizer` steps (so after a
+    first step, Adam's state is there to count). Every rank must call it."""
+    copies = ddp_compute_copies(parts.module)  # under mixed precision: what forward computes with
+    with PeakSavedActivations([*parts.parameters(), *copies]) as saved:
+        loss, step = record_step(parts, windows)
+    memory = measure_memory(parts.parameters(), optimizer, ddp_buckets(parts.module), copies)
+    held = parts.schedule.stage.peak_held if parts.schedule else 1
+    return StepMeasured(loss, step, memory, saved.peak, held)
 
 
 def gather_steps(step: RankStep) -> list[RankStep]:
