@@ -69,11 +69,17 @@ class WireEvent:
 
 
 @contextmanager
-def recording_the_wire(mesh: DeviceMesh) -> Iterator[list[WireEvent]]:
+def recording_the_wire(
+    mesh: DeviceMesh, tie: dist.ProcessGroup | None = None
+) -> Iterator[list[WireEvent]]:
     """Inside the block, every `dist.all_reduce` and `dist.batch_isend_irecv` this rank issues
     is logged with the axis of its group (MiniDDP, tensor parallelism, the pipeline and the
-    tied embedding all call them by attribute). Nothing else changes."""
+    tied embedding all call them by attribute). Nothing else changes. `tie`: the group of a
+    pipeline's first and last stage, the pipeline's own with two stages, a pair of its ranks
+    with more: logged as "pp" too."""
     axis_of = {id(mesh[name].get_group()): name for name in mesh.mesh_dim_names}
+    if tie is not None:
+        axis_of[id(tie)] = "pp"
     log: list[WireEvent] = []
     all_reduce, batch = dist.all_reduce, dist.batch_isend_irecv
     signature = inspect.signature(all_reduce)
@@ -134,7 +140,7 @@ def record_step(parts: ParallelGPT, windows: torch.Tensor) -> tuple[torch.Tensor
     step = RankStep(dist.get_rank(), mesh.get_coordinate())
     if schedule is not None:
         schedule.record_events()
-    with recording_the_wire(mesh) as wire:
+    with recording_the_wire(mesh, None if parts.tied is None else parts.tied.pair) as wire:
         loss = parts.train_step(windows)
     step.wire = wire
     if schedule is not None:

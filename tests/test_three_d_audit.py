@@ -1,0 +1,105 @@
+"""Chapter 15's audit, byte by byte: on every rank of eight ways to cut chapter 12's GPT over 8
+ranks, what `parallelize` holds and sends is what miniddp/parallelize_formulas.py says.
+
+    held    the parameter elements of the rank's stage and TP shard; its bytes of weights,
+            gradients, MiniDDP's bucket, Adam's moments and step counts, from the storages
+            (sharding.measure_memory), in fp32 and, for (2, 2, 2), bf16 on fp32 masters
+    saved   the activations autograd holds at 1F1B's peak, per microbatch times the
+            microbatches in flight, min(m, p - s) (every layout with TP)
+    sent    every all-reduce and every send, by axis, count, size and dtype
+
+The chapters check one layout each (15: (2, 2, 2) and DP alone; 15c prices all eight with the
+same traffic_formula); this test checks the formulas on all eight, so the price of each rests on
+counted messages. The second step is measured: the first also sends shapes and orders.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miniddp import MixedPrecision
+from miniddp.figures.three_d import CONFIG
+from miniddp.parallelize_formulas import (
+    MeshLayout,
+    activation_formula,
+    every_layout,
+    memory_formula,
+    stage_elements,
+    traffic_formula,
+)
+from tests import three_d_audit_tasks as tasks
+
+LAYOUTS = {layout.shape: layout for layout in every_layout(8, CONFIG, tasks.WINDOWS)}
+THREE_D, DP_ONLY = (2, 2, 2), (1, 8, 1)
+CHAPTERS = (THREE_D, DP_ONLY)  # the chapters' two; the other six add about 6 s on 2 busy cores
+SHAPES = [
+    shape if shape in CHAPTERS else pytest.param(shape, marks=pytest.mark.slow) for shape in LAYOUTS
+]
+
+
+def run_layouts(rank_pools, shapes: list[tuple]) -> dict[tuple, list[dict]]:
+    per_rank = rank_pools(8).run(tasks.audit, shapes, timeout=240)
+    return {shape: [rank[shape] for rank in per_rank] for shape in shapes}
+
+
+@pytest.fixture(scope="module")
+def chapters(rank_pools) -> dict[tuple, list[dict]]:
+    """{(pp, dp, tp): every rank's measurements} for the chapters' two layouts, in one pool run
+    (the first layout also pays the ranks' first imports: about 15 s on 2 busy cores)."""
+    return run_layouts(rank_pools, list(CHAPTERS))
+
+
+@pytest.fixture(scope="module")
+def the_other_six(rank_pools) -> dict[tuple, list[dict]]:
+    return run_layouts(rank_pools, [shape for shape in LAYOUTS if shape not in CHAPTERS])
+
+
+def measured(request: pytest.FixtureRequest, shape: tuple) -> list[dict]:
+    """Every rank's measurements of `shape`, from the pool run of its group."""
+    return request.getfixturevalue("chapters" if shape in CHAPTERS else "the_other_six")[shape]
+
+
+def expected_sent(layout: MeshLayout, stage: int) -> dict:
+    counted: dict = {}
+    for traffic in traffic_formula(CONFIG, layout, stage):
+        key = (traffic.axis, traffic.kind, traffic.elements, traffic.element_bytes)
+        counted[key] = counted.get(key, 0) + traffic.count
+    return counted
+
+
+def test_the_eight_layouts_of_eight_ranks():
+    """tp divides the 4 heads, pp the 4 blocks: 8 = pp·dp·tp eight ways."""
+    expected = {(p, 8 // (p * t), t) for p in (1, 2, 4) for t in (1, 2, 4) if p * t <= 8}
+    assert set(LAYOUTS) == expected and len(LAYOUTS) == 8
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_every_rank_holds_what_the_formulas_say(request, shape):
+    layout = LAYOUTS[shape]
+    for rank, got in enumerate(measured(request, shape)):
+        stage, where = got["stage"], f"{shape}, rank {rank}, stage {got['stage']}"
+        assert got["elements"] == stage_elements(CONFIG, layout, stage), where
+        assert got["memory"] == memory_formula(CONFIG, layout, stage), where
+        if layout.tp > 1:
+            per_microbatch, held = activation_formula(CONFIG, layout, stage)
+            assert (got["activations"], got["held"]) == (per_microbatch * held, held), where
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_every_rank_sends_what_the_formulas_say(request, shape):
+    layout = LAYOUTS[shape]
+    for rank, got in enumerate(measured(request, shape)):
+        where = f"{shape}, rank {rank}, stage {got['stage']}"
+        assert dict(got["sent"]) == expected_sent(layout, got["stage"]), where
+
+
+def test_bf16_holds_fp32_s_bytes_and_a_bf16_copy(rank_pools):
+    """(2, 2, 2) in bf16 on fp32 masters: the fp32 formula plus 2 bytes of copy an element;
+    outside forward the parameters are their fp32 masters."""
+    layout = LAYOUTS[THREE_D]
+    policy = MixedPrecision(param_dtype=torch.bfloat16)
+    for rank, result in enumerate(rank_pools(8).run(tasks.audit, [THREE_D], "bf16")):
+        got = result[THREE_D]
+        assert got["memory"] == memory_formula(CONFIG, layout, got["stage"], policy), rank
+        assert got["masters"] == {torch.float32} and got["copies"] == {torch.bfloat16}, rank
