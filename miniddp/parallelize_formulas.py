@@ -23,6 +23,7 @@ running it; tests/test_three_d_audit.py checks every term on every rank of sever
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, replace
 
 import torch
@@ -200,6 +201,17 @@ def traffic_formula(config: GPTConfig, layout: MeshLayout, stage: int) -> list[T
         elements = stage_elements(config, layout, stage)
         sent.append(Traffic("dp", "the gradients, one bucket", 1, elements, ranks=dp))
     return sent
+
+
+def messages(sent: list[Traffic]) -> Counter:
+    """(axis, kind, elements, bytes an element) -> how many: `sent` in the form in which
+    figures.three_d.messages_sent counts a recorded step, to compare the two."""
+    counted: Counter = Counter()
+    for traffic in sent:
+        counted[traffic.axis, traffic.kind, traffic.elements, traffic.element_bytes] += (
+            traffic.count
+        )
+    return counted
 
 
 def link_seconds(sent: list[Traffic], layout: MeshLayout, link: Link, sends: bool = True) -> float:

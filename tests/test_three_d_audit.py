@@ -21,10 +21,10 @@ import torch
 from miniddp import MixedPrecision
 from miniddp.figures.three_d import CONFIG
 from miniddp.parallelize_formulas import (
-    MeshLayout,
     activation_formula,
     every_layout,
     memory_formula,
+    messages,
     stage_elements,
     traffic_formula,
 )
@@ -60,14 +60,6 @@ def measured(request: pytest.FixtureRequest, shape: tuple) -> list[dict]:
     return request.getfixturevalue("chapters" if shape in CHAPTERS else "the_other_six")[shape]
 
 
-def expected_sent(layout: MeshLayout, stage: int) -> dict:
-    counted: dict = {}
-    for traffic in traffic_formula(CONFIG, layout, stage):
-        key = (traffic.axis, traffic.kind, traffic.elements, traffic.element_bytes)
-        counted[key] = counted.get(key, 0) + traffic.count
-    return counted
-
-
 def test_the_eight_layouts_of_eight_ranks():
     """tp divides the 4 heads, pp the 4 blocks: 8 = pp·dp·tp eight ways."""
     expected = {(p, 8 // (p * t), t) for p in (1, 2, 4) for t in (1, 2, 4) if p * t <= 8}
@@ -91,7 +83,7 @@ def test_every_rank_sends_what_the_formulas_say(request, shape):
     layout = LAYOUTS[shape]
     for rank, got in enumerate(measured(request, shape)):
         where = f"{shape}, rank {rank}, stage {got['stage']}"
-        assert dict(got["sent"]) == expected_sent(layout, got["stage"]), where
+        assert got["sent"] == messages(traffic_formula(CONFIG, layout, got["stage"])), where
 
 
 def test_bf16_holds_fp32_s_bytes_and_a_bf16_copy(rank_pools):

@@ -5,13 +5,12 @@ every all-reduce and send it issues, with the axis of its group."""
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 import torch
 
 from miniddp import MixedPrecision
-from miniddp.figures.three_d import CONFIG, measure_step
+from miniddp.figures.three_d import CONFIG, measure_step, messages_sent
 from miniddp.mesh import init_device_mesh
 from miniddp.models.gpt import GPT
 from miniddp.parallelize import AXES, parallelize
@@ -24,16 +23,6 @@ WINDOWS = 8  # a step's windows over all replicas: with a pipeline, one window a
 def windows_of(step: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(step)
     return torch.randint(CONFIG.vocab_size, (WINDOWS, CONFIG.context + 1), generator=generator)
-
-
-def sent(measured_wire: list) -> Counter:
-    """(axis, kind, elements, bytes an element) -> how many, of what this rank put on the wire:
-    its all-reduces and sends (a receive is its neighbour's send)."""
-    return Counter(
-        (event.axis, event.kind, event.elements, event.nbytes // event.elements)
-        for event in measured_wire
-        if event.kind != "recv"
-    )
 
 
 def audit(shapes: list[tuple[int, int, int]], precision: str = "fp32") -> dict[tuple, Any]:
@@ -66,7 +55,7 @@ def audit(shapes: list[tuple[int, int, int]], precision: str = "fp32") -> dict[t
             "memory": measured.memory,
             "activations": measured.activations,
             "held": measured.held,
-            "sent": sent(measured.step.wire),
+            "sent": messages_sent(measured.step),
             "masters": {p.dtype for p in parts.parameters()},
             "copies": {t.dtype for t in ddp_compute_copies(parts.module)},
         }

@@ -19,6 +19,7 @@ import inspect
 import os
 import pickle
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -150,6 +151,16 @@ def record_step(parts: ParallelGPT, windows: torch.Tensor) -> tuple[torch.Tensor
         step.waits = list(zip(idle[::2], idle[1::2]))  # start, end, start, end...
         schedule.record_events(False)
     return loss, step
+
+
+def messages_sent(step: RankStep) -> Counter:
+    """(axis, kind, elements, bytes an element) -> how many, of what the rank put on the wire:
+    its all-reduces and sends (a receive is its neighbour's send)."""
+    return Counter(
+        (event.axis, event.kind, event.elements, event.nbytes // event.elements)
+        for event in step.wire
+        if event.kind != "recv"
+    )
 
 
 @dataclass
