@@ -1,4 +1,4 @@
-"""Chapter 15's picture: the (pp, dp, tp) mesh of 8 ranks, and one training step on it.
+"""Chapter 15c's picture: the (pp, dp, tp) mesh of 8 ranks, and one training step on it.
 
 Left, the grid as `miniddp.mesh.init_device_mesh` lays it out, `torch.arange(8).view(2, 2, 2)`:
 two pages (pp), each a 2 x 2 square of replicas (dp, down) and shards (tp, across), every rank
@@ -40,7 +40,7 @@ from miniddp.sharding import MemoryPerRank, ddp_buckets, ddp_compute_copies, mea
 AXES = ("pp", "dp", "tp")
 SHAPE = (2, 2, 2)
 COLOURS = {"tp": "crimson", "pp": "royalblue", "dp": "seagreen", "F": "#aed6f1", "B": "#f5cba7"}
-# The job's model: chapter 15's shape, on random tokens (the chapter trains on real text).
+# The job's model: chapters 15 and 15c's shape, on random tokens (the chapter trains on real text).
 CONFIG = GPTConfig(vocab_size=64, context=16, width=32, layers=4, heads=4, dropout=0.0)
 WINDOWS, MICROBATCHES = 8, 4  # a step's windows (all replicas), and microbatches per replica
 JOB_TIMEOUT_S = 600  # 8 ranks importing torch on 2 busy cores took 150 s once
@@ -371,8 +371,8 @@ def _draw_step(axes, steps: list[RankStep]) -> None:
 
 def mesh_and_step(steps: list[RankStep], path: str | Path, shape: tuple = SHAPE) -> Path:
     """The figure: the mesh on the left, the recorded step on the right. (matplotlib is
-    imported here, not above: chapter 15's 8 ranks import this module to record a step, and
-    only one of them draws.)"""
+    imported here, not above: the 8 ranks of chapters 15 and 15c import this module to measure
+    a step, and only one of them draws.)"""
     from miniddp.figures.draw import plt, save
 
     figure, (left, right) = plt.subplots(
