@@ -15,12 +15,16 @@ counted messages. The second step is measured: the first also sends shapes and o
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from miniddp import MixedPrecision
 from miniddp.figures.three_d import CONFIG
+from miniddp.models.gpt_activations import block_bytes
 from miniddp.parallelize_formulas import (
+    MeshLayout,
     activation_formula,
     every_layout,
     memory_formula,
@@ -95,3 +99,22 @@ def test_bf16_holds_fp32_s_bytes_and_a_bf16_copy(rank_pools):
         got = result[THREE_D]
         assert got["memory"] == memory_formula(CONFIG, layout, got["stage"], policy), rank
         assert got["masters"] == {torch.float32} and got["copies"] == {torch.bfloat16}, rank
+
+
+def test_the_formulas_refuse_what_they_do_not_count():
+    """Each says what it was checked for, at once: no silent wrong number outside it."""
+    with pytest.raises(ValueError, match="tp > 1"):
+        activation_formula(CONFIG, LAYOUTS[DP_ONLY], 0)
+    with pytest.raises(ValueError, match="dropout 0 without checkpointing"):
+        block_bytes(replace(CONFIG, dropout=0.1), 2, tp=2)
+    with pytest.raises(ValueError, match="do not split over dp=3"):
+        MeshLayout.of(1, 3, 1, windows=8, context=16)
+
+
+def test_one_tp_rank_s_block_is_the_whole_block_at_t_1():
+    """block_bytes on one of t ranks: 4N(4H + 4) kept whole, 4N(12H + a)/t split; at t = 1 the
+    two parts add to the whole block's 16e·sbh + 4·abs + 4e·sb."""
+    n, h, a = 2 * CONFIG.context, CONFIG.width, CONFIG.heads
+    whole, split = 4 * n * (4 * h + 4), 4 * n * (12 * h + a)
+    assert block_bytes(CONFIG, 2, tp=2) == whole + split // 2
+    assert whole + split == block_bytes(CONFIG, 2)
