@@ -28,11 +28,10 @@ to the last, 47 s with torchrun and 8 processes importing torch; --steps 2 witho
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.distributed as dist
-from common import end_chapter, fmt_bytes, say, say_all_ranks, say_prose, section
+from common import fmt_bytes, say, say_all_ranks, say_prose, section
 from three_d_setup import (
     DP_ONLY,
     FIGURE,
@@ -42,10 +41,11 @@ from three_d_setup import (
     WORLD,
     Run,
     build_gpt,
+    end_with_checks,
     gather,
     global_losses,
-    refuse_other_world_sizes,
-    text_and_model,
+    mesh_of,
+    start,
     train,
 )
 from torch.nn import functional as F
@@ -53,8 +53,6 @@ from torch.nn import functional as F
 from miniddp import MixedPrecision
 from miniddp.bench.options import whole_number
 from miniddp.figures.three_d import groups_of
-from miniddp.job.env import init_distributed
-from miniddp.mesh import init_device_mesh
 from miniddp.models.gpt import GPT, GPTConfig
 from miniddp.parallelize import AXES
 from miniddp.parallelize_formulas import activation_formula, memory_formula, stage_elements
@@ -327,37 +325,28 @@ def main() -> None:
         help="bf16: train the 3-D layout again, bf16 on fp32 masters, beside fp32 (section 4)",
     )
     args = parser.parse_args()
-    refuse_other_world_sizes("15_three_d_parallel.py", "15")
-    started = time.perf_counter()
-    init_distributed(backend="gloo")  # CPU tensors on a CPU mesh, GPU or not
-    torch.set_num_threads(1)
-    batches, corpus, c = text_and_model(args.steps)
+    batches, corpus, c, started = start("15_three_d_parallel.py", "15", args.steps)
     say_prose(f"""\
         Chapter 15: 3-D parallelism, chapter 12's GPT on {WORLD} ranks as (pp, dp, tp) =
         {THREE_D.shape}: {args.steps} steps of {WINDOWS} windows of {c.context} characters each,
         from chapter 12's text ({corpus.source}).""")
-    mesh = init_device_mesh("cpu", THREE_D.shape, mesh_dim_names=AXES)
+    mesh = mesh_of(THREE_D)
     checks = {"every rank's groups are the ones drawn": section_mesh(mesh)}
     reference = one_process(c, batches)  # on every rank: it is small
     run = train(THREE_D, mesh, c, batches)
-    alone_mesh = init_device_mesh("cpu", DP_ONLY.shape, mesh_dim_names=AXES)
-    dp_only = train(DP_ONLY, alone_mesh, c, batches)
+    dp_only = train(DP_ONLY, mesh_of(DP_ONLY), c, batches)
     characters = len(corpus.vocabulary)
     checks["memory per rank = the formulas"] = section_holdings(c, characters, run, dp_only)
     checks |= section_training(run, dp_only, reference)
     if args.precision == "bf16":
         checks |= section_bf16(c, mesh, batches, run)
 
-    section("Checks")
-    for name, passed in checks.items():
-        say(f"  {'ok ' if passed else 'FAILED'} {name}")
-    assert all(checks.values()), [name for name, passed in checks.items() if not passed]
-    dist.barrier()
-    say_prose(f"""\
-        Verified on {WORLD} ranks in {time.perf_counter() - started:.0f} s: each rank holds what
-        the formulas say, and 3-D trains as one process and as DP alone do. Chapter 15c: what
-        each rank sends, and which layout wins on which link.""")
-    end_chapter()
+    end_with_checks(
+        checks,
+        started,
+        "each rank holds what the formulas say, and 3-D trains as one process and as DP alone "
+        "do. Chapter 15c: what each rank sends, and which layout wins on which link.",
+    )
 
 
 if __name__ == "__main__":

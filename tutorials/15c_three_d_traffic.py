@@ -32,7 +32,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from common import add_link_option, add_plot_option, end_chapter, fmt_bytes, say, say_prose, section
+from common import add_link_option, add_plot_option, fmt_bytes, say, say_prose, section
 from three_d_setup import (
     DP_ONLY,
     FIGURE,
@@ -40,19 +40,17 @@ from three_d_setup import (
     WINDOWS,
     WORLD,
     Run,
+    end_with_checks,
     gather,
-    refuse_other_world_sizes,
-    text_and_model,
+    mesh_of,
+    start,
     train,
 )
 
 from miniddp.bench.options import whole_number
 from miniddp.figures import three_d
-from miniddp.job.env import init_distributed
-from miniddp.mesh import init_device_mesh
 from miniddp.models.gpt import GPTConfig
 from miniddp.observe.link import Link, simulated_link
-from miniddp.parallelize import AXES
 from miniddp.parallelize_formulas import (
     every_layout,
     messages,
@@ -298,18 +296,13 @@ def main() -> None:
     add_link_option(parser, default_link=BANDWIDTH_BOUND)
     add_plot_option(parser)
     args = parser.parse_args()
-    refuse_other_world_sizes("15c_three_d_traffic.py", "15c")
-    started = time.perf_counter()
-    init_distributed(backend="gloo")  # CPU tensors on a CPU mesh, GPU or not
-    torch.set_num_threads(1)
-    batches, corpus, c = text_and_model(args.steps)
+    batches, _, c, started = start("15c_three_d_traffic.py", "15c", args.steps)
     say_prose(f"""\
         Chapter 15c: what each rank sends, chapter 15's GPT on {WORLD} ranks as (pp, dp, tp) =
         {THREE_D.shape} and as DP alone {DP_ONLY.shape}, {args.steps} steps of {WINDOWS}
         windows of chapter 12's text; the second step is recorded.""")
-    run = train(THREE_D, init_device_mesh("cpu", THREE_D.shape, mesh_dim_names=AXES), c, batches)
-    alone_mesh = init_device_mesh("cpu", DP_ONLY.shape, mesh_dim_names=AXES)
-    dp_only = train(DP_ONLY, alone_mesh, c, batches)
+    run = train(THREE_D, mesh_of(THREE_D), c, batches)
+    dp_only = train(DP_ONLY, mesh_of(DP_ONLY), c, batches)
     checks = {"what each axis sends = the formulas": section_sends(c, run, dp_only)}
     links = {
         "latency-bound": Link.parse(LATENCY_BOUND),
@@ -326,16 +319,12 @@ def main() -> None:
     steps = section_step(run, args.plot)
     checks["one pipeline step recorded on every rank"] = all(s.blocks for s in steps)
 
-    section("Checks")
-    for name, passed in checks.items():
-        say(f"  {'ok ' if passed else 'FAILED'} {name}")
-    assert all(checks.values()), [name for name, passed in checks.items() if not passed]
-    dist.barrier()
-    say_prose(f"""\
-        Verified on {WORLD} ranks in {time.perf_counter() - started:.0f} s: each rank sends what
-        the formulas say on each axis, and the model's cheapest layout on a latency-bound link
-        is DP alone.""")
-    end_chapter()
+    end_with_checks(
+        checks,
+        started,
+        "each rank sends what the formulas say on each axis, and the model's cheapest layout "
+        "on a latency-bound link is DP alone.",
+    )
 
 
 if __name__ == "__main__":

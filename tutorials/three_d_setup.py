@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import os
 import statistics
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from char_corpus import Corpus, Windows, load_corpus
+from common import end_chapter, say, say_prose, section
 
 from miniddp import MixedPrecision
 from miniddp.figures.three_d import StepMeasured, measure_step
-from miniddp.mesh import DeviceMesh
+from miniddp.job.env import init_distributed
+from miniddp.mesh import DeviceMesh, init_device_mesh
 from miniddp.models.gpt import GPT, GPTConfig
-from miniddp.parallelize import ParallelGPT, parallelize
+from miniddp.parallelize import AXES, ParallelGPT, parallelize
 from miniddp.parallelize_formulas import MeshLayout
 
 WORLD = 8
@@ -32,6 +35,31 @@ LEARNING_RATE = 1e-2
 THREE_D = MeshLayout.of(2, 2, 2, WINDOWS, CONTEXT)
 DP_ONLY = MeshLayout.of(1, 8, 1, WINDOWS, CONTEXT)
 FIGURE = "docs/figures/15_three_d.png"
+
+
+def start(script: str, chapter: str, steps: int) -> tuple[list, Corpus, GPTConfig, float]:
+    """Refuse any world but 8 ranks, join the job (gloo: CPU tensors on a CPU mesh, GPU or
+    not), and return the text's batches, the text, the GPT's shape and the time it started."""
+    refuse_other_world_sizes(script, chapter)
+    started = time.perf_counter()
+    init_distributed(backend="gloo")
+    torch.set_num_threads(1)
+    return (*text_and_model(steps), started)
+
+
+def mesh_of(layout: MeshLayout) -> DeviceMesh:
+    return init_device_mesh("cpu", layout.shape, mesh_dim_names=AXES)
+
+
+def end_with_checks(checks: dict[str, bool], started: float, verified: str) -> None:
+    """Say every check, stop at a failed one, else say what was `verified`, and end."""
+    section("Checks")
+    for name, passed in checks.items():
+        say(f"  {'ok ' if passed else 'FAILED'} {name}")
+    assert all(checks.values()), [name for name, passed in checks.items() if not passed]
+    dist.barrier()
+    say_prose(f"Verified on {WORLD} ranks in {time.perf_counter() - started:.0f} s: {verified}")
+    end_chapter()
 
 
 def text_and_model(steps: int) -> tuple[list[torch.Tensor], Corpus, GPTConfig]:
