@@ -1,16 +1,21 @@
-"""Chapter 15's audit, byte by byte: on every rank of eight ways to cut chapter 12's GPT over 8
-ranks, what `parallelize` holds and sends is what miniddp/parallelize_formulas.py says.
+"""Chapter 15's audit, byte by byte: on every rank of every way to cut chapter 12's GPT over 4
+ranks (six) and over 8 (eight, under -m slow), what `parallelize` holds and sends is what
+miniddp/parallelize_formulas.py says.
 
     held    the parameter elements of the rank's stage and TP shard; its bytes of weights,
             gradients, MiniDDP's bucket, Adam's moments and step counts, from the storages
-            (sharding.measure_memory), in fp32 and, for (2, 2, 2), bf16 on fp32 masters
+            (sharding.measure_memory), in fp32 and in bf16 on fp32 masters
     saved   the activations autograd holds at 1F1B's peak, per microbatch times the
             microbatches in flight, min(m, p - s) (every layout with TP)
     sent    every all-reduce and every send, by axis, count, size and dtype
 
-The chapters check one layout each (15: (2, 2, 2) and DP alone; 15c prices all eight with the
-same traffic_formula); this test checks the formulas on all eight, so the price of each rests on
-counted messages. The second step is measured: the first also sends shapes and orders.
+Chapter 15 checks its (2, 2, 2) and DP alone, chapter 15c prices all eight layouts of 8 ranks
+with the same traffic_formula; this test checks the formulas on every layout, so that each price
+rests on counted messages. The 4-rank layouts exercise every term (each axis alone and two at
+once, a pipeline of 4 whose tie is a pair of its ranks) in a few seconds, on the 4-rank pool the
+default suite already runs; 8 ranks take about 20 s more (their first AdamW step imports
+torch._dynamo in 8 processes). The second step is measured: the first also sends shapes and
+orders.
 """
 
 from __future__ import annotations
@@ -34,46 +39,46 @@ from miniddp.parallelize_formulas import (
 )
 from tests import three_d_audit_tasks as tasks
 
-LAYOUTS = {layout.shape: layout for layout in every_layout(8, CONFIG, tasks.WINDOWS)}
-THREE_D, DP_ONLY = (2, 2, 2), (1, 8, 1)
-CHAPTERS = (THREE_D, DP_ONLY)  # the chapters' two; the other six add about 6 s on 2 busy cores
-SHAPES = [
-    shape if shape in CHAPTERS else pytest.param(shape, marks=pytest.mark.slow) for shape in LAYOUTS
+FOUR = {layout.shape: layout for layout in every_layout(4, CONFIG, tasks.WINDOWS)}
+EIGHT = {layout.shape: layout for layout in every_layout(8, CONFIG, tasks.WINDOWS)}
+LAYOUTS = [
+    *(pytest.param(4, shape, id=f"4 ranks {shape}") for shape in FOUR),
+    *(pytest.param(8, shape, id=f"8 ranks {shape}", marks=pytest.mark.slow) for shape in EIGHT),
 ]
+THREE_D, DP_ONLY = (2, 2, 2), (1, 8, 1)
 
 
-def run_layouts(rank_pools, shapes: list[tuple]) -> dict[tuple, list[dict]]:
-    per_rank = rank_pools(8).run(tasks.audit, shapes, timeout=240)
+def run_layouts(rank_pools, world: int, shapes: list[tuple]) -> dict[tuple, list[dict]]:
+    per_rank = rank_pools(world).run(tasks.audit, shapes, timeout=240)
     return {shape: [rank[shape] for rank in per_rank] for shape in shapes}
 
 
 @pytest.fixture(scope="module")
-def chapters(rank_pools) -> dict[tuple, list[dict]]:
-    """{(pp, dp, tp): every rank's measurements} for the chapters' two layouts, in one pool run
-    (the first layout also pays the ranks' first imports: about 15 s on 2 busy cores)."""
-    return run_layouts(rank_pools, list(CHAPTERS))
+def four_ranks(rank_pools) -> dict[tuple, list[dict]]:
+    """{(pp, dp, tp): every rank's measurements}, all six layouts of 4 ranks in one pool run."""
+    return run_layouts(rank_pools, 4, list(FOUR))
 
 
 @pytest.fixture(scope="module")
-def the_other_six(rank_pools) -> dict[tuple, list[dict]]:
-    return run_layouts(rank_pools, [shape for shape in LAYOUTS if shape not in CHAPTERS])
+def eight_ranks(rank_pools) -> dict[tuple, list[dict]]:
+    return run_layouts(rank_pools, 8, list(EIGHT))
 
 
-def measured(request: pytest.FixtureRequest, shape: tuple) -> list[dict]:
-    """Every rank's measurements of `shape`, from the pool run of its group."""
-    return request.getfixturevalue("chapters" if shape in CHAPTERS else "the_other_six")[shape]
+def measured(request: pytest.FixtureRequest, world: int, shape: tuple) -> list[dict]:
+    """Every rank's measurements of `shape`, from the pool run of its world size."""
+    return request.getfixturevalue("four_ranks" if world == 4 else "eight_ranks")[shape]
 
 
 def test_the_eight_layouts_of_eight_ranks():
     """tp divides the 4 heads, pp the 4 blocks: 8 = pp·dp·tp eight ways."""
     expected = {(p, 8 // (p * t), t) for p in (1, 2, 4) for t in (1, 2, 4) if p * t <= 8}
-    assert set(LAYOUTS) == expected and len(LAYOUTS) == 8
+    assert set(EIGHT) == expected and len(EIGHT) == 8
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-def test_every_rank_holds_what_the_formulas_say(request, shape):
-    layout = LAYOUTS[shape]
-    for rank, got in enumerate(measured(request, shape)):
+@pytest.mark.parametrize("world, shape", LAYOUTS)
+def test_every_rank_holds_what_the_formulas_say(request, world, shape):
+    layout = (FOUR if world == 4 else EIGHT)[shape]
+    for rank, got in enumerate(measured(request, world, shape)):
         stage, where = got["stage"], f"{shape}, rank {rank}, stage {got['stage']}"
         assert got["elements"] == stage_elements(CONFIG, layout, stage), where
         assert got["memory"] == memory_formula(CONFIG, layout, stage), where
@@ -82,21 +87,26 @@ def test_every_rank_holds_what_the_formulas_say(request, shape):
             assert (got["activations"], got["held"]) == (per_microbatch * held, held), where
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-def test_every_rank_sends_what_the_formulas_say(request, shape):
-    layout = LAYOUTS[shape]
-    for rank, got in enumerate(measured(request, shape)):
+@pytest.mark.parametrize("world, shape", LAYOUTS)
+def test_every_rank_sends_what_the_formulas_say(request, world, shape):
+    layout = (FOUR if world == 4 else EIGHT)[shape]
+    for rank, got in enumerate(measured(request, world, shape)):
         where = f"{shape}, rank {rank}, stage {got['stage']}"
         assert got["sent"] == messages(traffic_formula(CONFIG, layout, got["stage"])), where
 
 
-def test_bf16_holds_fp32_s_bytes_and_a_bf16_copy(rank_pools):
-    """(2, 2, 2) in bf16 on fp32 masters: the fp32 formula plus 2 bytes of copy an element;
-    outside forward the parameters are their fp32 masters."""
-    layout = LAYOUTS[THREE_D]
+@pytest.mark.parametrize(
+    "world, shape",
+    [(4, (1, 2, 2)), pytest.param(8, THREE_D, marks=pytest.mark.slow)],
+    ids=["4 ranks (1, 2, 2)", "8 ranks (2, 2, 2)"],
+)
+def test_bf16_holds_fp32_s_bytes_and_a_bf16_copy(rank_pools, world, shape):
+    """bf16 on fp32 masters: the fp32 formula plus 2 bytes of copy an element; outside forward
+    the parameters are their fp32 masters."""
+    layout = (FOUR if world == 4 else EIGHT)[shape]
     policy = MixedPrecision(param_dtype=torch.bfloat16)
-    for rank, result in enumerate(rank_pools(8).run(tasks.audit, [THREE_D], "bf16")):
-        got = result[THREE_D]
+    for rank, result in enumerate(rank_pools(world).run(tasks.audit, [shape], "bf16")):
+        got = result[shape]
         assert got["memory"] == memory_formula(CONFIG, layout, got["stage"], policy), rank
         assert got["masters"] == {torch.float32} and got["copies"] == {torch.bfloat16}, rank
 
@@ -104,7 +114,7 @@ def test_bf16_holds_fp32_s_bytes_and_a_bf16_copy(rank_pools):
 def test_the_formulas_refuse_what_they_do_not_count():
     """Each says what it was checked for, at once: no silent wrong number outside it."""
     with pytest.raises(ValueError, match="tp > 1"):
-        activation_formula(CONFIG, LAYOUTS[DP_ONLY], 0)
+        activation_formula(CONFIG, EIGHT[DP_ONLY], 0)
     with pytest.raises(ValueError, match="dropout 0 without checkpointing"):
         block_bytes(replace(CONFIG, dropout=0.1), 2, tp=2)
     with pytest.raises(ValueError, match="do not split over dp=3"):
