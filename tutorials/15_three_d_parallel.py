@@ -17,8 +17,9 @@ grid of ranks (the Ultra-Scale Playbook's "3-D parallelism", torchtitan's `paral
 
 All of it through one call, miniddp.parallelize.parallelize (tensor parallelism, then the
 pipeline split, then MiniDDP; read it first). The formulas are the library's,
-miniddp/parallelize_formulas.py; tests/test_three_d_audit.py checks them on every rank of all
-eight ways to cut 8 ranks. Chapter 15c goes on with what each rank sends, and which layout wins.
+miniddp/parallelize_formulas.py; tests/test_three_d_audit.py checks every term of them on every
+rank of every way to cut 4 ranks, and (-m slow) 8. Chapter 15c goes on with what each rank
+sends, and which layout wins.
 
 Any other number of ranks is refused, naming the command. Measured on 2 cores shared with other
 jobs (load average 30-50): the default run with --precision bf16 took 25 s from the first line

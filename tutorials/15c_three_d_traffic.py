@@ -15,7 +15,7 @@ Chapter 15 counted what each rank holds. Every rank also talks, on three axes at
     3. one step, drawn              the pipeline in ASCII; docs/figures/15_three_d.png
 
 The figure is drawn by miniddp/figures/three_d.py (`python -m miniddp.figures --only 15`).
-tests/test_three_d_audit.py counts the messages of all eight layouts against the same formula.
+tests/test_three_d_audit.py counts the messages of every layout against the same formula.
 
 Any other number of ranks is refused, naming the command. Measured on 2 cores shared with other
 jobs (load average about 30): the default run took 47 s from the first line to the last, most
@@ -139,13 +139,14 @@ def fmt_seconds(seconds: float) -> str:
 def section_layouts(c: GPTConfig, links: dict[str, Link]) -> dict[str, str]:
     section("2. Which layout wins, on which link")
     say_prose("""\
-        The formulas of section 1 hold for any layout (tests/test_three_d_audit.py counts all
-        eight), so the alpha-beta model (chapter 01) can price each without running it: on a
-        link of latency alpha and bandwidth beta each message costs alpha + wire bytes / beta,
-        one after another on a rank's link; TP's and PP's sit inside the F's and B's, which the
-        pipeline's fill and drain stretch by (m + p - 1)/m; DP's come once, at the end
-        (link_seconds). Every layout of 8 ranks this GPT allows (t divides the 4 heads, p the
-        4 blocks; with a pipeline a microbatch is one window), for the slowest stage, a step:""")
+        The formulas of section 1 hold for any layout (tests/test_three_d_audit.py counts the
+        messages of every layout of 4 ranks and of 8), so the alpha-beta model (chapter 01) can
+        price each without running it: on a link of latency alpha and bandwidth beta each
+        message costs alpha + wire bytes / beta, one after another on a rank's link; TP's and
+        PP's sit inside the F's and B's, which the pipeline's fill and drain stretch by
+        (m + p - 1)/m; DP's come once, at the end (link_seconds). Every layout of 8 ranks this
+        GPT allows (t divides the 4 heads, p the 4 blocks; with a pipeline a microbatch is one
+        window), for the slowest stage, a step:""")
     layouts = every_layout(WORLD, c, WINDOWS)
     names = list(links)
     short = [name.split("-")[0] for name in names]  # "latency", "bandwidth", "link"
