@@ -170,7 +170,7 @@ def assert_verified_on_eight(chapter: Path, returncode: int, output: str, tmp_pa
 
 
 @pytest.mark.slow  # 40 s; the default suite trains the same composition (test_parallelize.py)
-def test_the_three_d_chapter_runs_quickly_on_eight_ranks(tmp_path: Path) -> None:  # and audits it
+def test_the_three_d_chapter_runs_quickly_on_eight_ranks(tmp_path: Path) -> None:
     """Chapter 15 on its 8 ranks, 2 steps: every check. About 30 s here, most of it 8 processes
     importing torch. tests/test_three_d_audit.py checks its formulas by default."""
     returncode, output = run_chapter(THREE_D, 8, tmp_path, "--steps", "2")

@@ -29,6 +29,7 @@ import argparse
 import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -254,7 +255,7 @@ def section_measured(
     return faster == expected
 
 
-def section_step(run: Run, plot) -> list[three_d.RankStep]:
+def section_step(run: Run, plot: Path | None) -> list[three_d.RankStep]:
     section("3. One step, drawn")
     steps = three_d.gather_steps(run.measured.step)
     say_prose("""\
