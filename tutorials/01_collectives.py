@@ -35,7 +35,6 @@ from common import (
     end_chapter,
     fmt_bytes,
     say,
-    say_all_ranks,
     say_prose,
     section,
 )
@@ -62,8 +61,14 @@ def gather_messages(log: list[Message]) -> list[Message]:
 
 
 def show_steps(messages: list[Message]) -> None:
+    """One line a step; a kind every message of the step shares, "(partial)", said once."""
     for step, in_step in itertools.groupby(messages, key=lambda m: m.step):
-        line = f"step {step}: " + ", ".join(f"{m.src}->{m.dst} {m.what}" for m in in_step)
+        in_step = list(in_step)
+        kinds = {m.what.partition(" (")[2] for m in in_step}
+        shared = kinds.pop() if len(kinds) == 1 else ""  # "partial)": the ")" comes along
+        whats = [m.what.partition(" (")[0] if shared else m.what for m in in_step]
+        line = ", ".join(f"{m.src}->{m.dst} {what}" for m, what in zip(in_step, whats))
+        line = f"step {step}: {line}" + (f" ({shared}" if shared else "")
         say(textwrap.fill(line, 96, initial_indent="    ", subsequent_indent=" " * 12))
 
 
@@ -102,8 +107,7 @@ def section_broadcast(rank: int, numel: int, world_size: int) -> bool:
         textwrap.dedent("""\
         Naive: the root sends W-1 times in a row while everyone else waits. Tree: whoever has the
         tensor sends it on, so the number of holders doubles each step: 1, 2, 4, ... ranks,
-        ceil(log2 W) steps.
-        Same bytes per receiver, fewer steps: that is all a tree buys.""")
+        ceil(log2 W) steps. Same bytes per receiver, fewer steps: that is all a tree buys.""")
     )
     if world_size < 4:
         say(
@@ -117,7 +121,7 @@ def section_broadcast(rank: int, numel: int, world_size: int) -> bool:
 def section_reduce(rank: int, numel: int, world_size: int) -> bool:
     section("2. Reduce: every rank's tensor, summed, on one rank")
     mine = torch.arange(numel) + 100 * (rank + 1)
-    say_all_ranks(f"holds {mine.tolist()}")
+    say(f"Rank r holds [0, 1, ..., {numel - 1}] + 100 (r + 1): rank 0 holds {mine.tolist()}")
     expected = mine.clone()
     dist.reduce(expected, dst=0)
     verified = True
@@ -142,7 +146,7 @@ def section_all_reduce(rank: int, numel: int, world_size: int) -> bool:
     mine = torch.arange(numel) + 100 * (rank + 1)
     expected = mine.clone()
     dist.all_reduce(expected)
-    say(f"Every rank starts from its tensor of section 2; all should end with\n{expected.tolist()}")
+    say(f"From section 2's tensors, all ranks should end with {expected.tolist()}")
     verified = True
     for algorithm in ("reduce_broadcast", "recursive_doubling", "ring"):
         tensor = mine.clone()
@@ -165,11 +169,14 @@ def section_all_reduce(rank: int, numel: int, world_size: int) -> bool:
     chunk = torch.zeros(numel // world_size, dtype=torch.int64)
     if numel % world_size == 0:
         collectives.reduce_scatter_tensor(chunk, mine)
-        say_all_ranks(f"after reduce_scatter holds chunk {rank}: {chunk.tolist()}")
+        chunks = [None] * world_size
+        dist.all_gather_object(chunks, chunk.tolist())
+        listed = " ".join(str(c) for c in chunks)
+        say(textwrap.fill(f"reduce_scatter leaves chunk r on rank r: {listed}", 96))
         gathered = torch.zeros(numel, dtype=torch.int64)
         collectives.all_gather_into_tensor(gathered, chunk)
-        say_all_ranks(f"after all_gather holds {gathered.tolist()}")
         verified &= same_as_torch(gathered, expected)
+        say(f"after all_gather every rank holds {gathered.tolist()} (checked)")
     else:
         say(f"(skipped: {numel} elements do not split into {world_size} equal chunks)")
     return verified
@@ -223,17 +230,13 @@ def section_counting(world_size: int) -> tuple[bool, dict]:
         any all-reduce can send per rank when only the ranks add (Patarasuk and Yuan, 2009). Why,
         one element at a time: join two ranks by an edge whenever one sends the other a value of
         that element. A rank can hold the full sum only once its piece of the graph reaches all W
-        ranks, which takes W-1 messages; and the W-1 others, still lacking the sum at that moment,
-        each need at least one more message. So every element costs 2(W-1) messages, the n
-        elements 2(W-1) n in all, and some rank sends at least a W-th of that: 2(W-1)/W n. That
-        this does not grow with W is why gloo and NCCL use rings for large tensors. (Switches
-        that add, NVLink SHARP on NVSwitch or SHARP on InfiniBand, break the premise: each GPU
-        sends its n once and receives the sum once.) NCCL also runs trees, whose log W steps win
-        when latency dominates (small tensors, many nodes). The busiest rank of reduce_broadcast
-        sends {fmt_bytes(tree)}, of recursive doubling {fmt_bytes(doubling)}: log2 W whole
-        tensors.
-        With W = 2 all three send the same n; recursive doubling then needs a single step, and the
-        ring's only edge is that each rank adds up half the tensor instead of all of it.""")
+        ranks, W-1 messages; the W-1 others, still lacking the sum then, each need one more. So
+        an element costs 2(W-1) messages, n elements 2(W-1) n, and some rank sends at least a
+        W-th: 2(W-1)/W n, which does not grow with W: why gloo and NCCL use rings for large
+        tensors (switches that add, such as SHARP, break the premise). reduce_broadcast's
+        busiest rank sends {fmt_bytes(tree)}, recursive doubling's {fmt_bytes(doubling)}: log2 W
+        whole tensors. At W = 2 all three send n, and the ring's only edge is that each rank adds
+        up half the tensor.""")
     consistent &= ring == lower_bound
     return consistent, busiest
 
@@ -250,17 +253,19 @@ def section_async(rank: int) -> bool:
     for work in reversed(works):  # wait in any order: they still finish in issue order
         work.wait()
     torch.futures.wait_all(noted)
-    say_all_ranks(
-        f"issued 4 all-reduces, computed a {tuple(busy.shape)} matmul, finished {finished}"
+    orders = [None] * dist.get_world_size()
+    dist.all_gather_object(orders, finished)
+    every = "" if all(order == finished for order in orders) else f" (by rank: {orders})"
+    say(
+        f"Each rank: 4 all-reduces issued, a {len(busy)}x{len(busy)} matmul done meanwhile, "
+        f"finished in order {finished}{every}"
     )
     say(
         textwrap.dedent("""\
-        `async_op=True` queues the collective on one communication thread per process and
-        returns a Work (wait(), get_future()) at once, like torch.distributed. On a GPU, NCCL
-        gets the same from a CUDA stream: collectives queued on a communication stream run in
-        order, beside the compute. In order matters: messages carry no collective id, so the
-        k-th collective's messages find the k-th collective's receives only because every rank
-        runs them in the same order, one at a time.""")
+        `async_op=True` queues the collective on one communication thread per process and returns
+        a Work (wait(), get_future()) at once, like torch.distributed; NCCL does it with a CUDA
+        stream. In order matters: messages carry no collective id, so the k-th collective's
+        messages find its receives only because every rank runs them in the same order.""")
     )
     world_size = dist.get_world_size()
     sums = [sum(range(world_size)) + world_size * i for i in range(4)]  # rank + i, over ranks
@@ -295,7 +300,7 @@ def section_cost_model(world_size: int, sizes: list[int]) -> collectives.CostMod
         An algorithm of S steps that carry B bytes in all takes S alpha + B beta
         (tree = reduce_broadcast, doubling = recursive_doubling):""")
     say(f"\n  {'size':>9}  {'W':>3}  {'tree':>9}  {'doubling':>9}  {'ring':>9}  fastest")
-    for nbytes, w in itertools.product((4096, 2**20, 64 * 2**20), sorted({world_size, 8, 64})):
+    for nbytes, w in itertools.product((4096, 2**20, 64 * 2**20), sorted({world_size, 64})):
         predicted = {
             short: model.predict("all_reduce", algorithm, nbytes, w)
             for short, algorithm in ALL_REDUCES.items()
@@ -343,17 +348,12 @@ def explain_the_gaps(
     ratio_large = statistics.median(sweep[largest]["gloo"]) / worst[largest]
     say()
     say_prose(f"""\
-        Why the sweep is far above the model at small sizes ({fmt_bytes(smallest)}: gloo's median
-        {us(statistics.median(gloo))} against at most {us(worst[smallest])} modelled). First,
-        noise: the model takes the quickest of 30 ping-pongs, the sweep the median of
-        {SWEEP_ROUNDS} rounds, on a machine with {os.getloadavg()[0]:.1f} runnable processes for
-        {os.cpu_count()} cores, where a message is received only once its process has a core
-        again (gloo's quickest round took {us(gloo[0])}, its slowest {us(gloo[-1])}). Second,
-        what the model leaves out even in the quickest round: the barrier before each call
-        releases the ranks at different moments, gloo wakes threads of its own, and ours add
-        Python (40-60 us to post a message) and the adding. These costs are fixed per step, so
-        where bytes dominate they matter less: gloo over the model is {ratio_small:.1f}x at
-        {fmt_bytes(smallest)} and {ratio_large:.1f}x at {fmt_bytes(largest)}.""")
+        Why the sweep is far above the model at small sizes (gloo {ratio_small:.1f}x the model at
+        {fmt_bytes(smallest)}, {ratio_large:.1f}x at {fmt_bytes(largest)}): costs fixed per step
+        that it leaves out (the barrier releasing ranks apart, gloo's threads waking, our Python
+        posting each message), and noise: the median of {SWEEP_ROUNDS} rounds with
+        {os.getloadavg()[0]:.1f} runnable processes for {os.cpu_count()} cores (gloo's quickest
+        round {us(gloo[0])}, its slowest {us(gloo[-1])}), against the quickest of 30 ping-pongs.""")
     picks = {
         n: ALL_REDUCES_BY_NAME[collectives.choose_all_reduce_algorithm(n, world_size)]
         for n in sweep
@@ -365,15 +365,11 @@ def explain_the_gaps(
         picks[n] == min(ALL_REDUCES, key=lambda a, n=n: statistics.median(sweep[n][a]))
         for n in sweep
     )
-    say()
     say_prose(f"""\
         `auto` agreed with the model at {with_model} of {len(sweep)} sizes and with this sweep
-        at {with_sweep}. It follows neither: it picks from AUTO_CHOICES
-        (miniddp/collectives/cost_model.py), crossovers measured once, over many rounds, with
-        `python -m miniddp.bench collectives` on an idle 2-core machine. The model leaves out
-        the adding and our own Python, and that a step needing every rank at once is slow when
-        ranks share cores; and {SWEEP_ROUNDS} rounds on a busy machine are too few to rank
-        algorithms within noise of each other: measure yours with the bench.""")
+        at {with_sweep}: it follows AUTO_CHOICES (miniddp/collectives/cost_model.py), crossovers
+        measured over many rounds on an idle machine with `python -m miniddp.bench collectives`.
+        A few rounds on a busy machine cannot rank algorithms this close: measure yours so.""")
 
 
 def main() -> None:
@@ -403,9 +399,8 @@ def main() -> None:
         say(f"\nEvery watched collective, drawn: {drawn}")
 
     section("Final check")
-    for name, passed in checks.items():
-        say(f"  {name}: {'ok' if passed else 'FAILED'}")
-    assert all(checks.values()), checks
+    failed = [name for name, passed in checks.items() if not passed]
+    assert not failed, f"these claims failed: {', '.join(failed)}"
     ring = busiest[("all_reduce", "ring")]
     assert all(ring <= sent for key, sent in busiest.items() if key[0] == "all_reduce")
     assert model.alpha > 0 and model.beta > 0, model

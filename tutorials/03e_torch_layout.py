@@ -108,16 +108,14 @@ def main() -> None:
     say_rung_layout(model)
     say(
         textwrap.dedent("""\
-        Rung 3 guessed the order gradients would come in. Torch's reason not to guess is
-        correctness, not speed (a comment in torch's distributed.py, near the rebuild): in a
-        model whose backward issues other collectives too, and where some ranks leave a
-        parameter unused, a bucket launched in a guessed order could be matched with the
-        wrong collective on another rank: one rank's bucket summed with another's broadcast.
-        So, whenever it will rebuild (find_unused_parameters=False, or a static graph), torch
-        sends everything as one bucket after the whole backward, watches the order gradients
-        really arrive in, and rebuilds once. Step 0 pays for it: no overlap at all. (With
-        find_unused_parameters=True it never rebuilds: it keeps the registration-order guess,
-        small first bucket included; rung 6, miniddp/steps/unused.py.)""")
+        Rung 3 guessed the order gradients would come in. Torch does not guess, for
+        correctness more than speed: where backward issues other collectives too and some
+        rank leaves a parameter unused, a bucket launched in a guessed order could meet the
+        wrong collective on another rank, one rank's bucket summed with another's broadcast.
+        So torch sends everything as one bucket after the first backward, watches the order
+        gradients really arrive in, and rebuilds once. Step 0 pays for it: no overlap at all.
+        (With find_unused_parameters=True it keeps the guess instead: rung 6,
+        miniddp/steps/unused.py.)""")
     )
 
     section("3. Step 0: gradients arrive last layer first")

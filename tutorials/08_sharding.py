@@ -38,15 +38,10 @@ from miniddp.job.env import init_distributed
 from miniddp.observe import timeline
 from miniddp.observe.link import Link, simulated_link
 from miniddp.observe.overlap_model import predict_zero3_step
-from miniddp.sharding import (
-    Formula,
-    clip_grad_norm_,
-    ddp_buckets,
-    measure_memory,
-    reduce_scatter_hook,
-)
+from miniddp.sharding import Formula, clip_grad_norm_, ddp_buckets, measure_memory
 from miniddp.sharding.unit_lanes import recording, summarize, unit_timeline
 from miniddp.sharding.units import UNIT_NUMBER_BYTES
+from miniddp.sharding.zero2 import reduce_scatter_hook
 
 STEPS = 3
 CLIP_NORM = 0.01  # below the gradients' norm: every step clips
@@ -236,7 +231,7 @@ def main() -> None:
         view into its bucket) and AdamW's two running averages (8): 20 bytes an element, the
         same on every rank. That is 20Ψ, fp32 everything; the ZeRO paper counts 16Ψ, mixed
         precision's: 16-bit weights and gradients (2 + 2) beside fp32 masters and moments (12),
-        and no buckets. Chapter 08b adds the activations, at chapter 12's size the largest
+        and no buckets. Chapter 08b adds the activations, for a real model the largest
         term. Counted from the storages on rank 0, before the optimizer step:""")
     )
     exact = {"ddp": say_memory("ddp", RUNS["ddp"], psi, world)}
@@ -288,8 +283,7 @@ def main() -> None:
         builds it sends more: a whole all-reduce, then the parameters. ZeRO-3 gathers the
         parameters twice (forward, backward) and reduce-scatters the gradients: 3(W-1)/W·Ψ.
         Measured on rank 0 in the last step, every message counted (the excess is padding, and
-        for ZeRO-3 the 8-byte unit number each rank sends before each gather, so that a unit
-        skipped on one rank is an error naming it rather than a mismatched collective):""")
+        ZeRO-3's 8-byte unit number before each gather: a unit one rank skips is named):""")
     )
     theory = {"ddp": 2, "zero1": 3, "zero2": 2, "zero3": 3}
     for stage, run in RUNS.items():
@@ -386,20 +380,16 @@ def main() -> None:
         benchmark, python -m miniddp.bench sharding --link ..., pairs them). The model
         (miniddp/observe/overlap_model.py): each unit's compute beside the next transfer,
         max(compute, transfer) per pair of units, plus the first gather of each pass and the
-        last reduce-scatter (each gather's 8-byte label, which lets every rank check that all
-        gather the same unit, rides in its messages: miniddp/sharding/units.py). Alpha-beta
-        leaves out the host's own time around each collective, which no overlap hides: issuing
-        it, the casts and copies, the wake-ups of three threads (LogP's o). Measured on the step
-        without prefetch, where nothing runs beside it, o then predicts the step with prefetch
-        on an idle machine (1.09-1.12x the model there, docs/PERFORMANCE.md), and only there:
-        beside other jobs the host's time grows with the load (a busy run measured 1.46x), so
-        the ratio above says how busy this machine was as much as how good the model is.
-        What is left over is mostly this machine's: two ranks' compute fills both cores, so a
-        real transfer under the simulated one shares a core with compute (a gather of this size
-        took 0.36 ms alone, 1 to 4 ms beside a matmul); a GPU's copy engines do not.
-        The figure (--plot) shows where. Memory: prefetch holds two units' full parameters at
-        most, the one computing and the one arriving; without it, one. The same bits either
-        way, and the same bytes sent.
+        last reduce-scatter. Alpha-beta leaves out the host's own time around each collective,
+        which no overlap hides: issuing it, the casts and copies, the wake-ups of three threads
+        (LogP's o). Measured on the step without prefetch, o then predicts the step with
+        prefetch on an idle machine (1.09-1.12x the model there, docs/PERFORMANCE.md), and only
+        there: beside other jobs the host's time grows with the load (a busy run measured
+        1.46x), so the ratio above says how busy this machine was as much as how good the model
+        is. Two ranks' compute also fills both cores, so a real transfer under the simulated one
+        shares a core with compute; a GPU's copy engines do not. The figure (--plot) shows
+        where. Memory: prefetch holds two units' full parameters at most, the one computing and
+        the one arriving; without it, one. The same bits either way, and the same bytes sent.
 
         ZeRO-2 needs no such change: its reduce_scatter_hook is a MiniDDP comm hook, so each
         bucket's reduce-scatter leaves as soon as the bucket is full, as DDP's all-reduces do

@@ -1,11 +1,17 @@
-"""Chapter 08b: the memory of a real step. Chapter 12's GPT, every byte one rank holds.
+"""Chapter 08b: the memory of a real step. A small GPT, every byte one rank holds.
 
     torchrun --nproc_per_node=2 tutorials/08b_memory.py [--plot DIR]
 
 Chapter 08 counted a toy MLP's parameters, gradients, buckets and optimizer state. A real step
-holds one thing more, and at chapter 12's size it is the largest: the activations, what the
-forward leaves behind for the backward. This chapter trains chapter 12's GPT, at its settings,
-under DDP and the three ZeRO stages, and counts every term on one rank against its formula:
+holds one thing more, and for a real model it is the largest: the activations, what the forward
+leaves behind for the backward. The model here is real: GPT-2's decoder-only transformer as
+nanoGPT writes it (miniddp/models/gpt.py), at the size a CPU trains. It reads a window of s
+characters of text (Python's own standard library: tutorials/char_corpus.py), gives each a
+vector of h numbers (a token plus a position embedding), passes them through 4 blocks, each
+causal self-attention over 4 heads then an MLP, both around a LayerNorm and a residual add, and
+scores every next character with a head that shares the token embedding's weight. This chapter
+takes one AdamW step of it under DDP and the three ZeRO stages, and counts every term on one
+rank against its formula:
 
     1. the model's states     parameters, gradients, buckets, Adam: 20Ψ under DDP, fp32
     2. the activations        what autograd saves, block by block, op by op; Korthikanti's count
@@ -31,7 +37,6 @@ import torch
 import torch.distributed as dist
 from char_corpus import Windows, load_corpus
 from common import add_plot_option, end_chapter, fmt_bytes, say, say_prose, section
-from gpt_settings import Settings
 from torch.utils.flop_counter import FlopCounterMode
 
 from miniddp import MiniDDP, MixedPrecision, ZeroRedundancyOptimizer, fully_shard
@@ -57,7 +62,10 @@ from miniddp.sharding import (
     reduce_scatter_hook,
 )
 
-SETTINGS = Settings()  # chapter 12's: batch 16 a rank, context 64, width 128, 4 layers, 4 heads
+# The GPT at miniddp.models.gpt's defaults: context 64, width 128, 4 blocks, 4 heads, dropout 0.1.
+BATCH = 16  # windows a rank per step
+SEED = 0
+LR, WEIGHT_DECAY = 3e-3, 0.1  # AdamW's: the step's memory depends on neither
 # bf16 matmuls run several times slower than fp32 on a CPU without bf16 units: section 5 reads
 # a smaller batch. The model's states do not depend on it; the activations scale with it.
 MIXED_BATCH = 4
@@ -72,20 +80,20 @@ BF16_REDUCE = MixedPrecision(torch.bfloat16, reduce_dtype=torch.bfloat16)
 def wrap(
     layout: str, model: GPT, mixed: MixedPrecision | None
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """The model under `layout` (in `mixed` precision, if given), and its AdamW (chapter 12's
-    groups: decay on the matrices)."""
+    """The model under `layout` (in `mixed` precision, if given), and its AdamW (two groups:
+    decay on the matrices, none on biases and gains)."""
     if layout == "zero3":
         policy = mixed and MixedPrecisionPolicy(mixed.param_dtype, mixed.reduce_dtype)
         for block in model.blocks:
             fully_shard(block, mp_policy=policy)  # the blocks first, then the root: FSDP2's
         module = fully_shard(model, mp_policy=policy)  # its parameters are now the shards
-        groups = parameter_groups(model, SETTINGS.weight_decay)
-        return module, torch.optim.AdamW(groups, lr=SETTINGS.lr)
+        groups = parameter_groups(model, WEIGHT_DECAY)
+        return module, torch.optim.AdamW(groups, lr=LR)
     module = MiniDDP(model, mixed_precision=mixed)
-    groups = parameter_groups(model, SETTINGS.weight_decay)
+    groups = parameter_groups(model, WEIGHT_DECAY)
     if layout == "ddp":
-        return module, torch.optim.AdamW(groups, lr=SETTINGS.lr)
-    optimizer = ZeroRedundancyOptimizer(groups, torch.optim.AdamW, lr=SETTINGS.lr)
+        return module, torch.optim.AdamW(groups, lr=LR)
+    optimizer = ZeroRedundancyOptimizer(groups, torch.optim.AdamW, lr=LR)
     if layout == "zero2":
         module.register_comm_hook(optimizer, reduce_scatter_hook)
     return module, optimizer
@@ -98,14 +106,14 @@ def train(
     checkpointing: Checkpointing = Checkpointing.NONE,
     mixed: MixedPrecision | None = None,
     count_flops: bool = False,
-    batch: int = SETTINGS.batch,
+    batch: int = BATCH,
 ) -> dict:
-    """One step of chapter 12's GPT under `layout`, `batch` windows a rank: the activations held
+    """One step of the GPT under `layout`, `batch` windows a rank: the activations held
     after the forward, the backward's time, the model's states after the optimizer step (the
     gradients not yet zeroed: every term at once). With `count_flops`, a first step before it
     counts the backward's FLOPs (the counter slows every op it sees, so it is not timed). Every
     step's gradients on this rank (under ZeRO-2, those it owns)."""
-    torch.manual_seed(SETTINGS.seed)
+    torch.manual_seed(SEED)
     model = checkpoint_blocks(GPT(config), checkpointing)
     module, optimizer = wrap(layout, model, mixed)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -159,7 +167,7 @@ class Setup:
     def sizes(self) -> tuple[int, int, int, int]:
         """(s, b, h, a): context, windows a rank, width, heads."""
         c = self.config
-        return c.context, SETTINGS.batch, c.width, c.heads
+        return c.context, BATCH, c.width, c.heads
 
 
 def section_states(setup: Setup, checks: dict[str, bool]) -> dict[str, dict]:
@@ -295,7 +303,7 @@ def section_whole_step(
         plot.mkdir(parents=True, exist_ok=True)
         s, b, _, _ = setup.sizes
         title = (
-            f"One step's memory on rank 0: chapter 12's GPT, fp32, AdamW, W = {setup.world}, "
+            f"One step's memory on rank 0: a small GPT, fp32, AdamW, W = {setup.world}, "
             f"b = {b}, s = {s}\nbars: activation checkpointing none, per block, attention only"
         )
         say(f"wrote {step_memory(terms, plot / '08b_memory.png', title)}")
@@ -382,12 +390,12 @@ def main() -> None:
     args = parser.parse_args()
     world = init_distributed().world_size
     corpus = load_corpus()
-    config = SETTINGS.model(len(corpus.vocabulary))
+    config = GPTConfig(len(corpus.vocabulary))
     windows = Windows(corpus.train, config.context)
     setup = Setup(config, windows, sum(p.numel() for p in GPT(config).parameters()), world)
     s, b, h, a = setup.sizes
     say_prose(f"""\
-        Chapter 08b: chapter 12's GPT on {world} ranks, Ψ = {setup.psi:,} fp32 elements (the
+        Chapter 08b: a GPT on {world} ranks, Ψ = {setup.psi:,} fp32 elements (the
         tied embedding once), AdamW; per rank a batch of b = {b} windows of s = {s} characters,
         width h = {h}, a = {a} heads, {config.layers} blocks, dropout {config.dropout}.""")
     checks: dict[str, bool] = {}

@@ -29,42 +29,31 @@ W. zero2 (reduce_scatter_hook) and zero3 (fully_shard on each block, then on the
 a share of the gradients, so they clip with miniddp.sharding.clip_grad_norm_, whose norm adds
 the shares in another order: within 1e-4 when clipping acts, bitwise at W = 2 when it never does.
 
-`--precision bf16` trains in bf16 with fp32 masters: each forward computes with a bf16 cast of
-the fp32 parameters, the gradients are reduced in fp32 into the masters' fp32 `.grad`, AdamW
-steps the masters, and the checkpoint holds them (MiniDDP(mixed_precision=MixedPrecision(bf16));
-fully_shard(..., mp_policy=MixedPrecisionPolicy(bf16, reduce_dtype=float32))). torch's DDP
-mixed precision does not run on CPU, so the reference is torch's own fully_shard with the same
-policy: at W = 2 MiniDDP and fully_shard are its bits, every step, where clipping never acts.
-Where it acts, the norm's sum over shards rounds otherwise, and under bf16 the runs then part for
-good (BF16_LOSS_COST says why): their final validation losses are checked instead. An fp32
-MiniDDP trains beside them from the same weights, on the same windows and masks: the gap
-between the two validation curves is what bf16 costs. (The training losses printed under bf16
-are bf16 themselves, the model's output: steps of 1/64 near 3 nats. The validation losses are
-summed in fp32.)
+`--precision bf16` computes in bf16 from fp32 masters: forward and backward use a bf16 cast of
+the parameters, the gradients are reduced in fp32 into the masters' `.grad`, AdamW steps the
+masters, and the checkpoint holds them. torch's DDP mixed precision does not run on CPU, so the
+reference is torch's own fully_shard with the same policy: MiniDDP and fully_shard are its bits
+at W = 2 while clipping never acts. Once it acts, the norm's sum over shards rounds otherwise,
+the runs part for good (BF16_LOSS_COST says why), and only their final validation losses are
+checked. An fp32 MiniDDP trains beside them: the gap between the two curves is what bf16 costs.
 
 Every replica saves an atomic checkpoint (miniddp.checkpoint) every --checkpoint-every steps;
 the step number alone fixes the windows and the dropout masks. After a torchrun restart, or
 with --resume, each resumes from its own, and the last two lines (final-val-loss,
 final-params-sha256) are those of a run that never stopped.
 
-Measured, the default run on 2 CPU ranks (docs/figures/12_loss.png): the validation loss falls from
-about 4.4 nats per character to about 2.3 in 200 steps (the training loss, noisier, ends between 2.0
-and 2.3). The text is this Python's own standard library, so the exact figures move with the Python
-version (4.37 to 2.27 on the one the figure was drawn with, a first 4.42 on 3.11). 2.3 nats is a
-perplexity of about 10 characters, against 98 for a guess. (It starts below ln 98 = 4.58: with
-the head tied to the embedding, the untrained model already favours repeating its input
-character, and code repeats spaces.) Both replicas, the whole run included, took 174 s of CPU time
-over the two ranks: about a minute and a half of wall time on two idle cores, by that count.
-(Measured here on two cores shared with a dozen other processes, load average 12: 7 minutes.)
+Measured, the default run on 2 CPU ranks (docs/figures/12_loss.png): the validation loss falls
+from about 4.4 nats per character to about 2.3 in 200 steps (the text is this Python's standard
+library, so the exact figures move with the Python version). 2.3 nats is a perplexity of about
+10 characters, against 98 for a guess. (It starts below ln 98 = 4.58: with the head tied to the
+embedding, the untrained model already favours repeating its input character, and code repeats
+spaces.) Both replicas took 174 s of CPU time over the two ranks: a minute and a half of wall
+time on two idle cores.
 
-Measured, `--precision bf16 --no-compare` (bf16 MiniDDP beside fp32 MiniDDP, 2 CPU ranks): the
-two validation curves part by at most 0.015 nats on the way (bf16 ahead at some points, behind
-at others: each rounding sends the run down another path), and end 0.001 apart, 2.278 against
-2.277: here bf16 costs nothing visible in loss. Nor does it save bytes between steps: MiniDDP
-keeps its fp32 masters, gradients, bucket and AdamW state, and adds a bf16 copy (2Ψ: 17.1 MiB a
-rank against fp32's 15.6 MiB; miniddp/sharding/memory.py counts it). What bf16 saves is the
-activations (half) and, on hardware with bf16 units, time; this CPU has none, and its bf16
-matmuls ran 7x slower than fp32 (455 characters a second against 3,053).
+Measured, `--precision bf16 --no-compare`: the two validation curves part by at most 0.015 nats
+on the way and end 0.001 apart (2.278 against 2.277). Nor does bf16 save bytes between steps:
+MiniDDP keeps its fp32 state and adds a bf16 copy (17.1 MiB a rank against 15.6). It saves
+activations, and time on hardware with bf16 units; this CPU has none, and ran 7x slower.
 """
 
 from __future__ import annotations
@@ -81,22 +70,26 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from char_corpus import Corpus, Windows, load_corpus
+from char_corpus import Batches, Corpus, Windows, load_corpus
 from common import end_chapter, say, section
 from gpt_settings import Settings, parse_args
 from side_by_side import (
-    DESIGNS,
+    LABELS,
     Agreement,
+    Checkpoints,
+    Record,
     Replica,
     ascii_curves,
     build_replica,
+    draw_curves,
+    exit_abruptly,
     params_sha256,
     say_memory,
+    say_what_bf16_costs,
 )
 from torch import nn
 
-from miniddp import DistributedSampler
-from miniddp.checkpoint import Progress, read_checkpoint
+from miniddp.checkpoint import read_checkpoint
 from miniddp.job.env import DistEnv, init_distributed
 from miniddp.models.gpt import next_character_loss
 
@@ -105,27 +98,15 @@ from miniddp.models.gpt import next_character_loss
 # all-reduce), ~1e-7 relative per step, and AdamW's division by √v magnifies that where v is tiny.
 ONE_PROCESS_TOLERANCE = 1e-4
 # ZeRO-2 and fully_shard clip by a norm summed over shards, in another order than torch's
-# clip_grad_norm_: the same factor up to rounding, in the steps where clipping acts (and beyond
-# W = 2, the ring and gloo add the gradients in different orders too). At W = 2 in a run where
-# clipping never acted (--clip 1e9, say), they are bitwise MiniDDP's, and checked so.
+# clip_grad_norm_ (and beyond W = 2, the ring and gloo add the gradients in other orders too).
+# At W = 2 in a run where clipping never acts (--clip 1e9), they are bitwise MiniDDP's: checked.
 SHARDED_TOLERANCE = 1e-4
-# What bf16 may cost in final validation loss against the fp32 run, in nats per character.
-# Measured on the default run: 0.001 at the end, 0.015 at most on the way; the bound is three
-# times the largest wander. It bounds two bf16 replicas whose sums differ too: a master one fp32
-# ulp away can round to another bf16 copy (a step of 2^-8 relative), which moves the next forward
-# far more than the ulp did, and AdamW's m/sqrt(v) turns that into whole steps where gradients
-# are small. Measured, --precision bf16 --shard zero3, clipping acting in 23 of the first 25
-# steps: parameters 0.028 apart after 25 steps, and growing; so no bound on them, only on loss.
+# What bf16 may cost in final validation loss against the fp32 run, in nats per character:
+# three times the largest wander measured (0.015). It bounds two bf16 replicas whose sums differ
+# too: a master one fp32 ulp away can round to another bf16 copy (2^-8 relative), and AdamW's
+# m/sqrt(v) turns that into whole steps where gradients are small (measured, --shard zero3:
+# parameters 0.028 apart after 25 steps, and growing). So no bound on parameters, only on loss.
 BF16_LOSS_COST = 0.05
-LABELS = {
-    "miniddp": "MiniDDP",
-    "torch": "torch's DDP",
-    "zero1": "ZeRO-1",
-    "zero2": "ZeRO-2",
-    "zero3": "fully_shard",
-    "torch-fsdp": "torch's fully_shard",
-    "fp32": "MiniDDP in fp32",
-}
 
 
 def learning_rate(step: int, s: Settings) -> float:
@@ -135,42 +116,6 @@ def learning_rate(step: int, s: Settings) -> float:
         return s.lr * (step + 1) / s.warmup
     progress = (step - s.warmup) / max(1, s.steps - s.warmup)
     return s.min_lr + 0.5 * (s.lr - s.min_lr) * (1 + math.cos(math.pi * progress))
-
-
-class Batches:
-    """Which windows each rank trains on at each step. Rank r's own DistributedSampler (drop_last:
-    every rank the same number of steps), `set_epoch` at each epoch's start, and K micro-batches
-    of B windows per step. Everything follows from the step number, so a resumed run picks up
-    mid-epoch at exactly the right window; rank 0 can also ask for every rank's share."""
-
-    def __init__(self, windows: Windows, world: int, s: Settings) -> None:
-        self.windows, self.batch, self.accum = windows, s.batch, s.accum
-        self.samplers = [
-            DistributedSampler(
-                windows, num_replicas=world, rank=r, shuffle=True, seed=s.seed, drop_last=True
-            )
-            for r in range(world)
-        ]
-        self.steps_per_epoch = len(self.samplers[0]) // (s.batch * s.accum)
-        if self.steps_per_epoch == 0:
-            raise ValueError(
-                f"{len(windows)} training windows cannot fill one step of {world} ranks x "
-                f"{s.accum} x {s.batch}: pass a longer text or a smaller --batch"
-            )
-        self.orders: dict[int, tuple[int, list[int]]] = {}  # rank -> (epoch, its indices)
-
-    def progress(self, steps_done: int) -> Progress:
-        epoch, position = divmod(steps_done, self.steps_per_epoch)
-        return Progress(steps_done, epoch, position)
-
-    def of_rank(self, rank: int, step: int) -> list[torch.Tensor]:
-        epoch, position = divmod(step, self.steps_per_epoch)
-        if self.orders.get(rank, (None,))[0] != epoch:
-            self.samplers[rank].set_epoch(epoch)  # forget it and every epoch replays one order
-            self.orders[rank] = (epoch, list(self.samplers[rank]))
-        start = position * self.batch * self.accum
-        mine = self.orders[rank][1][start : start + self.batch * self.accum]
-        return [self.windows[mine[k : k + self.batch]] for k in range(0, len(mine), self.batch)]
 
 
 def dropout_seed(s: Settings, step: int, micro: int, rank: int, world: int) -> int:
@@ -232,11 +177,9 @@ class Training:
     replicas: dict[str, Replica]
     batches: Batches
     validation: Windows
-    directory: Path  # the checkpoints: one a replica, <name>.pt
+    checkpoints: Checkpoints
     start: int = 0
-    agreements: dict[str, Agreement] = field(default_factory=dict)
-    one_process: dict[str, float] = field(default_factory=dict)  # its largest gaps, when run
-    clipped_steps: int = 0  # steps whose gradient norm exceeded --clip, so clipping scaled them
+    record: Record = field(default_factory=lambda: Record({}))  # start_or_resume's
 
     @property
     def ours(self) -> Replica:
@@ -247,46 +190,22 @@ class Training:
         checked against torch's own fully_shard with the same policy, where there is one."""
         return "torch-fsdp" if name == "zero3" and "torch-fsdp" in self.replicas else "miniddp"
 
-    def checkpoint(self, name: str) -> Path:
-        return self.directory / f"{name}.pt"
-
     def start_or_resume(self) -> None:
-        """Resume from the checkpoints after a torchrun restart (or with --resume); otherwise
-        delete an earlier run's, so a crash before our first save cannot resume that one."""
-        compared = [name for name in self.replicas if name not in ("miniddp", "fp32")]
-        self.agreements = {name: Agreement() for name in compared}
-        if (self.args.resume or self.env.restart_count > 0) and self.checkpoint("miniddp").exists():
-            extra = read_checkpoint(self.checkpoint("miniddp"))["extra"]
-            if extra["settings"] != asdict(self.s):  # before anything loads: it would not fit
-                raise ValueError(
-                    f"{self.directory} holds a run with other settings ({extra['settings']}): "
-                    "pass another --checkpoint-dir, or the same flags, or no --resume"
-                )
-            steps = {n: r.load(self.checkpoint(n)) for n, r in self.replicas.items()}
-            if len(set(steps.values())) > 1:
-                raise ValueError(
-                    f"the replicas' checkpoints in {self.directory} are at different steps "
-                    f"({steps}): the job died while saving. Start again without --resume."
-                )
-            self.start = steps["miniddp"]
-            for name, replica in self.replicas.items():
-                replica.train_losses = extra["train_losses"][name]
-                replica.val_losses = [tuple(v) for v in extra["val_losses"][name]]
-            self.agreements = {n: Agreement(**a) for n, a in extra["agreements"].items()}
-            self.one_process = extra["one_process"]
-            self.clipped_steps = extra["clipped_steps"]
+        """Resume every replica from its checkpoint after a torchrun restart (or with --resume);
+        otherwise forget an earlier run's, and score the untrained model."""
+        resuming = self.args.resume or self.env.restart_count > 0
+        if resuming and self.checkpoints.path("miniddp").exists():
+            self.start, self.record = self.checkpoints.resume(self.replicas)
             progress = self.batches.progress(self.start)
             say(
                 f"resumed from step {self.start} (epoch {progress.epoch}, step "
                 f"{progress.batches_done} of it): every replica from its own checkpoint in "
-                f"{self.directory}"
+                f"{self.checkpoints.directory}"
             )
             return
-        if self.env.is_main:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            for name in DESIGNS:
-                self.checkpoint(name).unlink(missing_ok=True)
-        dist.barrier()  # nobody looks for a checkpoint before it is gone
+        compared = [name for name in self.replicas if name not in ("miniddp", "fp32")]
+        self.record = Record({name: Agreement() for name in compared})
+        self.checkpoints.forget()
         for replica in self.replicas.values():
             replica.val_losses.append(
                 (0, validation_loss(replica, self.validation, self.s, self.env))
@@ -319,11 +238,11 @@ class Training:
             dist.all_reduce(means)  # every rank's loss: their mean is the global batch's
             for replica, mean in zip(self.replicas.values(), (means / world).tolist()):
                 replica.train_losses.append(mean)
-            self.clipped_steps += results["miniddp"][1].item() > s.clip
+            self.record.clipped_steps += results["miniddp"][1].item() > s.clip
             # Gathered in one order on every rank: under fully_shard each is a collective.
-            checked = ["miniddp", *self.agreements]
+            checked = ["miniddp", *self.record.agreements]
             params = {name: self.replicas[name].parameters() for name in checked}
-            for name, agreement in self.agreements.items():
+            for name, agreement in self.record.agreements.items():
                 against = self.against(name)
                 losses = (results[against][0].item(), results[name][0].item())
                 agreement.record(losses, params[against], params[name])
@@ -348,16 +267,9 @@ class Training:
                     f"tokens/s {rates}  ETA {left:.0f} s"
                 )
             if done % self.args.checkpoint_every == 0 or done == s.steps:
-                self.save(done)
+                self.checkpoints.save(self.replicas, self.batches.progress(done), self.record)
             if self.args.crash_at_step == done and env.restart_count == 0 and env.rank == world - 1:
-                print(f"[rank {env.rank}] exits abruptly after step {done}", flush=True)
-                if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) == 0:
-                    print(
-                        "torchrun has no --max-restarts, so the job ends here: run it again "
-                        "with --resume to continue from the last checkpoint.",
-                        flush=True,
-                    )
-                os._exit(1)  # no cleanup and no exception, like a segfault or the OOM killer
+                exit_abruptly(env.rank, done)  # torchrun restarts every rank from the checkpoints
         say(f"steps {self.start + 1}..{s.steps} took {time.perf_counter() - began:.0f} s")
 
     def compare_one_process(self, solo: Replica, step: int, reference: dict) -> None:
@@ -369,34 +281,8 @@ class Training:
             for k, windows in enumerate(self.batches.of_rank(rank, step))
         ]
         loss, _ = train_step(solo, everyone, self.s, step)
-        gaps = [
-            (a.double() - b.double()).abs().max().item()
-            for a, b in zip(solo.parameters().values(), reference.values())
-        ]
-        loss_gap = abs(loss.item() - self.ours.train_losses[-1])
-        self.one_process = {
-            "steps": step + 1,
-            "parameters": max(gaps),
-            "loss": max(self.one_process.get("loss", 0.0), loss_gap),
-        }
-
-    def save(self, done: int) -> None:
-        """An atomic checkpoint of every replica (rank 0 writes a temporary file and renames it
-        over the old one), MiniDDP's last, with what the report needs: the curves so far and
-        the agreements."""
-        agreements = {n: asdict(a.on_every_rank()) for n, a in self.agreements.items()}
-        extra = {
-            "settings": asdict(self.s),
-            "agreements": agreements,
-            "one_process": self.one_process,
-            "clipped_steps": self.clipped_steps,
-            "train_losses": {n: r.train_losses for n, r in self.replicas.items()},
-            "val_losses": {n: r.val_losses for n, r in self.replicas.items()},
-        }
-        progress = self.batches.progress(done)
-        for name, replica in reversed(self.replicas.items()):
-            mine = extra if name == "miniddp" else {"settings": asdict(self.s)}
-            replica.save(self.checkpoint(name), progress, mine)
+        losses = (self.ours.train_losses[-1], loss.item())
+        self.record.one_process.record(losses, reference, solo.parameters())
 
     def report(self) -> bool:
         """Sections 4 and 5: the curves, how each replica agreed, memory, and a sample. Returns
@@ -410,47 +296,31 @@ class Training:
         say(ascii_curves(shown))
         say("validation loss: " + ", ".join(f"{v:.3f} at {n}" for n, v in self.ours.val_losses))
         if "fp32" in self.replicas:
-            self.say_what_bf16_costs()
-        self.agreements = {n: a.on_every_rank() for n, a in self.agreements.items()}
-        for name, agreement in self.agreements.items():
+            say_what_bf16_costs(self.ours, self.replicas["fp32"])
+        agreements = {n: a.on_every_rank() for n, a in self.record.agreements.items()}
+        self.record.agreements = agreements
+        for name, agreement in agreements.items():
             say(f"{name} against {LABELS[self.against(name)]}: {agreement}")
-        if {"zero2", "zero3", "torch-fsdp"} & set(self.agreements):
+        if {"zero2", "zero3", "torch-fsdp"} & set(agreements):
             say(
-                f"clipping acted in {self.clipped_steps} of {self.s.steps} steps: there ZeRO-2 "
-                "and fully_shard (ours and torch's) scale by a norm summed over the shards, in "
-                "another order than clip_grad_norm_'s over whole gradients (at W = 2, --clip "
-                "1e9 makes them bitwise)"
+                f"clipping acted in {self.record.clipped_steps} of {self.s.steps} steps: there "
+                "ZeRO-2 and fully_shard (ours and torch's) scale by a norm summed over the "
+                "shards, in another order than clip_grad_norm_'s over whole gradients (at W = 2, "
+                "--clip 1e9 makes them bitwise)"
             )
-        if self.one_process:
+        if (one := self.record.one_process).steps:
             say(
-                f"one process on the global batch with accumulation, the first "
-                f"{self.one_process['steps']} steps: largest loss gap "
-                f"{self.one_process['loss']:.1e}, parameter gap "
-                f"{self.one_process['parameters']:.1e} (tolerance {ONE_PROCESS_TOLERANCE:.0e})"
+                f"one process on the global batch with accumulation, the first {one.steps} "
+                f"steps: largest loss gap {one.largest_loss_gap:.1e}, parameter gap "
+                f"{one.largest_parameter_gap:.1e} (tolerance {ONE_PROCESS_TOLERANCE:.0e})"
             )
-        else:
-            say(
-                "one process on the global batch: not run (resumed, --one-process-steps 0, or "
-                "bf16, which it would need a wrapper to cast for)"
-            )
+        else:  # resumed, --one-process-steps 0, or bf16 (it has no wrapper to cast for it)
+            say("one process on the global batch: not run")
         if self.args.plot and self.env.is_main:
-            from miniddp.figures import draw
-
-            bf16 = self.s.precision == "bf16"  # its own figure: the fp32 run's stays
-            runs = {
-                LABELS[n] + " in bf16" * (r.precision == "bf16"): (r.train_losses, r.val_losses)
-                for n, r in self.replicas.items()
-            }
-            title = f"Chapter 12: a character-level GPT on {self.env.world_size} ranks"
-            title += ", bf16 (fp32 masters) beside fp32" * bf16
-            path = self.args.plot / ("12_loss_bf16.png" if bf16 else "12_loss.png")
-            say(f"wrote {draw.loss_curves(runs, path, title)}")
-        formula_holds = True
+            say(f"wrote {draw_curves(self.replicas, self.args.plot, self.env.world_size)}")
         psi = sum(p.numel() for p in self.ours.module.parameters())
         measured = ["miniddp"] * (self.s.precision == "bf16") + [self.s.shard] * bool(self.s.shard)
-        for name in measured:
-            holds = say_memory(self.replicas[name], psi, self.env.world_size)
-            formula_holds = formula_holds and holds
+        holds = [say_memory(self.replicas[n], psi, self.env.world_size) for n in measured]
 
         section("5. What the model learned")
         if self.env.is_main:
@@ -461,20 +331,7 @@ class Training:
             sampled = self.ours.module.generate(encoded, 300, generator)
             say(f"300 characters sampled from MiniDDP's model after {prompt!r}:")
             say(textwrap.indent(self.corpus.decode(sampled[0]), "    | "))
-        return formula_holds
-
-    def say_what_bf16_costs(self) -> None:
-        """The two validation curves side by side: bf16 (with fp32 masters) and fp32, trained
-        from the same weights on the same windows with the same dropout masks."""
-        say("validation loss, bf16 (fp32 masters) against fp32, nats per character:")
-        fp32_losses = self.replicas["fp32"].val_losses
-        for (step, bf16), (_, fp32) in zip(self.ours.val_losses, fp32_losses):
-            say(f"    step {step:4d}: bf16 {bf16:.4f}  fp32 {fp32:.4f}  gap {bf16 - fp32:+.4f}")
-        gap = self.ours.val_losses[-1][1] - self.replicas["fp32"].val_losses[-1][1]
-        say(
-            f"what bf16 cost: {gap:+.4f} nats per character in the final validation loss "
-            f"({100 * gap / self.replicas['fp32'].val_losses[-1][1]:+.2f}%)"
-        )
+        return all(holds)
 
     def check(self, formula_holds: bool) -> None:
         section("Checks")
@@ -483,15 +340,14 @@ class Training:
             f"validation loss {first:.3f} -> {last:.3f}: down {first - last:.2f} nats per character"
         )
         bf16 = self.s.precision == "bf16"
-        for name, agreement in self.agreements.items():
-            same_sums = self.env.world_size == 2 and self.clipped_steps == 0  # a + b = b + a
+        for name, agreement in self.record.agreements.items():
+            same_sums = self.env.world_size == 2 and self.record.clipped_steps == 0  # a + b = b + a
             against = self.against(name)
             if name in ("torch", "zero1") or same_sums:  # the same sums, in the same order
                 assert agreement.bitwise, f"{name} is not bitwise {LABELS[against]}'s: {agreement}"
             elif bf16:  # parted for good: only the loss is promised
-                gap = (
-                    self.replicas[name].val_losses[-1][1] - self.replicas[against].val_losses[-1][1]
-                )
+                ends = [self.replicas[n].val_losses[-1][1] for n in (name, against)]
+                gap = ends[0] - ends[1]
                 assert abs(gap) <= BF16_LOSS_COST, f"{name}: final validation loss {gap:+.4f} off"
             else:
                 assert agreement.largest_parameter_gap <= SHARDED_TOLERANCE, f"{name}: {agreement}"
@@ -500,19 +356,18 @@ class Training:
             cost = last - self.replicas["fp32"].val_losses[-1][1]
             assert abs(cost) <= BF16_LOSS_COST, f"bf16 costs {cost:+.4f} nats against fp32"
         if bf16:
-            saved = read_checkpoint(self.checkpoint("miniddp"))["model"]
+            saved = read_checkpoint(self.checkpoints.path("miniddp"))["model"]
             dtypes = {str(t.dtype) for t in saved.values() if t.is_floating_point()}
             assert dtypes == {"torch.float32"}, f"the checkpoint holds {dtypes}, not fp32 masters"
             say("the checkpoints hold the fp32 masters: bf16 was only ever a copy to compute with")
-        if self.one_process:
-            assert self.one_process["parameters"] <= ONE_PROCESS_TOLERANCE, self.one_process
-            assert self.one_process["loss"] <= ONE_PROCESS_TOLERANCE, self.one_process
+        if (one := self.record.one_process).steps:
+            assert max(one.largest_parameter_gap, one.largest_loss_gap) <= ONE_PROCESS_TOLERANCE
         assert formula_holds, "the sharded replica's memory differs from the formula's"
         if self.s.steps >= 100:
             assert first - last >= 1.0, "the validation loss should fall by a nat or more"
         sha = params_sha256(self.ours.parameters())
         dist.barrier()  # every rank has passed its own checks
-        compared = ", ".join(self.agreements) or "no other replica (--no-compare)"
+        compared = ", ".join(self.record.agreements) or "no other replica (--no-compare)"
         say(
             f"Verified on {self.env.world_size} ranks: MiniDDP trained a GPT, and {compared} "
             "trained it step for step alike, bitwise where the maths allows."
@@ -533,7 +388,7 @@ def main() -> None:
 
     section("1. The text")
     windows = Windows(corpus.train, s.context)
-    batches = Batches(windows, world, s)
+    batches = Batches(windows, world, s.batch, s.accum, s.seed)
     say(
         f"{corpus.source}: {len(corpus.text):,} characters, {len(corpus.vocabulary)} distinct, "
         f"SHA-256 {corpus.sha256[:16]}...; the first {len(corpus.train):,} train, the last "
@@ -567,9 +422,9 @@ def main() -> None:
     )
     # Keyed by the settings, so that runs with other settings never resume each other.
     key = f"12_train_gpt-{world}ranks-{hashlib.sha256(repr(s).encode()).hexdigest()[:8]}"
-    directory = args.checkpoint_dir or Path("checkpoints", key)
+    checkpoints = Checkpoints(args.checkpoint_dir or Path("checkpoints", key), asdict(s))
     validation = Windows(corpus.validation, s.context)
-    run = Training(s, args, env, corpus, replicas, batches, validation, directory)
+    run = Training(s, args, env, corpus, replicas, batches, validation, checkpoints)
     run.start_or_resume()
 
     section("3. Train")
@@ -577,7 +432,7 @@ def main() -> None:
         f"{s.steps} steps of {world * s.accum * s.batch * s.context:,} characters: warmup "
         f"{s.warmup}, then cosine {s.lr:g} -> {s.min_lr:g}; clip at {s.clip}; validation every "
         f"{s.eval_every} steps on {min(s.eval_windows, len(validation))} held-out windows; a "
-        f"checkpoint every {args.checkpoint_every} in {directory}"
+        f"checkpoint every {args.checkpoint_every} in {checkpoints.directory}"
     )
     try:
         run.train()

@@ -28,15 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import (
-    add_link_option,
-    end_chapter,
-    fmt_bytes,
-    say,
-    say_all_ranks,
-    say_prose,
-    section,
-)
+from common import add_link_option, end_chapter, fmt_bytes, say, say_all_ranks, say_prose, section
 from torch import nn
 from torch.nn import functional as F
 
@@ -44,7 +36,7 @@ from miniddp import MiniDDP
 from miniddp.bench.paired import time_interleaved
 from miniddp.bench.workloads import Workload
 from miniddp.job.env import init_distributed
-from miniddp.mesh import init_device_mesh
+from miniddp.mesh import DeviceMesh, init_device_mesh
 from miniddp.observe.link import Link, simulated_link, wire_bytes
 from miniddp.sharding import MemoryPerRank, ddp_buckets, measure_memory
 from miniddp.tensor_parallel import (
@@ -92,12 +84,13 @@ def global_batch(size: Size) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
 
 
-def tensor_parallel(size: Size) -> nn.Sequential:
+def tensor_parallel(size: Size, mesh: DeviceMesh | None = None) -> nn.Sequential:
+    """The blocks, each split the Megatron way over `mesh` (None: every rank)."""
     model = build(size)
     plan: dict = {}
     for index, block in enumerate(model):
         plan |= plan_for(block, str(index))
-    return parallelize_module(model, None, plan)
+    return parallelize_module(model, mesh, plan)
 
 
 def data_parallel(size: Size) -> MiniDDP:
@@ -209,6 +202,19 @@ def scaled_difference(mine: torch.Tensor, reference: torch.Tensor) -> float:
     return float((mine - reference).abs().max() / (1 + reference.abs().max()))
 
 
+def gradient_difference(split: nn.Module, whole: nn.Module, shards: int, index: int) -> float:
+    """The largest scaled difference of `split`'s gradients from `whole`'s: a sharded one
+    against the chunk `index` of `shards` of the whole one, along the dim that shrank."""
+    worst, full = 0.0, dict(whole.named_parameters())
+    for name, param in split.named_parameters():
+        reference = full[name].grad
+        if param.shape != reference.shape:
+            dim = next(d for d in range(param.dim()) if param.shape[d] != reference.shape[d])
+            reference = torch.chunk(reference, shards, dim)[index]
+        worst = max(worst, scaled_difference(param.grad, reference))
+    return worst
+
+
 def section_checked(size: Size, world: int, rank: int) -> float:
     section("2. The split, checked against one process")
     say_prose("""\
@@ -223,14 +229,7 @@ def section_checked(size: Size, world: int, rank: int) -> float:
     F.mse_loss(whole(x), y).backward()
     output = split(x)
     F.mse_loss(output, y).backward()
-    worst = scaled_difference(output, whole(x))
-    full = dict(whole.named_parameters())
-    for name, param in split.named_parameters():
-        reference = full[name].grad
-        if param.shape != reference.shape:  # sharded: which dim is the one that shrank
-            dim = next(d for d in range(param.dim()) if param.shape[d] != reference.shape[d])
-            reference = torch.chunk(reference, world, dim)[rank]
-        worst = max(worst, scaled_difference(param.grad, reference))
+    worst = max(scaled_difference(output, whole(x)), gradient_difference(split, whole, world, rank))
     say(
         f"  largest difference, outputs and every gradient shard: {worst:.1e} of the tensor's "
         f"size (BLAS rounds a shard-shaped matmul differently: not bitwise, within {TOLERANCE})"
@@ -362,25 +361,14 @@ def dp_by_tp(size: Size, world: int) -> float:
         f"mesh row {dp_rank} (a replica), column {tp_rank} (a shard): TP with ranks "
         f"{mesh['tp'].mesh.tolist()}, DP with {mesh['dp'].mesh.tolist()}"
     )
-    whole, split = build(size), build(size)
-    plan: dict = {}
-    for index, block in enumerate(split):
-        plan |= plan_for(block, str(index))
-    parallelize_module(split, mesh["tp"], plan)
+    whole, split = build(size), tensor_parallel(size, mesh["tp"])
     replica = MiniDDP(split, process_group=mesh["dp"].get_group())
     x, y = global_batch(size)
     share = len(x) // (world // 2)
     rows = slice(dp_rank * share, (dp_rank + 1) * share)
     F.mse_loss(whole(x), y).backward()
     F.mse_loss(replica(x[rows]), y[rows]).backward()
-    worst, full = 0.0, dict(whole.named_parameters())
-    for name, param in split.named_parameters():
-        reference = full[name].grad
-        if param.shape != reference.shape:  # a shard: the chunk of the TP column it is
-            dim = next(d for d in range(param.dim()) if param.shape[d] != reference.shape[d])
-            reference = torch.chunk(reference, 2, dim)[tp_rank]
-        worst = max(worst, scaled_difference(param.grad, reference))
-    return worst
+    return gradient_difference(split, whole, 2, tp_rank)  # a shard: its chunk of the TP column
 
 
 def section_mesh(size: Size, world: int) -> float | None:

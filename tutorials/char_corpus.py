@@ -11,7 +11,8 @@ any text file instead, e.g. the 1.1 MB of Shakespeare that char-rnn and nanoGPT 
 The split is fixed and by position: the first 90% of the characters train, the last 10% are
 held out for validation. With the default modules that holds out most of typing.py, a module
 the model never reads in training. Characters are the tokens: the vocabulary is every
-character that occurs in the whole text, sorted, so both parts use one encoding.
+character that occurs in the whole text, sorted, so both parts use one encoding. Windows cuts a
+part into training examples; Batches deals them to the ranks, step by step.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from miniddp import DistributedSampler
+from miniddp.checkpoint import Progress
 
 # Pure-Python modules, as distributions ship them unpatched; about 1.1 MB on Python 3.11.
 STDLIB_MODULES = (
@@ -109,3 +113,40 @@ class Windows:
 
     def __getitem__(self, indices: list[int]) -> torch.Tensor:
         return self.rows[indices]
+
+
+class Batches:
+    """Which windows each rank trains on at each step. Rank r's own DistributedSampler (drop_last:
+    every rank the same number of steps), `set_epoch` at each epoch's start, and `accum`
+    micro-batches of `batch` windows per step. Everything follows from the step number, so a
+    resumed run picks up mid-epoch at exactly the right window; rank 0 can also ask for every
+    rank's share."""
+
+    def __init__(self, windows: Windows, world: int, batch: int, accum: int, seed: int) -> None:
+        self.windows, self.batch, self.accum = windows, batch, accum
+        self.samplers = [
+            DistributedSampler(
+                windows, num_replicas=world, rank=r, shuffle=True, seed=seed, drop_last=True
+            )
+            for r in range(world)
+        ]
+        self.steps_per_epoch = len(self.samplers[0]) // (batch * accum)
+        if self.steps_per_epoch == 0:
+            raise ValueError(
+                f"{len(windows)} training windows cannot fill one step of {world} ranks x "
+                f"{accum} x {batch}: pass a longer text or a smaller --batch"
+            )
+        self.orders: dict[int, tuple[int, list[int]]] = {}  # rank -> (epoch, its indices)
+
+    def progress(self, steps_done: int) -> Progress:
+        epoch, position = divmod(steps_done, self.steps_per_epoch)
+        return Progress(steps_done, epoch, position)
+
+    def of_rank(self, rank: int, step: int) -> list[torch.Tensor]:
+        epoch, position = divmod(step, self.steps_per_epoch)
+        if self.orders.get(rank, (None,))[0] != epoch:
+            self.samplers[rank].set_epoch(epoch)  # forget it and every epoch replays one order
+            self.orders[rank] = (epoch, list(self.samplers[rank]))
+        start = position * self.batch * self.accum
+        mine = self.orders[rank][1][start : start + self.batch * self.accum]
+        return [self.windows[mine[k : k + self.batch]] for k in range(0, len(mine), self.batch)]

@@ -26,14 +26,19 @@ Clipping needs the norm of all the gradients. Under DDP, one process and ZeRO-1 
 every averaged gradient, and torch's clip_grad_norm_ computes it. Under ZeRO-2 and fully_shard a
 rank holds only its share: miniddp.sharding.clip_grad_norm_ adds the shares' squares over the
 ranks, a sum in another order, so those two match MiniDDP within rounding once clipping acts.
+
+Every replica keeps its own atomic checkpoint (Checkpoints), MiniDDP's with the Record of what
+the run measured so far: the step number alone fixes the windows and the dropout masks, so a
+resumed run reports and ends as one that never stopped.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -43,7 +48,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from miniddp import MiniDDP, MixedPrecision, ZeroRedundancyOptimizer, full_state_dict, fully_shard
-from miniddp.checkpoint import Progress, load_checkpoint, save_checkpoint
+from miniddp.checkpoint import Progress, load_checkpoint, read_checkpoint, save_checkpoint
 from miniddp.models.gpt import GPT, GPTConfig, parameter_groups
 from miniddp.sharding import (
     Formula,
@@ -57,6 +62,15 @@ from miniddp.sharding import clip_grad_norm_ as sharded_clip_grad_norm_
 
 DESIGNS = ("miniddp", "torch", "one-process", "zero1", "zero2", "zero3", "torch-fsdp", "fp32")
 BF16 = torch.bfloat16
+LABELS = {
+    "miniddp": "MiniDDP",
+    "torch": "torch's DDP",
+    "zero1": "ZeRO-1",
+    "zero2": "ZeRO-2",
+    "zero3": "fully_shard",
+    "torch-fsdp": "torch's fully_shard",
+    "fp32": "MiniDDP in fp32",
+}
 BETAS = (0.9, 0.95)  # nanoGPT's: a shorter memory for the second moment than Adam's 0.999
 
 
@@ -303,3 +317,107 @@ def say_memory(replica: Replica, psi: int, world: int) -> bool:
         "on every rank"
     )
     return measured == expected
+
+
+@dataclass
+class Record:
+    """What the run measured beyond each replica's own curves."""
+
+    agreements: dict[str, Agreement]  # each compared replica's, against its reference
+    one_process: Agreement = field(default_factory=Agreement)  # rank 0's, steps 0 if not run
+    clipped_steps: int = 0  # steps whose gradient norm exceeded the clip, so clipping scaled them
+
+
+class Checkpoints:
+    """One atomic checkpoint a replica, <name>.pt in `directory`, MiniDDP's written last and
+    holding the run's settings, the Record and every replica's curves."""
+
+    def __init__(self, directory: Path, settings: dict) -> None:
+        self.directory, self.settings = directory, settings
+
+    def path(self, name: str) -> Path:
+        return self.directory / f"{name}.pt"
+
+    def forget(self) -> None:
+        """Delete an earlier run's, so that a crash before our first save cannot resume that
+        one (every rank calls it)."""
+        if dist.get_rank() == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            for name in DESIGNS:
+                self.path(name).unlink(missing_ok=True)
+        dist.barrier()  # nobody looks for a checkpoint before it is gone
+
+    def save(self, replicas: dict[str, Replica], progress: Progress, record: Record) -> None:
+        agreements = {n: asdict(a.on_every_rank()) for n, a in record.agreements.items()}
+        extra = {
+            "settings": self.settings,
+            "agreements": agreements,
+            "one_process": asdict(record.one_process),
+            "clipped_steps": record.clipped_steps,
+            "train_losses": {n: r.train_losses for n, r in replicas.items()},
+            "val_losses": {n: r.val_losses for n, r in replicas.items()},
+        }
+        for name, replica in reversed(replicas.items()):
+            mine = extra if name == "miniddp" else {"settings": self.settings}
+            replica.save(self.path(name), progress, mine)
+
+    def resume(self, replicas: dict[str, Replica]) -> tuple[int, Record]:
+        """Every replica from its own checkpoint, and their curves; the step they were at, and
+        the Record. Another run's settings are refused before anything loads: they would not fit."""
+        extra = read_checkpoint(self.path("miniddp"))["extra"]
+        if extra["settings"] != self.settings:
+            raise ValueError(
+                f"{self.directory} holds a run with other settings ({extra['settings']}): "
+                "pass another --checkpoint-dir, or the same flags, or no --resume"
+            )
+        steps = {n: r.load(self.path(n)) for n, r in replicas.items()}
+        if len(set(steps.values())) > 1:
+            raise ValueError(
+                f"the replicas' checkpoints in {self.directory} are at different steps "
+                f"({steps}): the job died while saving. Start again without --resume."
+            )
+        for name, replica in replicas.items():
+            replica.train_losses = extra["train_losses"][name]
+            replica.val_losses = [tuple(v) for v in extra["val_losses"][name]]
+        agreements = {n: Agreement(**a) for n, a in extra["agreements"].items()}
+        one_process = Agreement(**extra["one_process"])
+        return steps["miniddp"], Record(agreements, one_process, extra["clipped_steps"])
+
+
+def exit_abruptly(rank: int, done: int) -> None:
+    """Leave as a crash does: no cleanup and no exception, like a segfault or the OOM killer."""
+    print(f"[rank {rank}] exits abruptly after step {done}", flush=True)
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) == 0:
+        print(
+            "torchrun has no --max-restarts, so the job ends here: run it again "
+            "with --resume to continue from the last checkpoint.",
+            flush=True,
+        )
+    os._exit(1)
+
+
+def draw_curves(replicas: dict[str, Replica], folder: Path, world: int) -> Path:
+    """The figure of every replica's training and validation curves (a bf16 run its own)."""
+    from miniddp.figures import draw
+
+    bf16 = replicas["miniddp"].precision == "bf16"  # its own figure: the fp32 run's stays
+    runs = {
+        LABELS[n] + " in bf16" * (r.precision == "bf16"): (r.train_losses, r.val_losses)
+        for n, r in replicas.items()
+    }
+    title = f"Chapter 12: a character-level GPT on {world} ranks"
+    title += ", bf16 (fp32 masters) beside fp32" * bf16
+    return draw.loss_curves(runs, folder / ("12_loss_bf16.png" if bf16 else "12_loss.png"), title)
+
+
+def say_what_bf16_costs(bf16: Replica, fp32: Replica) -> None:
+    """The two validation curves side by side: bf16 (with fp32 masters) and fp32, trained from
+    the same weights on the same windows with the same dropout masks."""
+    say("validation loss, bf16 (fp32 masters) against fp32, nats per character:")
+    for (step, ours), (_, theirs) in zip(bf16.val_losses, fp32.val_losses):
+        say(f"    step {step:4d}: bf16 {ours:.4f}  fp32 {theirs:.4f}  gap {ours - theirs:+.4f}")
+    gap = bf16.val_losses[-1][1] - fp32.val_losses[-1][1]
+    say(
+        f"what bf16 cost: {gap:+.4f} nats per character in the final validation loss "
+        f"({100 * gap / fp32.val_losses[-1][1]:+.2f}%)"
+    )

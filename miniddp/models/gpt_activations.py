@@ -1,4 +1,4 @@
-"""What chapter 12's GPT keeps from its forward for its backward, op by op, and what activation
+"""What the GPT of miniddp/models/gpt.py keeps from its forward for its backward, op by op, and what
 checkpointing trades it for.
 
 Every number here was read off the saved tensors themselves (miniddp.observe.activation_memory
