@@ -40,6 +40,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
+from miniddp.data_parallel.arguments import buffer_sync, group_of
 from miniddp.data_parallel.autograd_graph import (
     ParameterUsage,
     hook_every_parameter,
@@ -89,10 +90,14 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         *,
         process_group: dist.ProcessGroup | None = None,
         bucket_cap_mb: float | None = None,
-        broadcast_buffers: bool = True,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        forward_sync_buffers: bool | None = None,
         mixed_precision: MixedPrecision | None = None,
     ) -> None:
         super().__init__()
@@ -106,10 +111,16 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         if not dist.is_initialized():
             raise RuntimeError(f"MiniDDP needs a process group, and there is none. {HOW_TO_LAUNCH}")
         self.module = module
+        process_group = group_of(process_group, device_mesh)  # torch 2.13's keywords: arguments.py
+        self.device_mesh = device_mesh
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
-        self.broadcast_buffers = broadcast_buffers
+        buffers = buffer_sync(broadcast_buffers, forward_sync_buffers)
+        self.forward_sync_buffers = buffers.at_forward
         self.find_unused_parameters = find_unused_parameters
+        # Skip the all-reduce of a bucket no parameter of which this backward reaches (torch's
+        # meaning: decided on each rank alone, so every rank must leave the same ones unused).
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         # Only parameters that require grad are reduced, and a tied weight only once: it is one
         # variable with one gradient. `named_parameters()` walks modules in registration order
         # and skips repeats, as torch's reducer does.
@@ -136,16 +147,19 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         caps_in_bytes = (self._layout.first_cap, self._layout.cap)
         settings = {
             "bucket_cap_mb": caps_in_bytes,
-            "broadcast_buffers": broadcast_buffers,
+            "buffers": buffers,
             "find_unused_parameters": find_unused_parameters,
+            "skip_all_reduce_unused_params": skip_all_reduce_unused_params,
             "static_graph": static_graph,
             "mixed_precision": mixed_precision,
         }
-        verify_same_model_on_every_rank(named, settings, process_group)
-        # Every replica starts from rank 0's weights and buffers, whatever seed each rank used.
         self._buffers_to_sync = list(module.buffers())
-        everything = [*module.parameters(), *self._buffers_to_sync]
-        broadcast_from_rank0(everything, "parameters and buffers", process_group, self._wait)
+        if init_sync:  # False: the caller vouches that every rank already holds the same model
+            verify_same_model_on_every_rank(named, settings, process_group)
+            # Every replica starts from rank 0's weights (and buffers), whatever seed each used.
+            buffers_now = self._buffers_to_sync if buffers.at_construction else []
+            everything = [*module.parameters(), *buffers_now]
+            broadcast_from_rank0(everything, "parameters and buffers", process_group, self._wait)
         self.all_reduce_count = 0
         self._start_event_log()
         self._comm_hook: tuple[Any, CommHook] | None = None
@@ -211,6 +225,15 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         when_backward_reaches(output, self._start_reducing)
 
     @property
+    def broadcast_buffers(self) -> bool:
+        """torch's deprecated name for `forward_sync_buffers`, kept readable (and settable)."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
+
+    @property
     def require_backward_grad_sync(self) -> bool:
         """False inside `no_sync()` (torch's attribute, read by pipelines)."""
         return self._require_backward_grad_sync
@@ -258,7 +281,15 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         self._phase = Phase.REDUCING
         self._note("backward", "start")
         Variable._execution_engine.queue_callback(self._finish_backward)
-        for index in self._unused_in_forward:
+        unused = set(self._unused_in_forward)
+        if self.skip_all_reduce_unused_params and self.find_unused_parameters:
+            for bucket in self._layout.buckets:
+                if unused.issuperset(bucket.param_indices):
+                    bucket.skip()  # it stays home, and its .grads as they are
+                    unused.difference_update(bucket.param_indices)
+                    for index in bucket.param_indices:
+                        self._marked_ready[index] = True
+        for index in sorted(unused):
             self._mark_ready(index)  # may hold what no_sync accumulated
 
     def _on_gradient_ready(self, index: int, param: torch.Tensor) -> None:
@@ -304,11 +335,13 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         buckets = self._layout.buckets
         while self._next_bucket < len(buckets) and buckets[self._next_bucket].is_full:
             bucket = buckets[self._next_bucket]
+            self._next_bucket += 1
+            if bucket.skipped:
+                continue
             self._note("launch", f"bucket {bucket.index}")
             bucket.launch(self._all_reduce)
             self.all_reduce_count += 1
             self._note_when_done(bucket.pending, f"bucket {bucket.index}")
-            self._next_bucket += 1
 
     def _all_reduce(self, bucket: Bucket) -> dist.Work | torch.futures.Future:
         if self._comm_hook is None:
@@ -435,11 +468,11 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         return bool(flag.item())
 
     def _sync_buffers(self, training: bool) -> None:
-        """After a synced forward (and with broadcast_buffers), copy every buffer from rank 0:
+        """After a synced forward (and with forward_sync_buffers), copy every buffer from rank 0:
         replicas compute with the same BatchNorm statistics. Under Join rank 0 may have joined
         with stale ones, so they come from the highest rank still `training` (a joined rank
         passes False)."""
-        if not (self.broadcast_buffers and self._require_forward_param_sync):
+        if not (self.forward_sync_buffers and self._require_forward_param_sync):
             return
         if not self._buffers_to_sync:
             return
@@ -604,5 +637,8 @@ class ShadowsTraining(JoinHook):
         """Every rank copies the model of the last rank to join: replicas end identical."""
         ddp = self.ddp
         source = ddp._highest_rank_where(is_last_joiner)
-        state = [*ddp.module.parameters(), *(ddp._buffers_to_sync if ddp.broadcast_buffers else [])]
+        state = [
+            *ddp.module.parameters(),
+            *(ddp._buffers_to_sync if ddp.forward_sync_buffers else []),
+        ]
         broadcast_from_rank0(state, "the final model (Join)", ddp.process_group, ddp._wait, source)
