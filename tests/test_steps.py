@@ -108,6 +108,10 @@ PRODUCTION_EXTRAS = {
         *("reduce_dtype", "divide_after_sum", "in_flight"),
     ],
     "comm hooks over this project's own all-reduces": ["all_reduce_hook", "collectives"],
+    "torch 2.13's arguments (miniddp/data_parallel/arguments.py)": [
+        *("init_sync", "device_mesh", "group_of", "buffer_sync", "forward_sync_buffers"),
+        *("skip_all_reduce_unused_params", "skip", "skipped", "broadcast_buffers"),
+    ],
 }
 EXTRAS = {name for names in PRODUCTION_EXTRAS.values() for name in names}
 # Rung 7's definitions, and the file MiniDDP defines each one in.

@@ -335,13 +335,12 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         buckets = self._layout.buckets
         while self._next_bucket < len(buckets) and buckets[self._next_bucket].is_full:
             bucket = buckets[self._next_bucket]
+            if not bucket.skipped:
+                self._note("launch", f"bucket {bucket.index}")
+                bucket.launch(self._all_reduce)
+                self.all_reduce_count += 1
+                self._note_when_done(bucket.pending, f"bucket {bucket.index}")
             self._next_bucket += 1
-            if bucket.skipped:
-                continue
-            self._note("launch", f"bucket {bucket.index}")
-            bucket.launch(self._all_reduce)
-            self.all_reduce_count += 1
-            self._note_when_done(bucket.pending, f"bucket {bucket.index}")
 
     def _all_reduce(self, bucket: Bucket) -> dist.Work | torch.futures.Future:
         if self._comm_hook is None:
