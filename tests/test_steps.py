@@ -80,7 +80,8 @@ PRODUCTION_EXTRAS = {
     "Join": [
         *("Join", "Joinable", "JoinHook", "ShadowsTraining", "_tell_join_this_rank_trains"),
         *("_sync_buffers", "_buffers_to_sync", "_divide_by_initial_world_size"),
-        "last_on_any_rank",
+        *("last_on_any_rank", "resend_last", "joined_forward", "joined_backward"),
+        *("copy_model_from", "any_rank_syncs", "highest_rank_where"),
     ],
     "static_graph": [
         *("static_graph", "_static_graph", "StaticGraph", "GRAPH_CHANGED", "warnings"),
