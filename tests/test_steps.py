@@ -91,6 +91,8 @@ PRODUCTION_EXTRAS = {
     # (and rung 7's refusal of a missing gradient moves before the launches, to abandon them)
     "reentrant and second backwards, an unfinished backward": [
         *("SYNCED", "REDUCING", "_marked_ready", "_abandon_unfinished_backward", "no_gradient"),
+        *("gradient_after_sync", "gradient_twice", "no_gradient_unlike_the_first"),
+        *("not_mixed_precision", "refusals"),
         *("when_backward_reaches", "not synced", '"backward", "start"', "TYPE_CHECKING"),
     ],
     "a module wrapped again hands its hooks over": [

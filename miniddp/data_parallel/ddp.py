@@ -52,7 +52,14 @@ from miniddp.data_parallel.compute_copies import ComputeCopies, MixedPrecision
 from miniddp.data_parallel.default_hooks import CommHook, GradBucket
 from miniddp.data_parallel.join import ShadowsTraining, any_rank_syncs, highest_rank_where
 from miniddp.data_parallel.layout import BucketLayout, initial_layout
-from miniddp.data_parallel.static_graph import GRAPH_CHANGED, StaticGraph
+from miniddp.data_parallel.refusals import (
+    gradient_after_sync,
+    gradient_twice,
+    no_gradient,
+    no_gradient_unlike_the_first,
+    not_mixed_precision,
+)
+from miniddp.data_parallel.static_graph import StaticGraph
 from miniddp.job.env import HOW_TO_LAUNCH
 from miniddp.job.faults import wait_for
 from miniddp.observe.events import EventRecorder
@@ -104,11 +111,7 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         super().__init__()
         Joinable.__init__(self)  # nn.Module's __init__ does not call it (torch's DDP does this)
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-            raise TypeError(
-                f"MiniDDP's mixed_precision must be a miniddp.MixedPrecision, such as "
-                f"MixedPrecision(torch.bfloat16); got {mixed_precision!r}. (fully_shard takes a "
-                "MixedPrecisionPolicy; MiniDDP keeps fp32 masters and bf16 copies of its own.)"
-            )
+            raise not_mixed_precision(mixed_precision)
         if not dist.is_initialized():
             raise RuntimeError(f"MiniDDP needs a process group, and there is none. {HOW_TO_LAUNCH}")
         self.module = module
@@ -298,12 +301,7 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         if self.find_unused_parameters:
             self._usage.note(index)
         if self._phase is Phase.SYNCED:
-            raise RuntimeError(
-                f"Gradient of '{self.param_names[index]}' arrived after this forward's "
-                "gradients were already synchronized: backward ran twice on one synced "
-                "forward, and the second result would stay unsynchronized. Run a new forward "
-                "for each backward, or put the forward inside no_sync() to accumulate."
-            )
+            raise gradient_after_sync(self.param_names[index])
         self._start_reducing()  # in case backward reached a parameter before the output
         if self._phase is Phase.LOCAL:
             return
@@ -316,12 +314,7 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
     def _mark_ready(self, index: int) -> None:
         """Copy one gradient into its bucket; once the bucket is full, launch what can go."""
         if self._marked_ready[index]:
-            raise RuntimeError(
-                f"Parameter '{self.param_names[index]}' got its gradient twice in one backward "
-                "(reentrant backward: e.g. checkpoint(block, use_reentrant=True) with the block "
-                "run twice). Use use_reentrant=False, or MiniDDP(..., static_graph=True) if "
-                "every iteration uses the same parameters the same number of times."
-            )
+            raise gradient_twice(self.param_names[index])
         self._marked_ready[index] = True
         bucket, position = self._layout.slot[index]
         bucket.add(position, self._divide_by)
@@ -357,20 +350,10 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         missing = [i for i, ready in enumerate(self._marked_ready) if not ready]
         if missing and self._static_graph is not None and not first_static:
             self._abandon_unfinished_backward()
-            names = ", ".join(self.param_names[i] for i in missing)
-            raise RuntimeError(
-                f"These parameters got gradients in the first backward pass but none in this "
-                f"one: {names}. So {GRAPH_CHANGED}"
-            )
+            raise no_gradient_unlike_the_first(self.param_names[i] for i in missing)
         if missing and not (self.find_unused_parameters or first_static):
             self._abandon_unfinished_backward()
-            names = ", ".join(self.param_names[i] for i in missing)
-            raise RuntimeError(
-                f"These parameters got no gradient in this backward pass: {names}. Their "
-                "buckets were never all-reduced, so gradients are NOT synchronized. Either make "
-                "every parameter take part in computing the loss, freeze the unused ones "
-                "(requires_grad=False), or construct MiniDDP(..., find_unused_parameters=True)."
-            )
+            raise no_gradient(self.param_names[i] for i in missing)
         for index in missing:  # reachable from the output, yet no gradient came: unused too
             self._mark_ready(index)
         self._launch_full_buckets()  # nothing left to launch, unless launch_during_backward=False
@@ -551,10 +534,7 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         graph = self._static_graph
         if graph is None or not graph.counting:
             return False
-        graph.remember(self._usage)
-        graph.used_on_any_rank = self._usage.on_any_rank(
-            self.join_device, self.process_group, self._wait
-        )
+        graph.remember(self._usage, self.join_device, self.process_group, self._wait)
         return True
 
     @property
