@@ -209,3 +209,17 @@ def test_skip_all_reduce_unused_params_skips_torchs_buckets(pool2):
     # What no_sync accumulated in `b` stays on its rank when its buckets are skipped.
     b_weight = [result[True]["miniddp"]["grads"][1][2] for result in results]
     assert not torch.equal(*b_weight)
+
+
+def join_with_skipping() -> str:
+    model = MiniDDP(
+        SometimesUnused(), find_unused_parameters=True, skip_all_reduce_unused_params=True
+    )
+    with pytest.raises(RuntimeError, match="cannot train under Join") as error:
+        with model.join():
+            pass
+    return str(error.value)
+
+
+def test_join_with_skipped_buckets_is_refused_on_every_rank(pool2):
+    assert all("not both" in message for message in pool2.run(join_with_skipping))

@@ -114,6 +114,7 @@ PRODUCTION_EXTRAS = {
     "torch 2.13's arguments (miniddp/data_parallel/arguments.py)": [
         *("init_sync", "device_mesh", "group_of", "buffer_sync", "forward_sync_buffers"),
         *("skip_all_reduce_unused_params", "skip", "skipped", "broadcast_buffers"),
+        "join_with_skipped_buckets",
     ],
 }
 EXTRAS = {name for names in PRODUCTION_EXTRAS.values() for name in names}

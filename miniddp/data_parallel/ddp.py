@@ -55,6 +55,7 @@ from miniddp.data_parallel.layout import BucketLayout, initial_layout
 from miniddp.data_parallel.refusals import (
     gradient_after_sync,
     gradient_twice,
+    join_with_skipped_buckets,
     no_gradient,
     no_gradient_unlike_the_first,
     not_mixed_precision,
@@ -417,6 +418,8 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """What this rank runs once it is out of batches while others train (Joinable)."""
+        if self.skip_all_reduce_unused_params and self.find_unused_parameters:
+            raise join_with_skipped_buckets()  # on every rank: each builds the Join
         self._divide_by_initial_world_size = kwargs.get("divide_by_initial_world_size", True)
         return ShadowsTraining(self)
 

@@ -52,3 +52,12 @@ def no_gradient_unlike_the_first(names: Iterable[str]) -> RuntimeError:
         f"These parameters got gradients in the first backward pass but none in this one: "
         f"{', '.join(names)}. So {GRAPH_CHANGED}"
     )
+
+
+def join_with_skipped_buckets() -> RuntimeError:
+    return RuntimeError(
+        "MiniDDP(skip_all_reduce_unused_params=True) cannot train under Join: a rank out of "
+        "batches answers every bucket's all-reduce, while the ranks still training skip the "
+        "buckets their backward never reaches, so the collectives would not match (torch's DDP "
+        "would hang or abort). Use Join, or skip_all_reduce_unused_params, not both."
+    )
