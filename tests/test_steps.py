@@ -80,7 +80,8 @@ PRODUCTION_EXTRAS = {
     "Join": [
         *("Join", "Joinable", "JoinHook", "ShadowsTraining", "_tell_join_this_rank_trains"),
         *("_sync_buffers", "_buffers_to_sync", "_divide_by_initial_world_size"),
-        "last_on_any_rank",
+        *("last_on_any_rank", "resend_last", "joined_forward", "joined_backward"),
+        *("copy_model_from", "any_rank_syncs", "highest_rank_where"),
     ],
     "static_graph": [
         *("static_graph", "_static_graph", "StaticGraph", "GRAPH_CHANGED", "warnings"),
@@ -90,6 +91,8 @@ PRODUCTION_EXTRAS = {
     # (and rung 7's refusal of a missing gradient moves before the launches, to abandon them)
     "reentrant and second backwards, an unfinished backward": [
         *("SYNCED", "REDUCING", "_marked_ready", "_abandon_unfinished_backward", "no_gradient"),
+        *("gradient_after_sync", "gradient_twice", "no_gradient_unlike_the_first"),
+        *("not_mixed_precision", "refusals"),
         *("when_backward_reaches", "not synced", '"backward", "start"', "TYPE_CHECKING"),
     ],
     "a module wrapped again hands its hooks over": [
@@ -108,6 +111,11 @@ PRODUCTION_EXTRAS = {
         *("reduce_dtype", "divide_after_sum", "in_flight"),
     ],
     "comm hooks over this project's own all-reduces": ["all_reduce_hook", "collectives"],
+    "torch 2.13's arguments (miniddp/data_parallel/arguments.py)": [
+        *("init_sync", "device_mesh", "group_of", "buffer_sync", "forward_sync_buffers"),
+        *("skip_all_reduce_unused_params", "skip", "skipped", "broadcast_buffers"),
+        "join_with_skipped_buckets",
+    ],
 }
 EXTRAS = {name for names in PRODUCTION_EXTRAS.values() for name in names}
 # Rung 7's definitions, and the file MiniDDP defines each one in.

@@ -59,6 +59,18 @@ class ParameterUsage:
         self.last_on_any_rank = usage
         return [bool(count) for count in usage.tolist()]
 
+    def resend_last(self, device: torch.device, group: Any, wait: Callable) -> None:
+        """A joined rank's part in the usage all-reduce (join.py). torch's joined rank re-sends
+        the map its last synced backward received, so a parameter used on any rank then counts
+        as used as long as others train (its `.grad` becomes zeros, not None, which momentum or
+        weight decay would then apply to): the same here, for torch's bits."""
+        last = self.last_on_any_rank
+        if last is None:  # joined before any synced backward: it used nothing
+            self.on_any_rank(device, group, wait)
+            return
+        wait(dist.all_reduce(last, group=group, async_op=True), "all-reduce of parameter usage")
+        last.clamp_(max=1)  # torch's sums grow each time; only "not zero" is ever read
+
 
 def parameters_not_reached(output: Any, params: Sequence[torch.Tensor]) -> list[int]:
     """Walk the autograd graph back from the outputs; return the indices of `params` it never

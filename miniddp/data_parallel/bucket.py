@@ -78,6 +78,14 @@ class Bucket:
         self.pending: dist.Work | torch.futures.Future | None = None
         self._small: list[tuple[int, torch.Tensor]] = []  # see _copy_small_gradients
         self.divide_after_sum = 1  # mixed precision: W, set by add()
+        self.skipped = False  # see skip()
+
+    def skip(self) -> None:
+        """No parameter of this bucket takes part in this backward, and the wrapper was told
+        (skip_all_reduce_unused_params) that none does on any rank either: it counts as full,
+        never travels, and leaves every `.grad` in it as it is, what no_sync accumulated too."""
+        self.filled = len(self.params)
+        self.skipped = True
 
     def add(self, position: int, divide_by: int) -> None:
         """Copy the gradient of parameter `position` into its slice, divided by `divide_by`
@@ -152,6 +160,8 @@ class Bucket:
     def wait(self, wait_for: Callable[[Any, str], Any]) -> None:
         """Block until the sum is in `flat`. `wait_for(pending, what)` is the DDP's wait seam:
         it can name the rank that never joined."""
+        if self.skipped:
+            return
         result = wait_for(
             self.pending, f"all-reduce of bucket {self.index} ({self.nbytes:,} bytes)"
         )
@@ -166,6 +176,8 @@ class Bucket:
         """Put each average into the `.grad` its gradient was copied from. A parameter that had
         no gradient gets its slice; one that `used` says no rank used keeps `.grad` as it was
         (None stays None), as torch's find_unused_parameters does."""
+        if self.skipped:
+            return
         averaged, into = [], []
         for position, grad in self.sources:
             if used is not None and not used[self.param_indices[position]]:

@@ -19,7 +19,7 @@ DistributedDataParallel: the layout, the 1/W scaling and the launch order follow
 
 Three options change that life, and each is an object MiniDDP holds rather than code spread
 through it: under Join (uneven inputs), a rank out of batches runs `join_hook()`'s object
-(ShadowsTraining, at the end of this file), which answers every collective a training rank's
+(ShadowsTraining, join.py), which answers every collective a training rank's
 forward and backward issue; with static_graph, a `StaticGraph` (static_graph.py) counts each
 parameter's hooks in the first backward and says when a gradient is ready in the later ones;
 with mixed_precision, `ComputeCopies` (compute_copies.py) puts bf16 copies of the fp32 masters
@@ -40,6 +40,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
+from miniddp.data_parallel.arguments import buffer_sync, group_of
 from miniddp.data_parallel.autograd_graph import (
     ParameterUsage,
     hook_every_parameter,
@@ -49,8 +50,17 @@ from miniddp.data_parallel.autograd_graph import (
 from miniddp.data_parallel.bucket import Bucket, BucketInfo
 from miniddp.data_parallel.compute_copies import ComputeCopies, MixedPrecision
 from miniddp.data_parallel.default_hooks import CommHook, GradBucket
+from miniddp.data_parallel.join import ShadowsTraining, any_rank_syncs, highest_rank_where
 from miniddp.data_parallel.layout import BucketLayout, initial_layout
-from miniddp.data_parallel.static_graph import GRAPH_CHANGED, StaticGraph
+from miniddp.data_parallel.refusals import (
+    gradient_after_sync,
+    gradient_twice,
+    join_with_skipped_buckets,
+    no_gradient,
+    no_gradient_unlike_the_first,
+    not_mixed_precision,
+)
+from miniddp.data_parallel.static_graph import StaticGraph
 from miniddp.job.env import HOW_TO_LAUNCH
 from miniddp.job.faults import wait_for
 from miniddp.observe.events import EventRecorder
@@ -89,27 +99,33 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         *,
         process_group: dist.ProcessGroup | None = None,
         bucket_cap_mb: float | None = None,
-        broadcast_buffers: bool = True,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        forward_sync_buffers: bool | None = None,
         mixed_precision: MixedPrecision | None = None,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)  # nn.Module's __init__ does not call it (torch's DDP does this)
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-            raise TypeError(
-                f"MiniDDP's mixed_precision must be a miniddp.MixedPrecision, such as "
-                f"MixedPrecision(torch.bfloat16); got {mixed_precision!r}. (fully_shard takes a "
-                "MixedPrecisionPolicy; MiniDDP keeps fp32 masters and bf16 copies of its own.)"
-            )
+            raise not_mixed_precision(mixed_precision)
         if not dist.is_initialized():
             raise RuntimeError(f"MiniDDP needs a process group, and there is none. {HOW_TO_LAUNCH}")
         self.module = module
+        process_group = group_of(process_group, device_mesh)  # torch 2.13's keywords: arguments.py
+        self.device_mesh = device_mesh
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
-        self.broadcast_buffers = broadcast_buffers
+        buffers = buffer_sync(broadcast_buffers, forward_sync_buffers)
+        self.forward_sync_buffers = buffers.at_forward
         self.find_unused_parameters = find_unused_parameters
+        # Skip the all-reduce of a bucket no parameter of which this backward reaches (torch's
+        # meaning: decided on each rank alone, so every rank must leave the same ones unused).
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         # Only parameters that require grad are reduced, and a tied weight only once: it is one
         # variable with one gradient. `named_parameters()` walks modules in registration order
         # and skips repeats, as torch's reducer does.
@@ -136,16 +152,19 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         caps_in_bytes = (self._layout.first_cap, self._layout.cap)
         settings = {
             "bucket_cap_mb": caps_in_bytes,
-            "broadcast_buffers": broadcast_buffers,
+            "buffers": buffers,
             "find_unused_parameters": find_unused_parameters,
+            "skip_all_reduce_unused_params": skip_all_reduce_unused_params,
             "static_graph": static_graph,
             "mixed_precision": mixed_precision,
         }
-        verify_same_model_on_every_rank(named, settings, process_group)
-        # Every replica starts from rank 0's weights and buffers, whatever seed each rank used.
         self._buffers_to_sync = list(module.buffers())
-        everything = [*module.parameters(), *self._buffers_to_sync]
-        broadcast_from_rank0(everything, "parameters and buffers", process_group, self._wait)
+        if init_sync:  # False: the caller vouches that every rank already holds the same model
+            verify_same_model_on_every_rank(named, settings, process_group)
+            # Every replica starts from rank 0's weights (and buffers), whatever seed each used.
+            buffers_now = self._buffers_to_sync if buffers.at_construction else []
+            everything = [*module.parameters(), *buffers_now]
+            broadcast_from_rank0(everything, "parameters and buffers", process_group, self._wait)
         self.all_reduce_count = 0
         self._start_event_log()
         self._comm_hook: tuple[Any, CommHook] | None = None
@@ -211,6 +230,15 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         when_backward_reaches(output, self._start_reducing)
 
     @property
+    def broadcast_buffers(self) -> bool:
+        """torch's deprecated name for `forward_sync_buffers`, kept readable (and settable)."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
+
+    @property
     def require_backward_grad_sync(self) -> bool:
         """False inside `no_sync()` (torch's attribute, read by pipelines)."""
         return self._require_backward_grad_sync
@@ -258,7 +286,15 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         self._phase = Phase.REDUCING
         self._note("backward", "start")
         Variable._execution_engine.queue_callback(self._finish_backward)
-        for index in self._unused_in_forward:
+        unused = set(self._unused_in_forward)
+        if self.skip_all_reduce_unused_params and self.find_unused_parameters:
+            for bucket in self._layout.buckets:
+                if unused.issuperset(bucket.param_indices):
+                    bucket.skip()  # it stays home, and its .grads as they are
+                    unused.difference_update(bucket.param_indices)
+                    for index in bucket.param_indices:
+                        self._marked_ready[index] = True
+        for index in sorted(unused):
             self._mark_ready(index)  # may hold what no_sync accumulated
 
     def _on_gradient_ready(self, index: int, param: torch.Tensor) -> None:
@@ -266,12 +302,7 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         if self.find_unused_parameters:
             self._usage.note(index)
         if self._phase is Phase.SYNCED:
-            raise RuntimeError(
-                f"Gradient of '{self.param_names[index]}' arrived after this forward's "
-                "gradients were already synchronized: backward ran twice on one synced "
-                "forward, and the second result would stay unsynchronized. Run a new forward "
-                "for each backward, or put the forward inside no_sync() to accumulate."
-            )
+            raise gradient_after_sync(self.param_names[index])
         self._start_reducing()  # in case backward reached a parameter before the output
         if self._phase is Phase.LOCAL:
             if self._copies is not None:  # no average will come: the fold was the last write
@@ -286,12 +317,7 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
     def _mark_ready(self, index: int) -> None:
         """Copy one gradient into its bucket; once the bucket is full, launch what can go."""
         if self._marked_ready[index]:
-            raise RuntimeError(
-                f"Parameter '{self.param_names[index]}' got its gradient twice in one backward "
-                "(reentrant backward: e.g. checkpoint(block, use_reentrant=True) with the block "
-                "run twice). Use use_reentrant=False, or MiniDDP(..., static_graph=True) if "
-                "every iteration uses the same parameters the same number of times."
-            )
+            raise gradient_twice(self.param_names[index])
         self._marked_ready[index] = True
         bucket, position = self._layout.slot[index]
         bucket.add(position, self._divide_by)
@@ -306,10 +332,11 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         buckets = self._layout.buckets
         while self._next_bucket < len(buckets) and buckets[self._next_bucket].is_full:
             bucket = buckets[self._next_bucket]
-            self._note("launch", f"bucket {bucket.index}")
-            bucket.launch(self._all_reduce)
-            self.all_reduce_count += 1
-            self._note_when_done(bucket.pending, f"bucket {bucket.index}")
+            if not bucket.skipped:
+                self._note("launch", f"bucket {bucket.index}")
+                bucket.launch(self._all_reduce)
+                self.all_reduce_count += 1
+                self._note_when_done(bucket.pending, f"bucket {bucket.index}")
             self._next_bucket += 1
 
     def _all_reduce(self, bucket: Bucket) -> dist.Work | torch.futures.Future:
@@ -326,20 +353,10 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         missing = [i for i, ready in enumerate(self._marked_ready) if not ready]
         if missing and self._static_graph is not None and not first_static:
             self._abandon_unfinished_backward()
-            names = ", ".join(self.param_names[i] for i in missing)
-            raise RuntimeError(
-                f"These parameters got gradients in the first backward pass but none in this "
-                f"one: {names}. So {GRAPH_CHANGED}"
-            )
+            raise no_gradient_unlike_the_first(self.param_names[i] for i in missing)
         if missing and not (self.find_unused_parameters or first_static):
             self._abandon_unfinished_backward()
-            names = ", ".join(self.param_names[i] for i in missing)
-            raise RuntimeError(
-                f"These parameters got no gradient in this backward pass: {names}. Their "
-                "buckets were never all-reduced, so gradients are NOT synchronized. Either make "
-                "every parameter take part in computing the loss, freeze the unused ones "
-                "(requires_grad=False), or construct MiniDDP(..., find_unused_parameters=True)."
-            )
+            raise no_gradient(self.param_names[i] for i in missing)
         for index in missing:  # reachable from the output, yet no gradient came: unused too
             self._mark_ready(index)
         self._launch_full_buckets()  # nothing left to launch, unless launch_during_backward=False
@@ -397,7 +414,7 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         throw_on_early_termination: bool = False,
     ) -> Join:
         """`with model.join(): for batch in my_batches: ...` trains on uneven inputs, as torch's
-        `DistributedDataParallel.join` does (the arguments are Join's; ShadowsTraining, below)."""
+        `DistributedDataParallel.join` does (the arguments are Join's; ShadowsTraining, join.py)."""
         return Join(
             [self],
             enable,
@@ -407,6 +424,8 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """What this rank runs once it is out of batches while others train (Joinable)."""
+        if self.skip_all_reduce_unused_params and self.find_unused_parameters:
+            raise join_with_skipped_buckets()  # on every rank: each builds the Join
         self._divide_by_initial_world_size = kwargs.get("divide_by_initial_world_size", True)
         return ShadowsTraining(self)
 
@@ -430,39 +449,67 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
             if still_training is not None and not self._divide_by_initial_world_size:
                 still_training.wait()
                 self._divide_by = int(still_training.get_future().value()[0].item())
-        self._any_rank_syncs(torch.is_grad_enabled() and self._require_backward_grad_sync)
-
-    def _any_rank_syncs(self, this_rank_syncs: bool) -> bool:
-        """Join's second all-reduce per iteration: a joined rank shadows the backward's
-        collectives only if some rank still training syncs this iteration."""
-        flag = torch.tensor([int(this_rank_syncs)], device=self.join_device)
-        work = dist.all_reduce(flag, group=self.process_group, async_op=True)
-        self._wait(work, "all-reduce of whether any rank syncs its gradients (Join)")
-        return bool(flag.item())
+        this_rank_syncs = torch.is_grad_enabled() and self._require_backward_grad_sync
+        any_rank_syncs(this_rank_syncs, self.join_device, self.process_group)
 
     def _sync_buffers(self, training: bool) -> None:
-        """After a synced forward (and with broadcast_buffers), copy every buffer from rank 0:
+        """After a synced forward (and with forward_sync_buffers), copy every buffer from rank 0:
         replicas compute with the same BatchNorm statistics. Under Join rank 0 may have joined
         with stale ones, so they come from the highest rank still `training` (a joined rank
         passes False)."""
-        if not (self.broadcast_buffers and self._require_forward_param_sync):
+        if not (self.forward_sync_buffers and self._require_forward_param_sync):
             return
         if not self._buffers_to_sync:
             return
-        source = self._highest_rank_where(training) if self._join_config.enable else 0
+        enabled = self._join_config.enable
+        source = (
+            highest_rank_where(training, self.join_device, self.process_group) if enabled else 0
+        )
         broadcast_from_rank0(
             self._buffers_to_sync, "buffers", self.process_group, self._wait, source
         )
 
-    def _highest_rank_where(self, condition: bool) -> int:
-        """The highest rank in the group for which `condition` holds (on at least one rank)."""
-        rank = dist.get_rank(self.process_group) if condition else -1
-        highest = torch.tensor([rank], device=self.join_device)
-        work = dist.all_reduce(
-            highest, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True
+    def joined_forward(self, any_rank_syncs: bool) -> None:
+        """Join's side (join.py): what a forward issues, for a rank with no batch left: the one
+        rebuild of the buckets, and the buffers' broadcast from the highest rank still training."""
+        if self._layout.rebuild_due:
+            self._rebuild_buckets()
+        self._sync_buffers(training=False)
+        self._require_forward_param_sync = any_rank_syncs
+
+    def joined_backward(self) -> None:
+        """Join's side: a synced backward's collectives, for a rank with no batch: an all-reduce of
+        zeros per bucket (adding zeros changes no bit), and its part in the usage map's."""
+        # static_graph's first synced backward asks which parameters any rank used before its
+        # buckets go; a rank that joined before its own first one answers "none" (and learns).
+        first_static = self._static_graph_first_backward_ends()
+        # Fresh zero buckets, so that this rank's own gradients (which may live in the real
+        # buckets, with gradient_as_bucket_view) stay as they are.
+        shadows = [
+            Bucket(b.index, b.param_indices, self.params, reduce_dtype=b.reduce_dtype)
+            for b in self._layout.buckets
+        ]
+        for shadow in shadows:
+            shadow.launch(self._all_reduce)
+        for shadow in shadows:
+            shadow.wait(self._wait)
+        if self.find_unused_parameters:
+            self._usage.resend_last(self.join_device, self.process_group, self._wait)
+        # Joined before observing any order: it offers registration order to the coming rebuild
+        # (as torch's does); rank 0's order is the one every rank adopts. Under static_graph the
+        # others record theirs in the backward after the counting one, so it waits as long.
+        layout = self._layout
+        if not layout.has_rebuilt and not layout.ready_order and not first_static:
+            layout.ready_order = list(range(len(self.params)))
+
+    def copy_model_from(self, source: int) -> None:
+        """Join's side: at the end, every rank copies the parameters (and buffers, with
+        forward_sync_buffers) of rank `source`, the last to join: the replicas end equal."""
+        buffers = self._buffers_to_sync if self.forward_sync_buffers else []
+        state = [*self.module.parameters(), *buffers]
+        broadcast_from_rank0(
+            state, "the final model (Join)", self.process_group, self._wait, source
         )
-        self._wait(work, "all-reduce choosing the rank to copy from (Join)")
-        return int(highest.item())
 
     @property
     def static_graph(self) -> bool:
@@ -496,10 +543,7 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         graph = self._static_graph
         if graph is None or not graph.counting:
             return False
-        graph.remember(self._usage)
-        graph.used_on_any_rank = self._usage.on_any_rank(
-            self.join_device, self.process_group, self._wait
-        )
+        graph.remember(self._usage, self.join_device, self.process_group, self._wait)
         return True
 
     @property
@@ -520,95 +564,3 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         self._layout.load_state(state, self.param_names)
         for bucket in self._layout.buckets:
             bucket.reset()
-
-
-class ShadowsTraining(JoinHook):
-    """What a joined rank does for each iteration the others still train, and at the end.
-
-    Uneven inputs: ranks run out of batches at different times (torch's Join protocol). Every
-    collective needs every rank: a rank past its last batch stops issuing all-reduces, and the
-    ranks still training wait for it (MiniDDP names it, after the process group's timeout:
-    chapter 11). `Join([model])`, or `model.join()`, keeps the finished ("joined") rank
-    answering instead. Each iteration of a rank still training starts with one all-reduce of a
-    1 (`notify_join_context`); a joined rank, waiting in `Join.__exit__`, adds a 0 to it and so
-    learns how many ranks still train. While that count is not 0, it runs `main_hook`, which
-    shadows, collective for collective, what a training rank's forward and backward issue:
-
-        training rank (MiniDDP.forward/backward)     joined rank (main_hook)
-        all-reduce of 1 if this backward syncs        all-reduce of 0: does anyone sync?
-        broadcast of rank 0's ready order, once       the same broadcast (its own order if it
-                                                      had none: registration order, as torch's)
-        max over ranks still training: who owns       max with -1: it owns no buffers any more
-        the buffers; broadcast them from it
-        (static_graph, first synced backward only)    its usage: nothing
-        the usage map, learnt before any bucket goes
-        one all-reduce per bucket, in bucket order    an all-reduce of zeros per bucket
-        (find_unused_parameters) the usage map        its own usage map
-
-    Adding zeros changes no bit, so the sum is the sum over the ranks that still train. The
-    divisor stays the initial world size W (`divide_by_initial_world_size=True`, torch's
-    default: a joined rank counts as one with zero gradient); with False it is the number of
-    ranks still training, read from that first all-reduce. Buffers come from the highest rank
-    still training, since rank 0 may have joined with stale BatchNorm statistics. When every
-    rank has joined, `post_hook` copies the whole model from the last rank to join (the
-    highest, if several), so the replicas end equal. With `throw_on_early_termination=True`
-    every rank raises as soon as one runs out.
-
-    It lives beside MiniDDP, as torch keeps its `_DDPJoinHook` beside its reducer: it runs
-    MiniDDP's own steps (the buckets, the buffers, the usage map) for a rank with no batch.
-    """
-
-    def __init__(self, ddp: MiniDDP) -> None:
-        self.ddp = ddp
-
-    def main_hook(self) -> None:
-        ddp = self.ddp
-        should_sync = ddp._any_rank_syncs(False)
-        if ddp._layout.rebuild_due:
-            ddp._rebuild_buckets()
-        ddp._sync_buffers(training=False)
-        ddp._require_forward_param_sync = should_sync
-        if not should_sync:
-            return
-        # static_graph's first synced backward asks which parameters any rank used before its
-        # buckets go; a rank that joined before its own first one answers "none" (and learns).
-        first_static = ddp._static_graph_first_backward_ends()
-        # Fresh zero buckets, so that this rank's own gradients (which may live in the real
-        # buckets, with gradient_as_bucket_view) stay as they are.
-        shadows = [
-            Bucket(b.index, b.param_indices, ddp.params, reduce_dtype=b.reduce_dtype)
-            for b in ddp._layout.buckets
-        ]
-        for shadow in shadows:
-            shadow.launch(ddp._all_reduce)
-        for shadow in shadows:
-            shadow.wait(ddp._wait)
-        if ddp.find_unused_parameters:
-            self._shadow_usage()
-        # Joined before observing any order: it offers registration order to the coming rebuild
-        # (as torch's does); rank 0's order is the one every rank adopts. Under static_graph the
-        # others record theirs in the backward after the counting one, so it waits as long.
-        layout = ddp._layout
-        if not layout.has_rebuilt and not layout.ready_order and not first_static:
-            layout.ready_order = list(range(len(ddp.params)))
-
-    def _shadow_usage(self) -> None:
-        """A joined rank's part in the usage all-reduce (find_unused_parameters). torch's joined
-        rank re-sends the map its last synced backward received, so a parameter used on any
-        rank then counts as used as long as others train (its `.grad` becomes zeros, not None,
-        which momentum or weight decay would then apply to): the same here, for torch's bits."""
-        ddp = self.ddp
-        last = ddp._usage.last_on_any_rank
-        if last is None:  # joined before any synced backward: it used nothing
-            ddp._usage.on_any_rank(ddp.join_device, ddp.process_group, ddp._wait)
-            return
-        work = dist.all_reduce(last, group=ddp.process_group, async_op=True)
-        ddp._wait(work, "all-reduce of parameter usage")
-        last.clamp_(max=1)  # torch's sums grow each time; only "not zero" is ever read
-
-    def post_hook(self, is_last_joiner: bool) -> None:
-        """Every rank copies the model of the last rank to join: replicas end identical."""
-        ddp = self.ddp
-        source = ddp._highest_rank_where(is_last_joiner)
-        state = [*ddp.module.parameters(), *(ddp._buffers_to_sync if ddp.broadcast_buffers else [])]
-        broadcast_from_rank0(state, "the final model (Join)", ddp.process_group, ddp._wait, source)

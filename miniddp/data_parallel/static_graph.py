@@ -17,6 +17,11 @@ order the buckets are rebuilt from, before the third forward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
 from miniddp.data_parallel.autograd_graph import ParameterUsage
 
 GRAPH_CHANGED = (
@@ -59,10 +64,14 @@ class StaticGraph:
             )
         return self._fired[index] == self.expected[index]
 
-    def remember(self, usage: ParameterUsage) -> None:
-        """The first synced backward is over: its counts become the expectation. Note in
-        `usage` which parameters it used on this rank (MiniDDP then asks the other ranks)."""
+    def remember(
+        self, usage: ParameterUsage, device: torch.device, group: Any, wait: Callable
+    ) -> None:
+        """The first synced backward is over: its counts become the expectation, and one
+        all-reduce of `usage` learns which parameters some rank used (the others keep `.grad`
+        as it is, every iteration)."""
         self.expected = list(self._fired)
         for index, fired in enumerate(self.expected):
             if fired:
                 usage.note(index)
+        self.used_on_any_rank = usage.on_any_rank(device, group, wait)

@@ -1,0 +1,67 @@
+"""Torch 2.13's DDP arguments that only say *which* group and *when* buffers travel.
+
+MiniDDP takes torch's keywords with torch's meaning, so code moves between the two unchanged.
+Two pairs need a rule before construction can start:
+
+- `process_group` or `device_mesh`: a 1-D mesh is one more way to name the group (its only
+  axis); naming both, or a mesh with more axes, is ambiguous, so it is refused.
+- `broadcast_buffers` (deprecated in torch 2.13) or `forward_sync_buffers`: both say whether
+  buffers are copied from rank 0 at each synced forward, but `broadcast_buffers=False` also
+  keeps them out of the copy at construction (rank-local buffers stay local), while
+  `forward_sync_buffers=False` still copies them once, there. Given both, the new one wins.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class BufferSync:
+    """When a wrapper copies the module's buffers from rank 0."""
+
+    at_construction: bool
+    at_forward: bool
+
+
+def buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bool | None) -> BufferSync:
+    """Torch 2.13's rule for the two buffer keywords, with its FutureWarning for the old one."""
+    if broadcast_buffers is not None:
+        if forward_sync_buffers is not None:
+            message = (
+                "Both broadcast_buffers and forward_sync_buffers were given: broadcast_buffers "
+                "is deprecated (torch 2.13) and is ignored. Pass forward_sync_buffers only."
+            )
+        else:
+            message = (
+                "broadcast_buffers is deprecated (torch 2.13): use forward_sync_buffers. Unlike "
+                "broadcast_buffers=False, forward_sync_buffers=False still copies rank 0's "
+                "buffers at construction; keep broadcast_buffers=False if they must stay local."
+            )
+        warnings.warn(message, FutureWarning, stacklevel=3)
+    if forward_sync_buffers is not None:
+        return BufferSync(at_construction=True, at_forward=forward_sync_buffers)
+    at_forward = True if broadcast_buffers is None else broadcast_buffers
+    return BufferSync(at_construction=at_forward, at_forward=at_forward)
+
+
+def group_of(process_group: dist.ProcessGroup | None, device_mesh: Any) -> Any:
+    """The group a wrapper reduces over: `process_group`, a 1-D `device_mesh`'s, or the default
+    (None). Accepts miniddp.mesh's DeviceMesh and torch's alike."""
+    if device_mesh is None:
+        return process_group
+    if process_group is not None:
+        raise RuntimeError(
+            "MiniDDP got both process_group and device_mesh: give one. A 1-D mesh names its "
+            "group; for one axis of a larger mesh pass device_mesh=mesh['dp']."
+        )
+    if device_mesh.ndim != 1:
+        raise RuntimeError(
+            f"MiniDDP's device_mesh must be 1-D (data parallelism runs over one axis), but got "
+            f"{device_mesh} with {device_mesh.ndim} axes. Pass one axis: device_mesh=mesh['dp']."
+        )
+    return device_mesh.get_group(0)
