@@ -31,7 +31,7 @@ counts it once.
 Dropout: every rank of a TP group must draw the same masks for the activations it replicates,
 so seed TP ranks alike (the same seed everywhere is simplest). The attention's dropout then
 draws per local head, and TP's bits differ from one process's wherever dropout is on; with
-dropout 0.0 (chapter 15) every composition trains as one process does, within rounding.
+dropout 0.0 (chapter 16) every composition trains as one process does, within rounding.
 
 HSDP, as torchtitan names it: a mesh whose "dp" is two axes, ("pp", "dp_replicate", "dp_shard",
 "tp"), with data_parallel="fsdp", shards over "dp_shard" and replicates over "dp_replicate"

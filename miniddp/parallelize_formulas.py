@@ -1,5 +1,5 @@
 """What each rank of `parallelize(gpt, mesh)` holds and sends, as formulas: the maths that
-chapter 15 checks against the storages and chapter 15c against the wire, for any (pp, dp, tp).
+chapter 16 checks against the storages and chapter 16b against the wire, for any (pp, dp, tp).
 
 The GPT of chapter 12 (models/gpt.py): V vocabulary, T context, H width, L blocks of a heads.
 A layout cuts it over pp stages x dp replicas x tp shards (parallelize.py's order: TP, then the

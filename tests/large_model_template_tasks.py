@@ -1,6 +1,6 @@
 """What the ranks run for tests/test_large_model_template.py: chapter 12's GPT, small and in
 float64, trained twice on one (dp, tp) mesh from the same weights on the same windows: through
-chapter 09b's own functions (torch's fully_shard, parallelize_module, loss_parallel, its clip)
+chapter 16d's own functions (torch's fully_shard, parallelize_module, loss_parallel, its clip)
 and through `miniddp.parallelize` (MiniDDP's fully_shard and TP, miniddp.sharding's clip)."""
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from tests.mesh_tasks import mesh_once
 from tests.parallelize_tasks import build_gpt, full_tensors, windows
 
 TUTORIALS = Path(__file__).resolve().parents[1] / "tutorials"
-CHAPTER = TUTORIALS / "09b_large_model_template.py"
+CHAPTER = TUTORIALS / "16d_large_model_template.py"
 STEPS, LR = 4, 1e-2
 _TORCH_MESHES: dict = {}
 
 
 def chapter() -> ModuleType:
-    """Chapter 09b as a module (its name starts with a digit); it imports its neighbours
+    """Chapter 16d as a module (its name starts with a digit); it imports its neighbours
     (common, char_corpus, gpt_settings) as torchrun would, from its own folder."""
     if str(TUTORIALS) not in sys.path:
         sys.path.insert(0, str(TUTORIALS))

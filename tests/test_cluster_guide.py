@@ -125,7 +125,7 @@ def test_two_vm_script_runs_a_two_node_job_on_loopback(tmp_path: Path) -> None:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     checkpoint = tmp_path / "last.pt"
-    command = [str(GUIDE / "two_vms.sh"), "tutorials/09_template.py", "--epochs=1",
+    command = [str(GUIDE / "two_vms.sh"), "tutorials/08_template.py", "--epochs=1",
                f"--checkpoint={checkpoint}"]  # fmt: skip
 
     def node_env(node: int) -> dict[str, str]:

@@ -7,7 +7,7 @@ reader follows it and finds nothing. So the names are read out of the text itsel
     paths      miniddp/..., tutorials/..., tests/..., docs/..., scripts/... (and markdown links,
                relative to their file)
     modules    miniddp.x.y, imported by name
-    chapters   "chapter 08b", "Chapter 15", "chapters 13 and 14": a tutorials/NN*_*.py each
+    chapters   "chapter 11c", "Chapter 16", "chapters 13 and 14": a tutorials/NN*_*.py each
 
 And every chapter is a lesson that fits one sitting: at most SOURCE_LINES lines of source (what
 it prints is counted where it runs, in tests/test_tutorials.py).
@@ -118,3 +118,50 @@ def test_every_chapter_fits_one_sitting(chapter: Path) -> None:
         f"{chapter.name} is {lines} lines: split it, or move what it needs but does not teach "
         "into the library or a shared tutorial module"
     )
+
+
+def reading_order(listing: str) -> list[tuple[str, list[str]]]:
+    """The parts a listing names, each with its chapters' files, in the order written: the
+    README's and tutorials/README.md's tables under "**Part N, title:**", the course map's
+    numbered list under "## Reading order"."""
+    parts: list[tuple[str, list[str]]] = []
+    text = (REPO / listing).read_text(encoding="utf-8")
+    if listing == "docs/course_map.md":
+        section = text.split("## Reading order", 1)[1].split("\n| ", 1)[0]
+        for title, links in re.findall(r"^\d\. \*\*([^:]+):\*\* (.*)$", section, re.M):
+            parts.append((title, re.findall(r"tutorials/(\d\d[a-z]?_\w+\.py)", links)))
+        return parts
+    for line in text.splitlines():
+        part = re.match(r"^\*\*Part \d, ([^:]+):\*\*", line)
+        if part:
+            parts.append((part.group(1), []))
+        chapter = re.match(r"^\| \d\d[a-z]? \| `[^`]*?(\d\d[a-z]?_\w+\.py)", line)
+        if chapter and parts:
+            parts[-1][1].append(chapter.group(1))
+    return parts
+
+
+def test_the_three_reading_orders_agree_and_climb():
+    """One reading order, in parts (#44): the README, tutorials/README.md and the course map
+    list the same parts with the same chapters, every chapter once, numbers only climbing."""
+    orders = {listing: reading_order(listing) for listing in READING_ORDERS}
+    readme = orders["README.md"]
+    assert [title for title, _ in readme] == PARTS, readme
+    for listing, order in orders.items():
+        assert order == readme, f"{listing} gives another reading order than the README's"
+    files = [name for _, chapters in readme for name in chapters]
+    assert sorted(files) == sorted(c.name for c in CHAPTERS), "every chapter, once"
+    assert files == sorted(
+        files, key=lambda name: (int(name[:2]), name[2] if name[2] != "_" else "")
+    )
+
+
+READING_ORDERS = ("README.md", "tutorials/README.md", "docs/course_map.md")
+PARTS = [
+    "Data parallelism",
+    "Memory",
+    "The real model",
+    "Model parallelism",
+    "Composition and scale",
+    "Beyond",
+]

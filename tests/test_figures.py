@@ -27,18 +27,18 @@ FIGURES = [
     "04_sweep.png",
     "05_no_sync.png",
     "06_failover.png",
-    "08_memory.png",
-    "08_prefetch.png",
-    "08b_memory.png",
+    "11_memory.png",
+    "11_prefetch.png",
+    "11c_memory.png",
     "13_tensor_parallel.png",
     "14_pipeline.png",
     "14b_schedules.png",
-    "15_three_d.png",
-    "15b_ring_attention.png",
+    "16_three_d.png",
+    "15_ring_attention.png",
 ]
 # Drawn only with --only 12: chapter 12's 3-minute training run (its claims: test_train_gpt.py);
-# with --only 18, chapter 18's runs on 4 ranks (its claims: test_local_sgd.py, test_tutorials.py).
-ON_REQUEST = ["12_loss.png", "18_across_the_internet.png"]
+# with --only 19, chapter 19's runs on 4 ranks (its claims: test_local_sgd.py, test_tutorials.py).
+ON_REQUEST = ["12_loss.png", "19_across_the_internet.png"]
 TIMEOUT_SECONDS = 300
 
 
@@ -120,7 +120,7 @@ def test_other_bad_options_are_refused_without_making_the_folder(
 
 
 def test_the_three_d_figure_draws_the_mesh_and_a_step(tmp_path: Path) -> None:
-    """Chapter 15c's figure from a step made up here (the 8-rank job that records a real one is
+    """Chapter 16b's figure from a step made up here (the 8-rank job that records a real one is
     the slow test's): its groups are the mesh's, and it is a readable PNG."""
     from miniddp.figures import three_d
     from miniddp.pipeline.bubble import Block
@@ -143,6 +143,6 @@ def test_the_three_d_figure_draws_the_mesh_and_a_step(tmp_path: Path) -> None:
         ]
         coordinate = [stage, rank // 2 % 2, rank % 2]
         steps.append(three_d.RankStep(rank, coordinate, blocks, [(0.0, 0.01)], wire))
-    path = three_d.mesh_and_step(steps, tmp_path / "15_three_d.png")
+    path = three_d.mesh_and_step(steps, tmp_path / "16_three_d.png")
     height, width = matplotlib.image.imread(path).shape[:2]
     assert height > 200 and width > 400

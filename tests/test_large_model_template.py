@@ -1,4 +1,4 @@
-"""Chapter 09b's template (torch's init_device_mesh, parallelize_module, fully_shard,
+"""Chapter 16d's template (torch's init_device_mesh, parallelize_module, fully_shard,
 loss_parallel, and its clip_grad_norm_) and `miniddp.parallelize` (MiniDDP's TP, fully_shard and
 clip) train chapter 12's GPT on the same (dp, tp) mesh, from the same weights on the same windows,
 in float64: the same loss on every rank at every step, and the same parameters after the last.
@@ -53,5 +53,5 @@ def test_the_template_trains_as_miniddp_parallelize(rank_pools, name):
         assert params["torch"].keys() == params["miniddp"].keys()
         for tensor_name, tensor in params["torch"].items():
             difference = (tensor - params["miniddp"][tensor_name]).abs().max().item()
-            record_max(f"09b template {name}: |param - miniddp.parallelize's|", difference)
+            record_max(f"16d template {name}: |param - miniddp.parallelize's|", difference)
             assert difference <= tolerance, f"rank {rank}'s {tensor_name}: off by {difference}"

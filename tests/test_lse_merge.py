@@ -34,7 +34,7 @@ ours_only = pytest.mark.skipif(bool(LEARNERS), reason="checks the stub and plant
 NOT_RESCALED = (
     "the merge is not attention over the concatenated keys: out_a and out_b were each "
     "normalised by their own block's sum Z_b = exp(lse_b); weight each by exp(lse_b - lse) "
-    "before adding (the log-sum-exp merge, chapter 15b)"
+    "before adding (the log-sum-exp merge, chapter 15)"
 )
 OVERFLOWED = (
     "the merge overflows at large scores (lse ~ 1e3): exp(lse) is inf in any float. Stay in "

@@ -37,12 +37,12 @@ def terms(plan, kind: str) -> dict[str, float]:
     return {term.name: term for term in getattr(plan, kind)}
 
 
-# The activations: Korthikanti's, as chapter 08b prints them, split by TP and by SP's 1/t.
+# The activations: Korthikanti's, as chapter 11c prints them, split by TP and by SP's 1/t.
 
 
 def activation_errors(model: Transformer, seq: int, batch: int) -> list[str]:
     """Where the plan's activations a layer differ from the verified ones: korthikanti_bytes
-    (chapter 08b) at t = 1; divided by t with sequence parallelism; Korthikanti's equation 2,
+    (chapter 11c) at t = 1; divided by t with sequence parallelism; Korthikanti's equation 2,
     sbh(10 + 24/t + 5as/ht), without it."""
     config = GPTConfig(model.vocab, seq, model.hidden, 1, model.heads)
     whole = korthikanti_bytes(config, batch)
@@ -126,7 +126,7 @@ def test_a_bubble_without_v_is_caught(monkeypatch):
     assert bubble_errors()
 
 
-# TP's bytes: the ring's 2(t-1)/t n (chapters 13 and 15 count them on the simulated link).
+# TP's bytes: the ring's 2(t-1)/t n (chapters 13 and 16 count them on the simulated link).
 
 
 def tp_errors() -> list[str]:
@@ -156,7 +156,7 @@ def test_tp_bytes_without_two_t_minus_one_over_t_are_caught(monkeypatch):
     assert tp_errors()
 
 
-# The states: sharding.memory.Formula, which chapters 08, 08b, 13 and 15 measure to the byte.
+# The states: sharding.memory.Formula, which chapters 11, 11c, 13 and 16 measure to the byte.
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])

@@ -1,4 +1,4 @@
-"""Chapter 09's template resumes from its checkpoint as if it had never stopped.
+"""Chapter 08's template resumes from its checkpoint as if it had never stopped.
 
 (That it runs at all on 2 ranks is tests/test_tutorials.py's, like every chapter.) Here: train
 one epoch, stop, run again asking for two: the second run must say it resumed, train only the
@@ -23,7 +23,7 @@ from tests.harness.pool import RankFailure, RankPool
 from tests.harness.processes import child_env, run_in_own_session, tail
 
 REPO = Path(__file__).resolve().parents[1]
-TEMPLATE = REPO / "tutorials" / "09_template.py"
+TEMPLATE = REPO / "tutorials" / "08_template.py"
 TIMEOUT_S = 120
 
 

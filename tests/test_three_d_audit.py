@@ -1,4 +1,4 @@
-"""Chapter 15's audit, byte by byte: on every rank of every way to cut chapter 12's GPT over 4
+"""Chapter 16's audit, byte by byte: on every rank of every way to cut chapter 12's GPT over 4
 ranks (six) and over 8 (eight, under -m slow), what `parallelize` holds and sends is what
 miniddp/parallelize_formulas.py says.
 
@@ -9,7 +9,7 @@ miniddp/parallelize_formulas.py says.
             microbatches in flight, min(m, p - s) (every layout with TP)
     sent    every all-reduce and every send, by axis, count, size and dtype
 
-Chapter 15 checks its (2, 2, 2) and DP alone, chapter 15c prices all eight layouts of 8 ranks
+Chapter 16 checks its (2, 2, 2) and DP alone, chapter 16b prices all eight layouts of 8 ranks
 with the same traffic_formula; this test checks the formulas on every layout, so that each price
 rests on counted messages. The 4-rank layouts exercise every term (each axis alone and two at
 once, a pipeline of 4 whose tie is a pair of its ranks) in a few seconds, on the 4-rank pool the

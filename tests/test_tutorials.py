@@ -30,19 +30,19 @@ TORCH_LOG = re.compile(r"[DIWEF]\d{4} \d\d:\d\d:\d\d")
 # code on a tiny GPT, with its checks, instead.
 # Chapters 02 and 03 (the README's) run through `./launch.sh` below. Chapter 06 has its own
 # tests/test_failover.py: uninterrupted, crashed and restarted by torchrun, and once finished.
-# Chapters 15, 15c and 15d need 8 ranks, 08c, 09b and 18 4 (in 18 one dies): their own tests
+# Chapters 16, 16b and 16c need 8 ranks, 11b, 16d and 19 4 (in 19 one dies): their own tests
 # are at the end of this file.
 OWN_TESTS = {
     "02_naive_ddp.py",
     "03_bucketing.py",
     "06_failover.py",
-    "08c_hsdp.py",
-    "09b_large_model_template.py",
+    "11b_hsdp.py",
+    "16d_large_model_template.py",
     "12_train_gpt.py",
-    "15_three_d_parallel.py",
-    "18_across_the_internet.py",
-    "15d_four_d.py",
-    "15c_three_d_traffic.py",
+    "16_three_d_parallel.py",
+    "19_across_the_internet.py",
+    "16c_four_d.py",
+    "16b_three_d_traffic.py",
 }
 CHAPTERS = [
     chapter
@@ -108,7 +108,7 @@ SLOW_CHAPTERS = {
     "14_pipeline_parallel.py",
     "14b_interleaved_zero_bubble.py",
     "14c_v_schedules.py",
-    "17_experts.py",
+    "18_experts.py",
 }
 
 
@@ -174,8 +174,8 @@ def test_launch_sh_help_prints_usage(tmp_path: Path) -> None:
     assert "NPROC" in output and "MASTER_PORT" in output
 
 
-THREE_D = REPO / "tutorials" / "15_three_d_parallel.py"
-THREE_D_TRAFFIC = REPO / "tutorials" / "15c_three_d_traffic.py"
+THREE_D = REPO / "tutorials" / "16_three_d_parallel.py"
+THREE_D_TRAFFIC = REPO / "tutorials" / "16b_three_d_traffic.py"
 
 
 def assert_verified_on_eight(chapter: Path, returncode: int, output: str, tmp_path: Path) -> None:
@@ -188,7 +188,7 @@ def assert_verified_on_eight(chapter: Path, returncode: int, output: str, tmp_pa
 
 @pytest.mark.slow  # 40 s; the default suite trains the same composition (test_parallelize.py)
 def test_the_three_d_chapter_runs_quickly_on_eight_ranks(tmp_path: Path) -> None:
-    """Chapter 15 on its 8 ranks, 2 steps: every check. About 30 s here, most of it 8 processes
+    """Chapter 16 on its 8 ranks, 2 steps: every check. About 30 s here, most of it 8 processes
     importing torch. tests/test_three_d_audit.py checks its formulas by default."""
     returncode, output = run_chapter(THREE_D, 8, tmp_path, "--steps", "2")
     assert_verified_on_eight(THREE_D, returncode, output, tmp_path)
@@ -207,7 +207,7 @@ def test_the_three_d_chapter_trains_in_bf16_beside_fp32(tmp_path: Path) -> None:
 
 @pytest.mark.slow  # 30 s; tests/test_three_d_audit.py counts the same messages by default
 def test_the_traffic_chapter_runs_quickly_on_eight_ranks(tmp_path: Path) -> None:
-    """Chapter 15c, nothing timed: its messages against the formula, the layouts priced, one
+    """Chapter 16b, nothing timed: its messages against the formula, the layouts priced, one
     step recorded on every rank."""
     returncode, output = run_chapter(THREE_D_TRAFFIC, 8, tmp_path, "--link", "none")
     assert "nothing timed" in output, tail(output)
@@ -222,7 +222,7 @@ def test_the_traffic_chapter_default_run_times_two_layouts_and_draws_its_step(
     returncode, output = run_chapter(THREE_D_TRAFFIC, 8, tmp_path, "--plot", str(figures))
     assert_verified_on_eight(THREE_D_TRAFFIC, returncode, output, tmp_path)
     assert "x; measured: " in output or "the model calls it close" in output  # it timed
-    assert (figures / "15_three_d.png").stat().st_size > 10_000
+    assert (figures / "16_three_d.png").stat().st_size > 10_000
 
 
 @pytest.mark.parametrize("chapter", [THREE_D, THREE_D_TRAFFIC], ids=lambda c: c.name)
@@ -237,7 +237,7 @@ def test_the_three_d_chapters_refuse_another_world_size(chapter: Path, tmp_path:
     assert "this job has 1" in output and "Traceback" not in output
 
 
-HSDP_CHAPTER = REPO / "tutorials" / "08c_hsdp.py"
+HSDP_CHAPTER = REPO / "tutorials" / "11b_hsdp.py"
 
 
 @pytest.mark.slow  # 4 ranks on 2 cores, timed over the simulated link; the default suite checks
@@ -252,11 +252,11 @@ def test_the_hsdp_chapter_refuses_another_world_size(tmp_path: Path) -> None:
     env = child_env(tmp_path, drop=(*LAUNCH_VARIABLES, "WORLD_SIZE", "RANK", "LOCAL_RANK"))
     returncode, output = run_in_own_session([sys.executable, str(HSDP_CHAPTER)], env, 60)
     assert returncode == 1, tail(output)
-    assert output.count("torchrun --nproc_per_node=4 tutorials/08c_hsdp.py") == 1
+    assert output.count("torchrun --nproc_per_node=4 tutorials/11b_hsdp.py") == 1
     assert "Traceback" not in output
 
 
-LARGE_MODEL = REPO / "tutorials" / "09b_large_model_template.py"
+LARGE_MODEL = REPO / "tutorials" / "16d_large_model_template.py"
 
 
 @pytest.mark.slow  # 95 s here; the default suite trains its functions: test_large_model_template
@@ -284,24 +284,24 @@ def test_the_large_model_template_refuses_a_mesh_that_does_not_fit(tmp_path: Pat
     env = child_env(tmp_path, drop=(*LAUNCH_VARIABLES, "WORLD_SIZE", "RANK", "LOCAL_RANK"))
     returncode, output = run_in_own_session([sys.executable, str(LARGE_MODEL)], env, 60)
     assert returncode == 1, tail(output)
-    assert output.count("torchrun --nproc_per_node=4 tutorials/09b_large_model_template.py") == 1
+    assert output.count("torchrun --nproc_per_node=4 tutorials/16d_large_model_template.py") == 1
     assert "Traceback" not in output
 
 
-ACROSS = REPO / "tutorials" / "18_across_the_internet.py"
+ACROSS = REPO / "tutorials" / "19_across_the_internet.py"
 
 
 @pytest.mark.slow  # a minute or two: 4 ranks train six ways; tests/test_local_sgd.py checks them
 def test_the_across_the_internet_chapter_runs_short_on_four_ranks(tmp_path: Path) -> None:
-    """Chapter 18 on its 4 replicas, 40 steps a run: its checks, and replica 3's death."""
+    """Chapter 19 on its 4 replicas, 40 steps a run: its checks, and replica 3's death."""
     returncode, output = run_chapter(ACROSS, 4, tmp_path, "--steps", "40")
     assert returncode == 0, f"{ACROSS.name} exited with {returncode}:\n{tail(output)}"
-    assert "Chapter 18 done: every check held." in output, tail(output)
+    assert "Chapter 19 done: every check held." in output, tail(output)
     wide = too_wide(output, tmp_path)
     assert not wide, f"{ACROSS.name} printed lines over {LINE} characters:\n" + "\n".join(wide)
 
 
-FOUR_D = REPO / "tutorials" / "15d_four_d.py"
+FOUR_D = REPO / "tutorials" / "16c_four_d.py"
 
 
 @pytest.mark.slow  # 8 ranks on 2 cores; the default suite checks the same compositions in
@@ -316,5 +316,5 @@ def test_the_four_d_chapter_refuses_another_world_size(tmp_path: Path) -> None:
     env = child_env(tmp_path, drop=(*LAUNCH_VARIABLES, "WORLD_SIZE", "RANK", "LOCAL_RANK"))
     returncode, output = run_in_own_session([sys.executable, str(FOUR_D)], env, 60)
     assert returncode == 1, tail(output)
-    assert output.count("torchrun --nproc_per_node=8 tutorials/15d_four_d.py") == 1
+    assert output.count("torchrun --nproc_per_node=8 tutorials/16c_four_d.py") == 1
     assert "Traceback" not in output

@@ -1,4 +1,4 @@
-"""What the ranks run for tests/test_three_d_audit.py: chapter 15's GPT through `parallelize` on
+"""What the ranks run for tests/test_three_d_audit.py: chapter 16's GPT through `parallelize` on
 4 or 8 ranks, one layout after another, two AdamW steps each, the second measured on every rank
 (figures.three_d.measure_step): the storages it holds, the activations at their peak, and
 every all-reduce and send it issues, with the axis of its group."""

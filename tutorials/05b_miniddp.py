@@ -230,7 +230,7 @@ def main() -> None:
             and names what differs, before a step can train on mismatched replicas;
           - one wait seam: a rank that died or stalled is named in the error, not left to a bare
             timeout (miniddp/job/faults.py, chapter 06);
-          - uneven inputs under Join (chapter 11), and static_graph for reentrant checkpointing,
+          - uneven inputs under Join (chapter 10), and static_graph for reentrant checkpointing,
             with a clear error for a second backward;
           - a process group of its own, and the layout printed and saved for checkpoints;
           - two speed tricks (miniddp/data_parallel/bucket.py) that batch small gradients'

@@ -24,7 +24,7 @@ a third copy alone, on the whole global batch with accumulation: one process, eq
 the order of its sums: within 1e-4, checked (measured: 0 at W = 2 with --accum 1, 1e-7 with 2).
 
 `--shard` adds a sharded replica, checked against MiniDDP the same way, its bytes per rank
-printed beside chapter 08's formula. zero1 (miniddp.ZeroRedundancyOptimizer) is bitwise at any
+printed beside chapter 11's formula. zero1 (miniddp.ZeroRedundancyOptimizer) is bitwise at any
 W. zero2 (reduce_scatter_hook) and zero3 (fully_shard on each block, then on the root) hold only
 a share of the gradients, so they clip with miniddp.sharding.clip_grad_norm_, whose norm adds
 the shares in another order: within 1e-4 when clipping acts, bitwise at W = 2 when it never does.

@@ -137,7 +137,7 @@ def block_formulas(width: int, layers: int, world: int) -> tuple[int, int]:
 
 def memory_in_training(size: Size, design: str) -> MemoryPerRank:
     """This rank's bytes before its second AdamW step (Adam's state exists from the first),
-    counted from the storages (miniddp.sharding.measure_memory, chapter 08)."""
+    counted from the storages (miniddp.sharding.measure_memory, chapter 11)."""
     module = data_parallel(size) if design == "DP" else tensor_parallel(size)
     model = module.module if design == "DP" else module
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -160,7 +160,7 @@ def adam_formula(elements: int, tensors: int, buckets: bool) -> MemoryPerRank:
 def section_holdings(size: Size, world: int) -> bool:
     section("1. What each rank holds")
     say_prose("""\
-        Data parallelism (DP, chapters 02-11) gives every rank the whole model and 1/W of the
+        Data parallelism (DP, chapters 02-10) gives every rank the whole model and 1/W of the
         batch. Tensor parallelism (TP) gives every rank the whole batch and 1/W of every big
         weight: q, k, v and the MLP's first layer keep a block of output rows (colwise), the
         attention's output projection and the MLP's second layer a block of input columns
@@ -190,7 +190,7 @@ def section_holdings(size: Size, world: int) -> bool:
     say_prose("""\
         TP also splits the activations inside a block (the MLP's B·T·4H hidden is B·T·4H/W a
         rank), where DP splits them by batch; but TP keeps the residual stream B·T·H whole on
-        every rank. ZeRO-3 (chapter 08) shards the parameters too, but gathers each layer whole
+        every rank. ZeRO-3 (chapter 11) shards the parameters too, but gathers each layer whole
         to compute it; TP never does: each rank multiplies by its own block only, so no rank
         ever holds a whole weight, and needs no bucket to send its gradients in.""")
     return exact

@@ -284,7 +284,7 @@ def ascii_curves(curves: dict[str, list[float]], width: int = 60, height: int = 
 
 
 def say_memory(replica: Replica, psi: int, world: int) -> bool:
-    """Each rank's bytes after the last step, by kind, beside the formula's (chapter 08;
+    """Each rank's bytes after the last step, by kind, beside the formula's (chapter 11;
     miniddp/sharding/memory.py for bf16's); whether they are equal on this rank. Every rank
     must call it."""
     params = list(replica.module.parameters())

@@ -1,4 +1,4 @@
-"""What chapters 15 and 15c share: the GPT and the text they train it on, the two layouts they
+"""What chapters 16 and 16b share: the GPT and the text they train it on, the two layouts they
 compare, and a training run through `parallelize` whose second step is measured.
 
 The measuring is the library's (figures.three_d.measure_step: the storages, the activations at
@@ -34,7 +34,7 @@ CHARACTERS = 20_000  # the first characters of chapter 12's text: plenty for a f
 LEARNING_RATE = 1e-2
 THREE_D = MeshLayout.of(2, 2, 2, WINDOWS, CONTEXT)
 DP_ONLY = MeshLayout.of(1, 8, 1, WINDOWS, CONTEXT)
-FIGURE = "docs/figures/15_three_d.png"
+FIGURE = "docs/figures/16_three_d.png"
 
 
 def start(script: str, chapter: str, steps: int) -> tuple[list, Corpus, GPTConfig, float]:
@@ -66,7 +66,7 @@ def text_and_model(steps: int) -> tuple[list[torch.Tensor], Corpus, GPTConfig]:
     """Chapter 12's text (its first CHARACTERS) cut into windows of T + 1 characters, WINDOWS
     of them a step in a fixed shuffled order; the text; and the GPT's shape, its vocabulary
     padded to a multiple of 8 (as nanoGPT pads GPT-2's 50,257 to 50,304) so that any TP size
-    splits it. Dropout 0.0: chapter 15 says why."""
+    splits it. Dropout 0.0: chapter 16 says why."""
     corpus = load_corpus(max_characters=CHARACTERS)
     windows = Windows(corpus.train, CONTEXT)
     order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(0)).tolist()

@@ -2,8 +2,8 @@
 # Run one node of a two-machine torchrun job. The same command on both VMs, each with its own
 # NODE_RANK; docs/cluster.md says what to set up first (network, ports, storage).
 #
-#   on VM 0:  NODE_RANK=0 NODE0_ADDR=10.0.0.4 docs/cluster/two_vms.sh tutorials/09_template.py
-#   on VM 1:  NODE_RANK=1 NODE0_ADDR=10.0.0.4 docs/cluster/two_vms.sh tutorials/09_template.py
+#   on VM 0:  NODE_RANK=0 NODE0_ADDR=10.0.0.4 docs/cluster/two_vms.sh tutorials/08_template.py
+#   on VM 1:  NODE_RANK=1 NODE0_ADDR=10.0.0.4 docs/cluster/two_vms.sh tutorials/08_template.py
 #
 # Environment:
 #   NODE_RANK     0 on the VM that hosts the rendezvous, 1 on the other        (required)

@@ -17,7 +17,7 @@ to match).
 
 Reported: measured / predicted per layout, and whether the plan orders the layouts as the
 measurements do. Where they part, the plan's omissions show: Python's and torch's overhead
-around each small op (one process of chapter 12's GPT runs about 1.9x the plan: chapter 16),
+around each small op (one process of chapter 12's GPT runs about 1.9x the plan: chapter 17),
 the simulated link's one alpha per collective against the plan's alpha per ring step, and o
 measured on all 8 ranks where TP's collectives run on 2. Measured on the shared 2-core machine
 (8 ranks, about 90 s in all), two runs minutes apart: ratios 2.1-5.2 without o, 0.6-3.1 with

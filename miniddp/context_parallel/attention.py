@@ -139,7 +139,7 @@ def ring_bytes(
 
 def ring_seconds(world_size: int, block_s: float, hop_s: float) -> tuple[float, float]:
     """(ring, all-gather) seconds of one forward, with t = `block_s` a block's compute and
-    m = `hop_s` a hop's transfer (chapter 15b's model): the ring sends step i + 1's block
+    m = `hop_s` a hop's transfer (chapter 15's model): the ring sends step i + 1's block
     during step i's compute, (W-1)·max(t, m) + t; all-gathering K/V first, (W-1)·m + W·t."""
     w, t, m = world_size, block_s, hop_s
     return (w - 1) * max(t, m) + t, (w - 1) * m + w * t

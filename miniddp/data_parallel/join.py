@@ -42,7 +42,7 @@ class ShadowsTraining(JoinHook):
     Uneven inputs: ranks run out of batches at different times (torch's Join protocol). Every
     collective needs every rank: a rank past its last batch stops issuing all-reduces, and the
     ranks still training wait for it (MiniDDP names it, after the process group's timeout:
-    chapter 11). `Join([model])`, or `model.join()`, keeps the finished ("joined") rank
+    chapter 10). `Join([model])`, or `model.join()`, keeps the finished ("joined") rank
     answering instead. Each iteration of a rank still training starts with one all-reduce of a
     1 (`notify_join_context`); a joined rank, waiting in `Join.__exit__`, adds a 0 to it and so
     learns how many ranks still train. While that count is not 0, it runs `main_hook`, which

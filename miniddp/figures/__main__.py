@@ -12,23 +12,23 @@ Where the data comes from:
 - 00: one process trains the same model on one big batch and on micro-batches.
 - 02, 06: drawn from the rules they picture (DistributedSampler's shards; chapter 06's
   checkpoint, crash and resume steps), no run needed.
-- 08b: chapter 08b itself, under torchrun on 2 ranks with `--plot`: one step's memory on rank 0,
+- 11c: chapter 11c itself, under torchrun on 2 ranks with `--plot`: one step's memory on rank 0,
   every term measured, per layout and checkpointing.
-- 05, 08, 13: chapter 05's no_sync timeline (2 gloo ranks), and two drawn from formulas and
+- 05, 11, 13: chapter 05's no_sync timeline (2 gloo ranks), and two drawn from formulas and
   layouts: memory per rank per sharding stage, the tensor-parallel column/row split.
-- 08 also runs chapter 08 under torchrun on 2 ranks with `--plot`, for its prefetch figure: one
+- 11 also runs chapter 11 under torchrun on 2 ranks with `--plot`, for its prefetch figure: one
   ZeRO-3 step without and with prefetch over the simulated link, as rank 0 recorded it (its
-  memory figure, of its small model, stays behind: 08_memory.png is the formula's, at 1B).
+  memory figure, of its small model, stays behind: 11_memory.png is the formula's, at 1B).
 - 14: a job of 4 gloo ranks runs GPipe and 1F1B on stages of fixed cost (figures/pipeline.py);
   14b: the four schedules' orders (GPipe, 1F1B, interleaved 1F1B, zero bubble) on the logical
   clock, no run needed.
-- 15: a job of 8 gloo ranks trains chapter 15c's GPT on a (pp, dp, tp) = (2, 2, 2) mesh and
+- 16: a job of 8 gloo ranks trains chapter 16b's GPT on a (pp, dp, tp) = (2, 2, 2) mesh and
   records one step: the mesh beside every rank's F, B and traffic per axis (figures/three_d.py).
-- 15b: drawn from ring attention's plan (step_blocks): the blocks each of 4 ranks computes,
+- 15: drawn from ring attention's plan (step_blocks): the blocks each of 4 ranks computes,
   causal, plain and load-balanced (figures/context_parallel.py).
 - 12 (only when asked, `--only 12`: a 3-minute training run): chapter 12 under torchrun on 2
   ranks with `--plot`, its GPT's loss curves on MiniDDP and torch's DDP.
-- 18 (only when asked, `--only 18`: minutes of training): chapter 18 under torchrun on 4 ranks
+- 19 (only when asked, `--only 19`: minutes of training): chapter 19 under torchrun on 4 ranks
   with `--plot`, validation loss against simulated time and bytes sent (figures/local_sgd.py).
 """
 
@@ -60,18 +60,18 @@ REPO = Path(__file__).resolve().parents[2]
 CHAPTER_04 = REPO / "tutorials" / "04_overlap.py"
 CHAPTER_04_TIMEOUT_S = 300
 CHAPTER_04_FIGURES = ("04_timelines.png", "04_sweep.png")
-CHAPTER_08 = REPO / "tutorials" / "08_sharding.py"
-CHAPTER_08_TIMEOUT_S = 300
-CHAPTER_08B = REPO / "tutorials" / "08b_memory.py"
-CHAPTER_08B_TIMEOUT_S = 300
+CHAPTER_11 = REPO / "tutorials" / "11_sharding.py"
+CHAPTER_11_TIMEOUT_S = 300
+CHAPTER_11C = REPO / "tutorials" / "11c_memory.py"
+CHAPTER_11C_TIMEOUT_S = 300
 CHAPTER_12 = REPO / "tutorials" / "12_train_gpt.py"
 CHAPTER_12_TIMEOUT_S = 900
-CHAPTER_18 = REPO / "tutorials" / "18_across_the_internet.py"
-CHAPTER_18_TIMEOUT_S = 1800
+CHAPTER_19 = REPO / "tutorials" / "19_across_the_internet.py"
+CHAPTER_19_TIMEOUT_S = 1800
 # the default set
-FIGURE_SETS = ("00", "01", "02", "03", "04", "05", "06", "08", "08b", "13", "14", "14b")
-FIGURE_SETS += ("15", "15b")
-ON_REQUEST = ("12", "18")  # whole training runs: only with --only 12 or --only 18
+FIGURE_SETS = ("00", "01", "02", "03", "04", "05", "06", "11", "11c", "13", "14", "14b")
+FIGURE_SETS += ("15", "16")
+ON_REQUEST = ("12", "19")  # whole training runs: only with --only 12 or --only 19
 
 
 def run_chapter_04(out: Path, iters: int) -> None:
@@ -119,9 +119,9 @@ def run_chapter(chapter: Path, figure: Path, timeout: float, *args: str, ranks: 
 
 
 def run_chapter_08(out: Path) -> Path:
-    """Chapter 08's prefetch timelines, drawn in a temporary folder and copied to `out`."""
+    """Chapter 11's prefetch timelines, drawn in a temporary folder and copied to `out`."""
     with tempfile.TemporaryDirectory() as folder:
-        figure = run_chapter(CHAPTER_08, Path(folder) / "08_prefetch.png", CHAPTER_08_TIMEOUT_S)
+        figure = run_chapter(CHAPTER_11, Path(folder) / "11_prefetch.png", CHAPTER_11_TIMEOUT_S)
         return Path(shutil.copy(figure, out / figure.name))
 
 
@@ -189,20 +189,20 @@ def main(argv: list[str] | None = None) -> None:
             written.append(
                 accumulation.draw(accumulation.record(Path(work_dir)), args.out / "05_no_sync.png")
             )
-    if "08" in chosen:
-        written.append(memory_per_rank.memory_per_rank(args.out / "08_memory.png"))
+    if "11" in chosen:
+        written.append(memory_per_rank.memory_per_rank(args.out / "11_memory.png"))
         written.append(run_chapter_08(args.out))
-    if "08b" in chosen:
-        figure = args.out / "08b_memory.png"
-        written.append(run_chapter(CHAPTER_08B, figure, CHAPTER_08B_TIMEOUT_S))
+    if "11c" in chosen:
+        figure = args.out / "11c_memory.png"
+        written.append(run_chapter(CHAPTER_11C, figure, CHAPTER_11C_TIMEOUT_S))
     if "04" in chosen:
         run_chapter_04(args.out, args.iters)
         written += [args.out / name for name in CHAPTER_04_FIGURES]
     if "12" in chosen:
         written.append(run_chapter_12(args.out))
-    if "18" in chosen:  # its 4 replicas, DDP and DiLoCo over the simulated link
-        figure = args.out / "18_across_the_internet.png"
-        written.append(run_chapter(CHAPTER_18, figure, CHAPTER_18_TIMEOUT_S, ranks=4))
+    if "19" in chosen:  # its 4 replicas, DDP and DiLoCo over the simulated link
+        figure = args.out / "19_across_the_internet.png"
+        written.append(run_chapter(CHAPTER_19, figure, CHAPTER_19_TIMEOUT_S, ranks=4))
     if "13" in chosen:
         written.append(tensor_parallel.column_row_split(args.out / "13_tensor_parallel.png"))
     if "14" in chosen:
@@ -211,12 +211,12 @@ def main(argv: list[str] | None = None) -> None:
         written.append(pipeline.schedules(drawn, args.out / "14_pipeline.png"))
     if "14b" in chosen:
         written.append(pipeline.schedule_lanes(args.out / "14b_schedules.png"))
-    if "15" in chosen:
+    if "16" in chosen:
         with tempfile.TemporaryDirectory() as work_dir:
             steps = three_d.run_job(Path(work_dir))
-        written.append(three_d.mesh_and_step(steps, args.out / "15_three_d.png"))
-    if "15b" in chosen:
-        written.append(context_parallel.ring_blocks(args.out / "15b_ring_attention.png"))
+        written.append(three_d.mesh_and_step(steps, args.out / "16_three_d.png"))
+    if "15" in chosen:
+        written.append(context_parallel.ring_blocks(args.out / "15_ring_attention.png"))
     for path in written:
         print(path)
 

@@ -1,4 +1,4 @@
-"""Chapter 15b's picture: which query-key blocks each rank computes in a causal ring attention.
+"""Chapter 15's picture: which query-key blocks each rank computes in a causal ring attention.
 
 Two panels on W = 4 ranks, drawn from the ring's own plan (miniddp.context_parallel.step_blocks,
 no run needed). Queries down, keys across, both in global chunk order; a cell is one chunk of

@@ -1,4 +1,4 @@
-"""Chapter 17's picture: where the tokens go, what capacity drops, and what the auxiliary loss
+"""Chapter 18's picture: where the tokens go, what capacity drops, and what the auxiliary loss
 does to the experts' load over training. The chapter gathers the numbers; this draws them.
 """
 

@@ -1,4 +1,4 @@
-"""Chapter 18's figure: validation loss against simulated wall-clock time, and against the bytes
+"""Chapter 19's figure: validation loss against simulated wall-clock time, and against the bytes
 each replica sent, one line per way of syncing (DDP, DiLoCo at each H, streaming, alone)."""
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""Chapter 08's figure: the memory each rank holds under DDP and the three ZeRO stages; and
-chapter 08b's, the same layouts' whole step, activations included, as one rank measured it.
+"""Chapter 11's figure: the memory each rank holds under DDP and the three ZeRO stages; and
+chapter 11c's, the same layouts' whole step, activations included, as one rank measured it.
 
-Chapter 08's is drawn from `miniddp.sharding.memory.Formula`, which chapter 08 checks byte for
+Chapter 11's is drawn from `miniddp.sharding.memory.Formula`, which chapter 11 checks byte for
 byte against the storages a rank really holds; so the bars are the measurement, at a size worth
 drawing: a 1-billion-parameter model, fp32 with AdamW (4 bytes of parameter, 4 of gradient, 4
 of DDP's bucket copy and 8 of Adam's two moments per parameter), on 2, 4 and 8 ranks. Chapter
-08b's is the chapter's own measurement, handed over as bytes per term.
+11c's is the chapter's own measurement, handed over as bytes per term.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def memory_per_rank(path: Path) -> Path:
 def step_memory(
     bars: dict[str, dict[str, dict[str, int]]], path: Path, title: str, unit: int = 2**20
 ) -> Path:
-    """Chapter 08b's figure: per layout (DDP, ZeRO-1, ...), one stacked bar per activation
+    """Chapter 11c's figure: per layout (DDP, ZeRO-1, ...), one stacked bar per activation
     checkpointing, each term's bytes measured on one rank. `bars[layout][checkpointing][term]`;
     every bar lists the same terms, drawn bottom to top in that order."""
     import matplotlib

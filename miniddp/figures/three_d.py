@@ -1,16 +1,16 @@
-"""Chapter 15c's picture: the (pp, dp, tp) mesh of 8 ranks, and one training step on it.
+"""Chapter 16b's picture: the (pp, dp, tp) mesh of 8 ranks, and one training step on it.
 
 Left, the grid as `miniddp.mesh.init_device_mesh` lays it out, `torch.arange(8).view(2, 2, 2)`:
 two pages (pp), each a 2 x 2 square of replicas (dp, down) and shards (tp, across), every rank
-joined to its TP partner, its DP partner and its PP partner. Right, one 1F1B step of chapter 15's
+joined to its TP partner, its DP partner and its PP partner. Right, one 1F1B step of chapter 16's
 GPT through `miniddp.parallelize`, measured: a row per rank, its forwards and backwards, and
 under them what it sent on each axis, when: TP's all-reduces inside every F and B, PP's sends
 between the stages, DP's one all-reduce and the tied embedding's at the end.
 
 The data: an 8-rank gloo job (spawned, with a deadline) trains the GPT two steps and records
-the second (`record_step`); chapter 15c records its own step the same way and draws it with
---plot. `recording_the_wire` is also how chapter 15c counts what each axis sends, and
-`measure_step` how chapter 15 and tests/test_three_d_audit.py measure what each rank holds.
+the second (`record_step`); chapter 16b records its own step the same way and draws it with
+--plot. `recording_the_wire` is also how chapter 16b counts what each axis sends, and
+`measure_step` how chapter 16 and tests/test_three_d_audit.py measure what each rank holds.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from miniddp.sharding import MemoryPerRank, ddp_buckets, ddp_compute_copies, mea
 AXES = ("pp", "dp", "tp")
 SHAPE = (2, 2, 2)
 COLOURS = {"tp": "crimson", "pp": "royalblue", "dp": "seagreen", "F": "#aed6f1", "B": "#f5cba7"}
-# The job's model: chapters 15 and 15c's shape, on random tokens (the chapter trains on real text).
+# The job's model: chapters 16 and 16b's shape, on random tokens (the chapter trains on real text).
 CONFIG = GPTConfig(vocab_size=64, context=16, width=32, layers=4, heads=4, dropout=0.0)
 WINDOWS, MICROBATCHES = 8, 4  # a step's windows (all replicas), and microbatches per replica
 JOB_TIMEOUT_S = 600  # 8 ranks importing torch on 2 busy cores took 150 s once
@@ -371,7 +371,7 @@ def _draw_step(axes, steps: list[RankStep]) -> None:
 
 def mesh_and_step(steps: list[RankStep], path: str | Path, shape: tuple = SHAPE) -> Path:
     """The figure: the mesh on the left, the recorded step on the right. (matplotlib is
-    imported here, not above: the 8 ranks of chapters 15 and 15c import this module to measure
+    imported here, not above: the 8 ranks of chapters 16 and 16b import this module to measure
     a step, and only one of them draws.)"""
     from miniddp.figures.draw import plt, save
 

@@ -1,4 +1,4 @@
-"""Chapter 08's prefetch figure: one ZeRO-3 step without and with fully_shard's prefetch, over
+"""Chapter 11's prefetch figure: one ZeRO-3 step without and with fully_shard's prefetch, over
 the simulated link, as rank 0 recorded it (miniddp/sharding/unit_lanes.py): a lane of compute
 (each unit's forward, then its backward), one of all-gathers and one of reduce-scatters, each
 span labelled with its unit's place in the forward (1 first). Without prefetch the lanes take

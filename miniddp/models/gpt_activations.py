@@ -88,7 +88,7 @@ def block_bytes(
     tp: int = 1,
 ) -> int:
     """What one Block keeps for backward, in train() mode on the CPU (the module docstring
-    derives each term). `tp` > 1: one rank of Megatron's tensor parallelism (chapter 15), which
+    derives each term). `tp` > 1: one rank of Megatron's tensor parallelism (chapter 16), which
     keeps what it computes on its a/t heads and 4H/t of the MLP, and the rest whole."""
     s, b, h, a, e = config.context, batch, config.width, config.heads, dtype.itemsize
     sbh, dropout = s * b * h, config.dropout > 0

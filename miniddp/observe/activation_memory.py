@@ -27,7 +27,7 @@ its own that saves nothing: a checkpointed block is measured as what it really k
 
 SavedActivations reads what one forward left at its end. A pipeline holds several microbatches'
 at once and frees each after its backward: PeakSavedActivations follows every saved storage
-while it lives, through the whole step, and keeps the most held at once (chapter 15's 1F1B).
+while it lives, through the whole step, and keeps the most held at once (chapter 16's 1F1B).
 """
 
 from __future__ import annotations

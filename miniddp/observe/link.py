@@ -29,7 +29,7 @@ the deliveries in a heap and sleeps until the earliest is due.
 A cluster has two speeds: a fast link among a node's GPUs, a slow one between nodes.
 `TwoSpeed(inside, across, ranks_per_node)` gives each its own queue: a collective whose group
 lies in one node crosses `inside`; one whose group spans nodes, `across`, the slowest hop of
-its ring, which sets its pace (chapter 08c times HSDP, ZeRO-3 and DDP on one).
+its ring, which sets its pace (chapter 11b times HSDP, ZeRO-3 and DDP on one).
 
 It wraps the attributes (`dist.all_reduce`, ...) that MiniDDP, the ladder and the chapters call.
 torch's DDP reduces in C++, past them: `all_reduce_hook` routes its buckets over the link too.

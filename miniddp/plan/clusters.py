@@ -21,7 +21,7 @@ running Megatron-Core in 2024. Every number below is an assumption, written down
                      (NCCL pipelines a ring's steps: a small all-reduce on 8 NVLink GPUs takes
                      about 15 us in all, 14 steps; across nodes a few us a hop more)
     collective_overhead  LogP's o: the host's own time per collective or send, which no overlap
-                     hides (observe.overlap_model's overhead_s; chapter 08 measures it on the
+                     hides (observe.overlap_model's overhead_s; chapter 11 measures it on the
                      link). 0 for the GPUs: microseconds there, carried by the fitted constants;
                      `bench plan` measures it on this machine
     reserved_gib     memory the training never gets: CUDA's context, cuBLAS's and NCCL's
@@ -62,7 +62,7 @@ And the two constants fitted per GPU (calibrate.py, on the development set only)
                        activations at hbm_bandwidth (LayerNorm, GELU, softmax, dropout, adds)
 
 `cpu` is this machine, measured (`measured_cpu`): a matmul's FLOP/s at chapter 12's shapes and
-chapter 15's simulated link for every collective (chapter 15 sets it to the model's scale).
+chapter 16's simulated link for every collective (chapter 16 sets it to the model's scale).
 """
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ PRESETS = {"a100": A100, "h100": H100}
 
 def measured_cpu(link_alpha: float = 100e-6, link_bandwidth: float = 1e6 / 8) -> Cluster:
     """This machine: one process's float32 matmul FLOP/s at chapter 12's shapes (a 64-token
-    window of width 128 against a 128 x 512 weight, the MLP's), and chapter 15's simulated link
+    window of width 128 against a 128 x 512 weight, the MLP's), and chapter 16's simulated link
     (alpha = 100 us, 1 Mbit/s) inside and between "nodes" alike. Memory: what psutil-free
     Python can read, the physical pages; the CPU has no HBM term (memory_passes 0)."""
     import os

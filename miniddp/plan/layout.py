@@ -2,9 +2,9 @@
 
     tp   tensor parallelism (chapter 13), with sequence parallelism (Korthikanti et al.) on
     pp   pipeline stages (chapter 14), each rank holding v of them (chapter 14b: interleaving)
-    cp   context parallelism: the sequence split over a ring (chapter 15b)
+    cp   context parallelism: the sequence split over a ring (chapter 15)
     dp   data-parallel replicas (chapters 02-05), their optimizer state sharded by ZeRO `zero`
-         (chapter 08: 0 none, 1 states, 2 and gradients, 3 and parameters)
+         (chapter 11: 0 none, 1 states, 2 and gradients, 3 and parameters)
     ep   expert parallelism: 1 until MiniDDP has experts
 
 tp·pp·cp·dp must be the number of GPUs. What `--layout` leaves out the plan chooses (search.py).

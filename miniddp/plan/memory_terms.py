@@ -2,7 +2,7 @@
 
 A rank of pipeline stage s holds:
 
-    parameters, gradients,        miniddp.sharding.memory.Formula (chapters 08, 08b, 13, 15):
+    parameters, gradients,        miniddp.sharding.memory.Formula (chapters 11, 11c, 13, 16):
     optimizer state, copies       fp32 masters, bf16 compute copies, fp32 gradients as bucket
                                   views, Adam's 8 bytes an element sharded over the dp·cp ranks
                                   by ZeRO-1/2 (ZeRO-3: everything, 16Ψ/W); the masters too
@@ -37,7 +37,7 @@ from miniddp.plan.terms import UNVERIFIED, Term
 from miniddp.sharding.memory import Formula
 
 ZERO_STAGES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
-TENSORS_PER_LAYER = 12  # a GPT block's (chapter 15); only Adam's 4-byte step counts use it
+TENSORS_PER_LAYER = 12  # a GPT block's (chapter 16); only Adam's 4-byte step counts use it
 ELEMENT = 2  # bf16 activations and compute copies
 
 
@@ -89,7 +89,7 @@ def _stage_terms(model, cluster, layout, seq, microbatches, first: bool) -> list
     stage = ZERO_STAGES[layout.zero]
     layers = end_stage_layers(model, layout)
     tensors = int(TENSORS_PER_LAYER * layers) + 2
-    if stage == "zero3":  # fp32 fully_shard (chapter 08); the bf16 copies are the gathered ones
+    if stage == "zero3":  # fp32 fully_shard (chapter 11); the bf16 copies are the gathered ones
         formula = Formula(stage, int(elements), tensors, replicas).expected()
         copies_why = "two gathered layers in bf16 (the one computing, the one prefetched)"
         copies = 2 * ELEMENT * model.layer_parameters / layout.tp
@@ -98,8 +98,8 @@ def _stage_terms(model, cluster, layout, seq, microbatches, first: bool) -> list
         views = stage in ("ddp", "zero1")  # ZeRO-2 keeps MiniDDP's buckets (sharding/zero2.py)
         formula = Formula(stage, int(elements), tensors, replicas, views, torch.bfloat16).expected()
         copies, copies_why = formula.compute_copies, "bf16 copies of the fp32 masters"
-        copies_source = "sharding.memory.Formula (chapter 08b, side_by_side)"
-    source = "sharding.memory.Formula (chapters 08, 08b, 13, 15)"
+        copies_source = "sharding.memory.Formula (chapter 11c, side_by_side)"
+    source = "sharding.memory.Formula (chapters 11, 11c, 13, 16)"
     masters, masters_why, masters_source = formula.parameters, "fp32 masters", source
     if cluster.sharded_masters and stage in ("zero1", "zero2"):
         masters = formula.parameters / replicas
@@ -127,7 +127,7 @@ def _stage_terms(model, cluster, layout, seq, microbatches, first: bool) -> list
         why += ", plus the fp32 logits and their gradient"
     activation_source = (
         "models.gpt_activations.megatron_layer_bytes (= korthikanti_bytes at t = 1, chapter "
-        "08b; SP's 1/t: tests/test_sequence_parallel.py) x pipeline.bubble.held_formula "
+        "11c; SP's 1/t: tests/test_sequence_parallel.py) x pipeline.bubble.held_formula "
         "(= peak_held of chapter 14's and 14b's orders)"
     )
     token_bytes = ELEMENT * seq // layout.cp * layout.microbatch * model.hidden

@@ -100,7 +100,7 @@ def time_terms(
             + (" (SP: all-gather + reduce-scatter, the same bytes)" * cluster.sequence_parallel)
             + f" of {token_bytes / 2**20:.3g} MiB each over {tp} GPUs, "
             + ("hidden behind the GEMMs but a chunk" if cluster.tp_overlap else "not overlapped"),
-            "collectives.cost_model.CostModel, its ring 2(t-1)/t n (chapters 01, 13, 15); "
+            "collectives.cost_model.CostModel, its ring 2(t-1)/t n (chapters 01, 13, 16); "
             + (f"{UNVERIFIED}: the GEMM overlap" if cluster.tp_overlap else "exposed"),
             tp_exposed,
         )
@@ -127,7 +127,7 @@ def time_terms(
             if cluster.cp_all_gather
             else f"K/V round a ring of {cp}, each hop hidden while shorter than a block's scores",
             "context_parallel.ring_bytes (test_context_parallel counts them) and ring_seconds "
-            f"(chapter 15b's model; {UNVERIFIED} on a GPU)",
+            f"(chapter 15's model; {UNVERIFIED} on a GPU)",
             cp_exposed,
         )
     )
@@ -144,7 +144,7 @@ def time_terms(
             pp_time,
             f"2·v·m sends of {token_bytes / tp / 2**20:.3g} MiB (sequence-parallel shards), "
             + ("hidden but for the fill and drain" if cluster.overlap else "not overlapped"),
-            "the sends chapter 15's traffic_formula counts, at alpha-beta; the overlap "
+            "the sends chapter 16's traffic_formula counts, at alpha-beta; the overlap "
             f"{UNVERIFIED}",
             pp_exposed,
         )
@@ -189,7 +189,7 @@ def _data_parallel(model, cluster, layout, m, per_microbatch, layers) -> Term:
             m * one.comm_s,
             f"ZeRO-3: each layer gathered twice and reduce-scattered, every microbatch "
             f"({'prefetched' if cluster.overlap else 'no prefetch'})",
-            "observe.overlap_model.predict_zero3_step (chapter 08)",
+            "observe.overlap_model.predict_zero3_step (chapter 11)",
             m * one.exposed_s,
         )
     collective = "all_reduce" if layout.zero == 0 else "reduce_scatter"

@@ -26,7 +26,7 @@ all-reduce of the 1/S shard over the replicas, the only traffic between them:
 
 against ZeRO-3 over all N = R·S ranks, whose every collective is a ring through every node:
 R of its N hops cross between nodes, each carrying 3(N-1)/N·Ψ. Memory: 1/S of the model per
-rank, not 1/N. Chapter 08c measures both.
+rank, not 1/N. Chapter 11b measures both.
 
 With `mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)` the shards stay fp32 and the
 rest is bf16: mixed_precision.py says where each dtype lives.

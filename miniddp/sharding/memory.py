@@ -36,7 +36,7 @@ accumulates in fp32. ZeRO's paper counts the fp16 gradient only (an fp32 one, if
 for the update). MiniDDP's bf16 gradients are the transient ones: each is moved into its
 master's fp32 `.grad` as soon as autograd leaves it, so none is held once backward ends.
 
-And the 16Ψ vs 20Ψ question, answered once: chapter 08's 20Ψ is fp32 everything *with* the
+And the 16Ψ vs 20Ψ question, answered once: chapter 11's 20Ψ is fp32 everything *with* the
 bucket (4 + 4 + 4 + 8); fp32 without it (gradient_as_bucket_view) is 16Ψ, the same number as
 ZeRO's mixed-precision 16Ψ, which counts no bucket. Mixed precision does not shrink the model's
 states at all: MiniDDP's is 18Ψ without the bucket (2 + 4 + 4 + 8), 22Ψ with a fp32 one. What

@@ -1,4 +1,4 @@
-"""Exercise 12 (chapter 15b): the log-sum-exp merge of two partial attentions.
+"""Exercise 12 (chapter 15): the log-sum-exp merge of two partial attentions.
 
 Ring attention (miniddp/context_parallel/attention.py) never sees all the keys at once: at each step
 a rank attends its queries to one block of keys, and must fold that block's result into what it
@@ -17,7 +17,7 @@ union and its log-sum-exp. Two traps: out_a and out_b were each divided by their
 cannot simply be added; and exp(lse) overflows for large scores, so stay in log space
 (torch.logaddexp, and weights exp(lse_a - lse) that never exceed 1).
 
-Stuck? Chapter 15b (tutorials/15b_long_sequences.py), section 2, and the module docstring of
+Stuck? Chapter 15 (tutorials/15_long_sequences.py), section 2, and the module docstring of
 miniddp/context_parallel/attention.py derive it; the answer is `merge` there.
 """
 
@@ -33,6 +33,6 @@ def merge(
     # TODO: lse of the union, from lse_a and lse_b without leaving log space; then out as the
     # two partial outputs, each weighted by its block's share of the union's sum of exp(s_j).
     raise NotImplementedError(
-        "TODO exercise 12 (tutorials/exercises/lse_merge.py, chapter 15b): return the "
+        "TODO exercise 12 (tutorials/exercises/lse_merge.py, chapter 15): return the "
         "merged (out, lse) of two partial attentions"
     )

@@ -1,4 +1,4 @@
-"""Exercise 9 (chapter 08): ZeRO-1, each rank keeping the optimizer state of its share only.
+"""Exercise 9 (chapter 11): ZeRO-1, each rank keeping the optimizer state of its share only.
 
 Fill in the TODOs, then check your class against torch's own ZeroRedundancyOptimizer:
 
@@ -11,7 +11,7 @@ the parameters are bit for bit torch's after every step, and that each rank keep
 for exactly the parameters torch's partition gives it. An optimizer that keeps every state on
 every rank gets the numbers right and fails there, naming the idea.
 
-Stuck? Chapter 08 (tutorials/08_sharding.py), section 2, explains the idea and counts
+Stuck? Chapter 11 (tutorials/11_sharding.py), section 2, explains the idea and counts
 the bytes it saves. Only once your own attempt passes, compare it with
 miniddp/sharding/zero.py.
 """
@@ -52,7 +52,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         # of the parameters only, so that its state (Adam's two moments, 8 bytes per fp32
         # element) exists for that share alone. The shares must be torch's, for the bits and
         # for the state check: `partition(self.param_groups, self.world_size)` (miniddp.sharding)
-        # gives each rank its copy of every group, holding the parameters it owns. Chapter 08
+        # gives each rank its copy of every group, holding the parameters it owns. Chapter 11
         # shows why any split computes the same update: AdamW is elementwise.
         self.optim: Optimizer | None = None
 
@@ -63,7 +63,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         the rank that owns it to all the others. Every rank must make the same collectives in
         the same order, whoever owns what."""
         raise NotImplementedError(
-            "TODO exercise 9 (tutorials/exercises/zero1.py, chapter 08): step this rank's "
+            "TODO exercise 9 (tutorials/exercises/zero1.py, chapter 11): step this rank's "
             "partition, then send each updated parameter from its owner to every rank"
         )
 

@@ -4,7 +4,7 @@ and each one caught by a test (tests/test_mistakes.py). Teaching material, not M
 nothing here is exported.
 
 Each file's docstring says the symptom, why it happens, and how torch's DDP avoids it (or
-doesn't). Chapter 10 (tutorials/10_mistakes.py) runs a handful of them next to their fixes.
+doesn't). Chapter 09 (tutorials/09_mistakes.py) runs a handful of them next to their fixes.
 
     no_sync_backward_only.py      no_sync() around backward only: the forward decides
     hook_averages_weights.py      a post-accumulate hook that all-reduces the parameter

@@ -1,6 +1,6 @@
-"""Chapter 11: uneven inputs and a block run twice, working instead of refused.
+"""Chapter 10: uneven inputs and a block run twice, working instead of refused.
 
-    torchrun --nproc_per_node=2 tutorials/11_uneven_inputs.py
+    torchrun --nproc_per_node=2 tutorials/10_uneven_inputs.py
 
 Two of the most common ways real DDP training breaks, and torch's one-line answer to each:
 

@@ -1,22 +1,22 @@
-"""Chapter 09b: the template for a large model. Chapter 12's GPT on torch's own FSDP2 and TP.
+"""Chapter 16d: the template for a large model. Chapter 12's GPT on torch's own FSDP2 and TP.
 
-    torchrun --standalone --nproc_per_node=4 tutorials/09b_large_model_template.py   (dp, tp) (2, 2)
-    torchrun --standalone --nproc_per_node=2 tutorials/09b_large_model_template.py          (1, 2)
-    torchrun --standalone --nproc_per_node=2 tutorials/09b_large_model_template.py --tp 1   (2, 1)
+    torchrun --standalone --nproc_per_node=4 tutorials/16d_large_model_template.py   (dp, tp) (2, 2)
+    torchrun --standalone --nproc_per_node=2 tutorials/16d_large_model_template.py          (1, 2)
+    torchrun --standalone --nproc_per_node=2 tutorials/16d_large_model_template.py --tp 1   (2, 1)
 
-Chapter 09's template keeps a whole replica on every rank. This one is for a model that does not
+Chapter 08's template keeps a whole replica on every rank. This one is for a model that does not
 fit: it cuts each block's matrices over a "tp" axis of ranks and shards what each rank holds over
-a "dp" axis, with torch's own pieces (as in chapter 09, nothing from MiniDDP in what you copy but
+a "dp" axis, with torch's own pieces (as in chapter 08, nothing from MiniDDP in what you copy but
 the GPT itself, and `init_distributed`, which only picks gloo or NCCL):
 
     init_device_mesh     the ranks as a (dp, tp) grid; mesh["tp"], mesh["dp"]: this rank's groups
     parallelize_module   Megatron's plan, ColwiseParallel and RowwiseParallel (chapter 13)
-    fully_shard          FSDP2: ZeRO-3 per block, over mesh["dp"] (chapter 08)
+    fully_shard          FSDP2: ZeRO-3 per block, over mesh["dp"] (chapter 11)
     loss_parallel        the cross-entropy of vocabulary-sharded logits, never gathered
     clip_grad_norm_      torch's, once per mesh (its docstring says why), one global norm
     torch.distributed.checkpoint (DCP)   each rank writes its own shards; any mesh reads them
 
-`parallelize` below is `miniddp.parallelize.parallelize` (chapter 15) line for line: the same
+`parallelize` below is `miniddp.parallelize.parallelize` (chapter 16) line for line: the same
 plan, the same order (TP, then the pipeline split, then data parallelism last), so that code
 moves both ways. tests/test_large_model_template.py trains the two side by side from the same
 weights on the same windows, and their losses agree every step; docs/template.md takes this
@@ -25,7 +25,7 @@ file apart line by line.
 No pipeline. On 4 ranks a third axis leaves groups of one; and torch.distributed.pipelining needs
 the GPT cut into stage modules by hand, the tied embedding's two copies summed across the first
 and last stage (miniddp.parallelize's TiedAcrossStages), and loss_parallel inside the schedule's
-loss. Chapter 15 does all of that on 8 ranks; step 2 of `parallelize` marks where it goes.
+loss. Chapter 16 does all of that on 8 ranks; step 2 of `parallelize` marks where it goes.
 """
 
 from __future__ import annotations
@@ -260,9 +260,9 @@ def refuse_what_cannot_run(args: argparse.Namespace) -> None:
     problem = None
     if not (world >= 1 and args.tp >= 1 and world % args.tp == 0):
         problem = (
-            f"Chapter 09b lays out the ranks as (dp, tp) with tp = {args.tp}, and this job has "
+            f"Chapter 16d lays out the ranks as (dp, tp) with tp = {args.tp}, and this job has "
             f"{world or 'no torchrun'}: run it as torchrun --nproc_per_node=4 "
-            "tutorials/09b_large_model_template.py (or pass a --tp that divides the ranks)"
+            "tutorials/16d_large_model_template.py (or pass a --tp that divides the ranks)"
         )
     elif args.steps < 2:
         problem = f"--steps {args.steps}: pass at least 2 (a checkpoint to lose, one to resume)"
@@ -274,7 +274,7 @@ def refuse_what_cannot_run(args: argparse.Namespace) -> None:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Chapter 09b: the template for a large model.")
+    parser = argparse.ArgumentParser(description="Chapter 16d: the template for a large model.")
     parser.add_argument("--tp", type=int, default=2, help="ranks per TP group (default 2)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=8, help="windows per replica per step")

@@ -1,6 +1,6 @@
-"""Chapter 08: beyond DDP. Measure a rank's memory, then shard it: ZeRO-1, ZeRO-2, ZeRO-3.
+"""Chapter 11: beyond DDP. Measure a rank's memory, then shard it: ZeRO-1, ZeRO-2, ZeRO-3.
 
-    torchrun --nproc_per_node=2 tutorials/08_sharding.py [--plot DIR]
+    torchrun --nproc_per_node=2 tutorials/11_sharding.py [--plot DIR]
 
 DDP keeps W identical copies of everything. This chapter counts the copies on one rank, from the
 tensors' storages, then removes them one kind at a time, each stage on MiniDDP's own collectives
@@ -206,12 +206,12 @@ def draw(path, world: int) -> None:
     axes.set_title(f"Memory per rank, AdamW, fp32, W = {world}")
     axes.legend()
     path.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path / "08_memory_measured.png", dpi=120, bbox_inches="tight")
-    say(f"wrote {path / '08_memory_measured.png'}")
+    figure.savefig(path / "11_memory_measured.png", dpi=120, bbox_inches="tight")
+    say(f"wrote {path / '11_memory_measured.png'}")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Chapter 08: sharding, ZeRO-1 to ZeRO-3.")
+    parser = argparse.ArgumentParser(description="Chapter 11: sharding, ZeRO-1 to ZeRO-3.")
     add_plot_option(parser)
     args = parser.parse_args()
     env = init_distributed()
@@ -220,7 +220,7 @@ def main() -> None:
     psi = sum(p.numel() for p in build_model().parameters())
     for stage in ("ddp", "zero1", "zero2", "zero3"):
         RUNS[stage] = train(stage)
-    say(f"Chapter 08: sharding on {world} ranks; a {len(WIDTHS) - 1}-layer MLP, Ψ = {psi:,} "
+    say(f"Chapter 11: sharding on {world} ranks; a {len(WIDTHS) - 1}-layer MLP, Ψ = {psi:,} "
         "fp32 elements, AdamW")  # fmt: skip
 
     section("1. The memory problem")
@@ -231,7 +231,7 @@ def main() -> None:
         view into its bucket) and AdamW's two running averages (8): 20 bytes an element, the
         same on every rank. That is 20Ψ, fp32 everything; the ZeRO paper counts 16Ψ, mixed
         precision's: 16-bit weights and gradients (2 + 2) beside fp32 masters and moments (12),
-        and no buckets. Chapter 08b adds the activations, for a real model the largest
+        and no buckets. Chapter 11c adds the activations, for a real model the largest
         term. Counted from the storages on rank 0, before the optimizer step:""")
     )
     exact = {"ddp": say_memory("ddp", RUNS["ddp"], psi, world)}
@@ -401,7 +401,7 @@ def main() -> None:
             f"ZeRO-3, {name}: {run['step_s'] * 1e3:.0f} ms a step": run["timeline"]
             for name, run in linked.items()
         }
-        say(f"wrote {prefetch_timelines(steps, args.plot / '08_prefetch.png')}")
+        say(f"wrote {prefetch_timelines(steps, args.plot / '11_prefetch.png')}")
 
     section("Checks")
     differences = {stage: same_training(RUNS[stage]) for stage in ("zero1", "zero2", "zero3")}

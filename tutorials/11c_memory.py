@@ -1,8 +1,8 @@
-"""Chapter 08b: the memory of a real step. A small GPT, every byte one rank holds.
+"""Chapter 11c: the memory of a real step. A small GPT, every byte one rank holds.
 
-    torchrun --nproc_per_node=2 tutorials/08b_memory.py [--plot DIR]
+    torchrun --nproc_per_node=2 tutorials/11c_memory.py [--plot DIR]
 
-Chapter 08 counted a toy MLP's parameters, gradients, buckets and optimizer state. A real step
+Chapter 11 counted a toy MLP's parameters, gradients, buckets and optimizer state. A real step
 holds one thing more, and for a real model it is the largest: the activations, what the forward
 leaves behind for the backward. The model here is real: GPT-2's decoder-only transformer as
 nanoGPT writes it (miniddp/models/gpt.py), at the size a CPU trains. It reads a window of s
@@ -145,7 +145,7 @@ def train(
 
 
 def formula(layout: str, run: dict, psi: int, world: int, mixed: MixedPrecision | None = None):
-    """Chapter 08's formula for this rank. Under fully_shard's policy the states are fp32
+    """Chapter 11's formula for this rank. Under fully_shard's policy the states are fp32
     ZeRO-3's: its bf16 parameters exist only while a unit computes, freed after."""
     dtypes = {}
     if mixed is not None and layout != "zero3":
@@ -173,7 +173,7 @@ class Setup:
 def section_states(setup: Setup, checks: dict[str, bool]) -> dict[str, dict]:
     section("1. The model's states")
     say_prose("""\
-        As in chapter 08, counted from the storages on rank 0, after the optimizer step (the
+        As in chapter 11, counted from the storages on rank 0, after the optimizer step (the
         gradients not yet zeroed, so every term is there at once): parameters 4Ψ, gradients
         4Ψ, MiniDDP's buckets 4Ψ, AdamW's two moments 8Ψ and a 4-byte step per tensor. This is
         the accounting of fp32 everything, 20Ψ a rank under DDP; ZeRO shards Adam's state (1),
@@ -188,7 +188,7 @@ def section_states(setup: Setup, checks: dict[str, bool]) -> dict[str, dict]:
         cells = "".join(f"{fmt_bytes(getattr(run['memory'], k)):>17}" for k in STATES)
         say(f"  {NAMES[layout]:<8}{cells}{fmt_bytes(run['memory'].total):>11}")
         checks[f"{layout}: the model's states are the formula's"] = run["memory"] == expected
-    say("  (each equal to chapter 08's formula, to the byte)")
+    say("  (each equal to chapter 11's formula, to the byte)")
     return runs
 
 
@@ -306,7 +306,7 @@ def section_whole_step(
             f"One step's memory on rank 0: a small GPT, fp32, AdamW, W = {setup.world}, "
             f"b = {b}, s = {s}\nbars: activation checkpointing none, per block, attention only"
         )
-        say(f"wrote {step_memory(terms, plot / '08b_memory.png', title)}")
+        say(f"wrote {step_memory(terms, plot / '11c_memory.png', title)}")
 
 
 def section_mixed_precision(setup: Setup, runs: dict[str, dict], checks: dict[str, bool]) -> None:
@@ -360,7 +360,7 @@ def section_mixed_precision(setup: Setup, runs: dict[str, dict], checks: dict[st
     checks["a bf16 reduction rounds, within bf16's 2^-8"] = 0 < reduce_error < 2**-8
     ddp_mixed = mixed_runs["ddp"]["memory"]
     per_element = {
-        "fp32 (chapter 08)": runs["ddp"]["memory"].total / setup.psi,
+        "fp32 (chapter 11)": runs["ddp"]["memory"].total / setup.psi,
         "bf16 with fp32 buckets": ddp_mixed.total / setup.psi,
         "bf16 with bf16 buckets": low["memory"].total / setup.psi,
     }
@@ -369,7 +369,7 @@ def section_mixed_precision(setup: Setup, runs: dict[str, dict], checks: dict[st
         16Ψ or 20Ψ? Bytes per parameter under DDP, measured (a 4-byte step per tensor aside): """
         + "; ".join(f"{k} {v:.2f}Ψ" for k, v in per_element.items())
         + """.
-        Chapter 08's 20Ψ is fp32 everything with DDP's bucket (4 + 4 + 4 + 8); without the
+        Chapter 11's 20Ψ is fp32 everything with DDP's bucket (4 + 4 + 4 + 8); without the
         bucket (gradient_as_bucket_view) it is 16Ψ. The ZeRO paper's 16Ψ is another sum: 2Ψ
         of 16-bit weights, 2Ψ of 16-bit gradients and 12Ψ of fp32 master, momentum and
         variance, no bucket. MiniDDP's mixed precision keeps its gradients in fp32 (the
@@ -379,13 +379,13 @@ def section_mixed_precision(setup: Setup, runs: dict[str, dict], checks: dict[st
         shrinks the model's states."""
     )
     checks["fp32 DDP is 20Ψ and mixed DDP 22Ψ, plus the steps"] = (
-        round(per_element["fp32 (chapter 08)"]) == 20
+        round(per_element["fp32 (chapter 11)"]) == 20
         and round(per_element["bf16 with fp32 buckets"]) == 22
     )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Chapter 08b: the memory of a real step.")
+    parser = argparse.ArgumentParser(description="Chapter 11c: the memory of a real step.")
     add_plot_option(parser)
     args = parser.parse_args()
     world = init_distributed().world_size
@@ -395,7 +395,7 @@ def main() -> None:
     setup = Setup(config, windows, sum(p.numel() for p in GPT(config).parameters()), world)
     s, b, h, a = setup.sizes
     say_prose(f"""\
-        Chapter 08b: a GPT on {world} ranks, Ψ = {setup.psi:,} fp32 elements (the
+        Chapter 11c: a GPT on {world} ranks, Ψ = {setup.psi:,} fp32 elements (the
         tied embedding once), AdamW; per rank a batch of b = {b} windows of s = {s} characters,
         width h = {h}, a = {a} heads, {config.layers} blocks, dropout {config.dropout}.""")
     checks: dict[str, bool] = {}

@@ -1,20 +1,20 @@
-"""Chapter 15c: 3-D parallelism, what each rank sends. Chapter 15's GPT on the same (pp, dp, tp) =
+"""Chapter 16b: 3-D parallelism, what each rank sends. Chapter 16's GPT on the same (pp, dp, tp) =
 (2, 2, 2) mesh: its messages per axis, which layout of 8 ranks wins on which link, and one step.
 
-    NPROC=8 ./launch.sh tutorials/15c_three_d_traffic.py     (torchrun --nproc_per_node=8 ...)
+    NPROC=8 ./launch.sh tutorials/16b_three_d_traffic.py     (torchrun --nproc_per_node=8 ...)
     ... --link alpha=100us,bandwidth=1mbit                      the simulated link (the default)
     ... --link none                                             the quick run: nothing timed
     ... --plot DIR                                              draw this run's step in DIR
 
-Chapter 15 counted what each rank holds. Every rank also talks, on three axes at once:
+Chapter 16 counted what each rank holds. Every rank also talks, on three axes at once:
 
     1. what each rank sends         TP's, PP's and DP's messages in one step, counted against
                                     traffic_formula (miniddp/parallelize_formulas.py)
     2. which layout wins            the alpha-beta model prices all 8 layouts of 8 ranks on a
                                     latency-bound and a bandwidth-bound link; two are timed
-    3. one step, drawn              the pipeline in ASCII; docs/figures/15_three_d.png
+    3. one step, drawn              the pipeline in ASCII; docs/figures/16_three_d.png
 
-The figure is drawn by miniddp/figures/three_d.py (`python -m miniddp.figures --only 15`).
+The figure is drawn by miniddp/figures/three_d.py (`python -m miniddp.figures --only 16`).
 tests/test_three_d_audit.py counts the messages of every layout against the same formula.
 
 Any other number of ranks is refused, naming the command. Measured on 2 cores shared with other
@@ -283,24 +283,24 @@ def section_step(run: Run, plot: Path | None) -> list[three_d.RankStep]:
         ranks on {os.cpu_count()} cores: a rank waits in each until its partner is scheduled).
         DP's one all-reduce goes out from inside the last backward, when the bucket's last
         gradient is ready, and that backward ends when it has arrived (MiniDDP's wait). The
-        figure ({FIGURE}, `python -m miniddp.figures --only 15`) draws the mesh beside every
+        figure ({FIGURE}, `python -m miniddp.figures --only 16`) draws the mesh beside every
         rank's step, with what each axis sent and when.""")
     if plot is not None and dist.get_rank() == 0:
-        say(f"  this run's step, drawn: {three_d.mesh_and_step(steps, plot / '15_three_d.png')}")
+        say(f"  this run's step, drawn: {three_d.mesh_and_step(steps, plot / '16_three_d.png')}")
     return steps
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Chapter 15c: what each of 8 ranks sends.")
+    parser = argparse.ArgumentParser(description="Chapter 16b: what each of 8 ranks sends.")
     parser.add_argument(
         "--steps", type=whole_number(at_least=2), default=2, help="AdamW steps (default 2)"
     )
     add_link_option(parser, default_link=BANDWIDTH_BOUND)
     add_plot_option(parser)
     args = parser.parse_args()
-    batches, _, c, started = start("15c_three_d_traffic.py", "15c", args.steps)
+    batches, _, c, started = start("16b_three_d_traffic.py", "16b", args.steps)
     say_prose(f"""\
-        Chapter 15c: what each rank sends, chapter 15's GPT on {WORLD} ranks as (pp, dp, tp) =
+        Chapter 16b: what each rank sends, chapter 16's GPT on {WORLD} ranks as (pp, dp, tp) =
         {THREE_D.shape} and as DP alone {DP_ONLY.shape}, {args.steps} steps of {WINDOWS}
         windows of chapter 12's text; the second step is recorded.""")
     run = train(THREE_D, mesh_of(THREE_D), c, batches)

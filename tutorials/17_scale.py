@@ -1,8 +1,8 @@
-"""Chapter 16: from a laptop to 16,000 GPUs. The formulas the chapters verified, with a GPU's
+"""Chapter 17: from a laptop to 16,000 GPUs. The formulas the chapters verified, with a GPU's
 constants in place of this machine's: which layouts fit a real model on a real cluster, which
 wins, and why.
 
-    python tutorials/16_scale.py          (one process; under torchrun only rank 0 runs it)
+    python tutorials/17_scale.py          (one process; under torchrun only rank 0 runs it)
 
 Everything here comes from `miniddp.plan` (read miniddp/plan/__init__.py first): a layout's
 memory and step time, term by term, each term the library's formula with the chapter that
@@ -89,7 +89,7 @@ def section_toy(checks: dict[str, bool], printed: set[str]) -> None:
     plan = evaluate(model, cpu, Layout(1, 1, 1, 1, zero=0), 64, TOY_BATCH, 1)
     say_prose(f"""\
         The plan knows this machine by two numbers it measures: a matmul's FLOP/s at the
-        chapter's shapes ({cpu.peak_flops / 1e9:.1f} GFLOP/s on one thread) and chapter 15's
+        chapter's shapes ({cpu.peak_flops / 1e9:.1f} GFLOP/s on one thread) and chapter 16's
         simulated link. One process of chapter 12's GPT, {TOY_BATCH} windows of 64 a step:""")
     show_terms(plan, printed)
     ratio = measured / plan.step_s
@@ -174,14 +174,14 @@ def section_questions(checks: dict[str, bool]) -> None:
     pps = [p.layout.pp for p in pipelines.values()]
     checks["the best pp grows with the model"] = pps == sorted(pps) and pps[0] < pps[-1]
 
-    sharded = replace(H100, max_zero=3)  # fully_shard, as chapter 08 builds it
+    sharded = replace(H100, max_zero=3)  # fully_shard, as chapter 11 builds it
     zero3 = search(llama, sharded, *run, Partial(pp=1, zero=3, cp=1))[0]
     piped = search(llama, sharded, *run, Partial(zero=1, cp=1))[0]
     winner = "ZeRO-3" if zero3.step_s < piped.step_s else "the pipeline"
     say_prose(f"""\
         When ZeRO-3 beats PP. ZeRO-3 gathers each layer's parameters twice a microbatch and
         reduce-scatters its gradient; prefetched, those hide under compute while a layer's
-        compute outlasts its gather (chapter 08's model). Llama 3 70B, 8M tokens on 1,024
+        compute outlasts its gather (chapter 11's model). Llama 3 70B, 8M tokens on 1,024
         H100s: ZeRO-3 without a pipeline {zero3.step_s:.2f} s ({zero3.layout}), the best
         pipeline with ZeRO-1 {piped.step_s:.2f} s ({piped.layout}): {winner} wins here, with
         {zero3.layout.dp} replicas whose gathers cross the network against a bubble of
@@ -205,7 +205,7 @@ def section_questions(checks: dict[str, bool]) -> None:
     }): it does not fit
         in 80. The best layout splits it over cp = {best.layout.cp} ({best.layout}): the ring
         moves K and V, {cp_term.value:.2f} s a step of which {cp_term.exposed:.3f} s shows,
-        because a hop's transfer is shorter than a block's s² scores (chapter 15b).""")
+        because a hop's transfer is shorter than a block's s² scores (chapter 15).""")
     checks["128k tokens: no CP does not fit, CP does"] = (
         not without.fits and best.fits and best.layout.cp > 1
     )
@@ -216,8 +216,8 @@ def main() -> None:
         sys.exit(0)  # one process is the chapter; torchrun's others have nothing to do
     started = time.perf_counter()
     say_prose("""\
-        Chapter 16: from a laptop to 16,000 GPUs. The plan (miniddp.plan) prices a layout term
-        by term with the formulas chapters 01-15b verified; here its constants become a GPU's.""")
+        Chapter 17: from a laptop to 16,000 GPUs. The plan (miniddp.plan) prices a layout term
+        by term with the formulas chapters 01-15 verified; here its constants become a GPU's.""")
     checks: dict[str, bool] = {}
     printed: set[str] = set()
     section_toy(checks, printed)

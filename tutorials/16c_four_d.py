@@ -1,9 +1,9 @@
-"""Chapter 15d: 4-D parallelism. Chapter 15's GPT on 8 ranks as (pp, dp, cp, tp) = (2, 1, 2, 2):
-the sequence split too, by context parallelism on the mesh (chapter 15b's ring attention).
+"""Chapter 16c: 4-D parallelism. Chapter 16's GPT on 8 ranks as (pp, dp, cp, tp) = (2, 1, 2, 2):
+the sequence split too, by context parallelism on the mesh (chapter 15's ring attention).
 
-    torchrun --nproc_per_node=8 tutorials/15d_four_d.py     (or NPROC=8 ./launch.sh ...)
+    torchrun --nproc_per_node=8 tutorials/16c_four_d.py     (or NPROC=8 ./launch.sh ...)
 
-Chapter 15 cut the model three ways: every rank still read whole windows. Long contexts need the
+Chapter 16 cut the model three ways: every rank still read whole windows. Long contexts need the
 fourth cut, the sequence itself (Llama 3's 405B ran TP 8 x CP 16 x PP 16 x DP 8 at 128k tokens).
 One call does it all, `parallelize(gpt, mesh)` with a "cp" axis (miniddp/parallelize.py):
 
@@ -93,7 +93,7 @@ def section_holdings(parts: ParallelGPT, windows: torch.Tensor) -> dict[str, boo
         Every rank of the replica is given its whole windows, ({WINDOWS}, T + 1) with T =
         {CONTEXT}; train_step cuts each into 2 cp = {2 * cp} chunks of {chunk} positions, and
         cp rank r keeps chunks r and 2cp - 1 - r (load-balanced: under the causal mask an
-        early chunk is cheap and a late one dear, so each rank gets one of each, chapter 15b).
+        early chunk is cheap and a late one dear, so each rank gets one of each, chapter 15).
         Its position embedding reads those chunks' global positions. Its parameters are its
         stage's block, cut by TP: the cp ranks hold the same ones, as replicas do.""")
     say(f"  {'rank':>4}  {'(pp,dp,cp,tp)':>13}  {'tokens':>7}  {'parameters':>10}  positions")
@@ -127,7 +127,7 @@ def section_sends(parts: ParallelGPT, windows: torch.Tensor) -> dict[str, bool]:
         Once a step, MiniDDP all-reduces the rank's gradients over dp x cp = {dp_cp} ranks: its
         buckets hold {gradients:,} elements, all {elements:,} of its parameters, and a ring of
         {dp_cp} puts {fmt_bytes(wire_bytes("all_reduce", 4 * gradients, dp_cp))} of them on the
-        wire. TP's all-reduces and the pipeline's sends are chapter 15's with N = B·T/cp
+        wire. TP's all-reduces and the pipeline's sends are chapter 16's with N = B·T/cp
         tokens: context parallelism divides them by cp, as it divides every activation.""")
     for param in parts.parameters():
         param.grad = None
@@ -207,8 +207,8 @@ def refuse_other_world_sizes() -> None:
         return
     if os.environ.get("RANK", "0") == "0":
         raise SystemExit(
-            f"Chapter 15d lays out 8 ranks as (pp, dp, cp, tp) = {SHAPE}, and this job has "
-            f"{world}: run it as torchrun --nproc_per_node=8 tutorials/15d_four_d.py"
+            f"Chapter 16c lays out 8 ranks as (pp, dp, cp, tp) = {SHAPE}, and this job has "
+            f"{world}: run it as torchrun --nproc_per_node=8 tutorials/16c_four_d.py"
         )
     raise SystemExit(2)
 
@@ -223,7 +223,7 @@ def main() -> None:
     batches = [windows[order[s * WINDOWS : (s + 1) * WINDOWS]] for s in range(STEPS)]
     vocabulary = -(-len(corpus.vocabulary) // 2) * 2  # TP cuts the vocabulary in two
     c = GPTConfig(vocabulary, CONTEXT, WIDTH, LAYERS, HEADS, dropout=0.0)  # the ring: none
-    say(f"Chapter 15d: 4-D parallelism, (pp, dp, cp, tp) = {SHAPE} on {WORLD} ranks")
+    say(f"Chapter 16c: 4-D parallelism, (pp, dp, cp, tp) = {SHAPE} on {WORLD} ranks")
     mesh = init_device_mesh("cpu", SHAPE, mesh_dim_names=CP_AXES)
     torch.manual_seed(0)
     parts = parallelize(GPT(c), mesh, n_microbatches=MICROBATCHES)

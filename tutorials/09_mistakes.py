@@ -1,6 +1,6 @@
-"""Chapter 10: the classic DDP mistakes, each symptom next to its fix.
+"""Chapter 09: the classic DDP mistakes, each symptom next to its fix.
 
-    torchrun --nproc_per_node=2 tutorials/10_mistakes.py
+    torchrun --nproc_per_node=2 tutorials/09_mistakes.py
 
 tutorials/mistakes/ holds eleven classic DDP bugs, each a rung of the ladder or the training
 loop with one change, and tests/test_mistakes.py proves that the property tests catch every one
@@ -141,7 +141,7 @@ def gradients_apart_with_rank_ordered_branches(wrapper: type, rank: int) -> floa
 def main() -> None:
     env = init_distributed()
     rank, world_size = env.rank, env.world_size
-    say(f"Chapter 10: six classic DDP mistakes on {world_size} ranks, each next to its fix")
+    say(f"Chapter 09: six classic DDP mistakes on {world_size} ranks, each next to its fix")
 
     section("1. No broadcast at construction, ranks seeded differently")
     show(no_construction_broadcast, no_construction_broadcast.NoConstructionBroadcast)

@@ -1,7 +1,7 @@
-"""Chapter 15b: long sequences. Split the sequence itself: ring attention (context parallelism),
+"""Chapter 15: long sequences. Split the sequence itself: ring attention (context parallelism),
 load-balanced for causal masks, and sequence parallelism inside tensor parallelism.
 
-    torchrun --nproc_per_node=2 tutorials/15b_long_sequences.py [--link alpha=1ms,bandwidth=1gbit]
+    torchrun --nproc_per_node=2 tutorials/15_long_sequences.py [--link alpha=1ms,bandwidth=1gbit]
 
 Data, tensor and pipeline parallelism all leave every rank holding activations for the whole
 sequence. Doubling the context doubles them (quadruples them, for a naive attention); past some
@@ -14,12 +14,12 @@ attention needs every key, and the keys go round a ring.
     3. the bytes and who wins          counted against the formula; the ring vs all-gathering K/V,
                                        in the model and timed on the simulated link (--link)
     4. sequence parallelism in TP      LayerNorm's activations divided by W, measured
-    5. a whole model on the ring       what the GPT needs, and where chapter 15d trains it
+    5. a whole model on the ring       what the GPT needs, and where chapter 16c trains it
     6. checks                          output and gradients against one process's SDPA
 
 Exercise: tutorials/exercises/lse_merge.py, the log-sum-exp merge of two partial attentions,
 checked by tests/test_lse_merge.py. The library is miniddp/context_parallel/ (attention.py has
-the maths); the picture is docs/figures/15b_ring_attention.png (`python -m miniddp.figures --only
+the maths); the picture is docs/figures/15_ring_attention.png (`python -m miniddp.figures --only
 15b`), and `python -m miniddp.bench cp` times the ring against one process and torch's.
 """
 
@@ -58,7 +58,7 @@ RING_LENGTH = 2048  # section 3's sequence: S/W positions a rank
 # Section 3's link, chapter 13's: 1 ms a message, 1 Gbit/s (beta = 8 ns a byte).
 LINK = CostModel(alpha=1e-3, beta=8e-9)
 LINK_REPEATS = 5  # timed runs of each design on the simulated link
-FIGURE = "docs/figures/15b_ring_attention.png"
+FIGURE = "docs/figures/15_ring_attention.png"
 # Section 5: chapter 12's GPT at its size, a few steps of its text.
 
 
@@ -159,7 +159,7 @@ def section_ring(world: int, rank: int, checks: dict[str, bool]) -> None:
         From the ring's plan (step_blocks), per rank:""")
     for size in sorted({world, 4}):
         say_ring_plan(size)
-    say(f"  (drawn for W = 4: {FIGURE}, python -m miniddp.figures --only 15b)")
+    say(f"  (drawn for W = 4: {FIGURE}, python -m miniddp.figures --only 15)")
     length = 64 * world
     for load_balance in (False, True):
         q, k, v = (shard_sequence(t, 2, load_balance=load_balance) for t in qkv(length))
@@ -348,7 +348,7 @@ def section_gpt(world: int) -> None:
         of these equal parts, and ring attention's backward has already sent every dK and dV
         home, so that average is the whole loss's gradient. A loss summed locally and divided
         by the global token count would need a sum instead: the classic trap
-        (tests/test_context_parallel.py plants it). Chapter 15d does all three through
+        (tests/test_context_parallel.py plants it). Chapter 16c does all three through
         miniddp.parallelize on a 4-D mesh, (pp, dp, cp, tp), and trains as one process does;
         here, on {world} ranks, the ring itself is checked against one process below.""")
 
@@ -372,7 +372,7 @@ def differences(world: int, is_causal: bool, load_balance: bool) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Chapter 15b: long sequences.")
+    parser = argparse.ArgumentParser(description="Chapter 15: long sequences.")
     parser.add_argument(
         "--link",
         type=Link.parse,
@@ -384,7 +384,7 @@ def main() -> None:
     world, rank = env.world_size, env.rank
     torch.set_num_threads(1)
     checks: dict[str, bool] = {}
-    say(f"Chapter 15b: long sequences on W = {world} ranks")
+    say(f"Chapter 15: long sequences on W = {world} ranks")
     section_growth(checks)
     section_ring(world, rank, checks)
     section_bytes(world, checks)

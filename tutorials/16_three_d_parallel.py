@@ -1,8 +1,8 @@
-"""Chapter 15: 3-D parallelism, what each rank holds. Chapter 12's GPT on 8 ranks as (pp, dp, tp)
+"""Chapter 16: 3-D parallelism, what each rank holds. Chapter 12's GPT on 8 ranks as (pp, dp, tp)
 = (2, 2, 2): tensor parallelism inside each pair, a pipeline of two stages, two data-parallel
 replicas of it all.
 
-    NPROC=8 ./launch.sh tutorials/15_three_d_parallel.py     (torchrun --nproc_per_node=8 ...)
+    NPROC=8 ./launch.sh tutorials/16_three_d_parallel.py     (torchrun --nproc_per_node=8 ...)
     ... --steps 2                                               the quick run
     ... --precision bf16                                        and the 3-D run in bf16 too
 
@@ -18,7 +18,7 @@ grid of ranks (the Ultra-Scale Playbook's "3-D parallelism", torchtitan's `paral
 All of it through one call, miniddp.parallelize.parallelize (tensor parallelism, then the
 pipeline split, then MiniDDP; read it first). The formulas are the library's,
 miniddp/parallelize_formulas.py; tests/test_three_d_audit.py checks every term of them on every
-rank of every way to cut 4 ranks, and (-m slow) 8. Chapter 15c goes on with what each rank
+rank of every way to cut 4 ranks, and (-m slow) 8. Chapter 16b goes on with what each rank
 sends, and which layout wins.
 
 Any other number of ranks is refused, naming the command. Measured on 2 cores shared with other
@@ -111,7 +111,7 @@ def section_mesh(mesh) -> bool:
         f"{tuple(mesh.get_coordinate())}: TP {mine['tp']}, DP {mine['dp']}, PP {mine['pp']}; "
         f"blocks {2 * stage} and {2 * stage + 1}, {ends}"
     )
-    say(f"  (the mesh and one step on it, drawn by chapter 15c: {FIGURE})")
+    say(f"  (the mesh and one step on it, drawn by chapter 16b: {FIGURE})")
     return all(gather(all(mine[name] in groups[name] for name in AXES)))
 
 
@@ -181,7 +181,7 @@ def section_holdings(c: GPTConfig, characters: int, run: Run, dp_only: Run) -> b
         of the blocks) and of its gradients and optimizer state, where DP alone keeps all of it
         on every rank. Activations per microbatch shrink less: what TP keeps whole, 4N(4H + 4)
         a block, is {kept} of the {kept + 4 * (12 * h + c.heads) // t:,} bytes a token (it is
-        what sequence parallelism would split next, chapter 15b). The first stage holds two
+        what sequence parallelism would split next, chapter 15). The first stage holds two
         microbatches at 1F1B's peak, the last one: its backward starts as soon as its forward
         ends. Every rank's bytes are the formula's, to the byte.""")
     return all(row[-1] for row in rows)
@@ -315,7 +315,7 @@ def section_bf16(c: GPTConfig, mesh, batches: list[torch.Tensor], run: Run) -> d
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Chapter 15: 3-D parallelism on 8 ranks.")
+    parser = argparse.ArgumentParser(description="Chapter 16: 3-D parallelism on 8 ranks.")
     parser.add_argument(
         "--steps", type=whole_number(at_least=2), default=8, help="AdamW steps (default 8)"
     )
@@ -326,9 +326,9 @@ def main() -> None:
         help="bf16: train the 3-D layout again, bf16 on fp32 masters, beside fp32 (section 4)",
     )
     args = parser.parse_args()
-    batches, corpus, c, started = start("15_three_d_parallel.py", "15", args.steps)
+    batches, corpus, c, started = start("16_three_d_parallel.py", "15", args.steps)
     say_prose(f"""\
-        Chapter 15: 3-D parallelism, chapter 12's GPT on {WORLD} ranks as (pp, dp, tp) =
+        Chapter 16: 3-D parallelism, chapter 12's GPT on {WORLD} ranks as (pp, dp, tp) =
         {THREE_D.shape}: {args.steps} steps of {WINDOWS} windows of {c.context} characters each,
         from chapter 12's text ({corpus.source}).""")
     mesh = mesh_of(THREE_D)
@@ -346,7 +346,7 @@ def main() -> None:
         checks,
         started,
         "each rank holds what the formulas say, and 3-D trains as one process and as DP alone "
-        "do. Chapter 15c: what each rank sends, and which layout wins on which link.",
+        "do. Chapter 16b: what each rank sends, and which layout wins on which link.",
     )
 
 

@@ -1,8 +1,8 @@
-"""Chapter 08c: HSDP. ZeRO-3 inside each node, DDP across nodes: fully_shard over a 2-D mesh.
+"""Chapter 11b: HSDP. ZeRO-3 inside each node, DDP across nodes: fully_shard over a 2-D mesh.
 
-    torchrun --nproc_per_node=4 tutorials/08c_hsdp.py     (NPROC=4 ./launch.sh ...)
+    torchrun --nproc_per_node=4 tutorials/11b_hsdp.py     (NPROC=4 ./launch.sh ...)
 
-Chapter 08's ZeRO-3 shards over every rank, so each of its gathers and reduce-scatters runs a
+Chapter 11's ZeRO-3 shards over every rank, so each of its gathers and reduce-scatters runs a
 ring through every node, at the pace of the slowest hop. A cluster has two speeds: NVLink
 inside a node, a network between nodes. HSDP (hybrid sharding: FSDP2's 2-D mesh, torchtitan's
 dp_replicate x dp_shard, DeepSpeed's hpZ) shards inside the node and replicates across:
@@ -37,7 +37,7 @@ from miniddp.sharding.units import UNIT_NUMBER_BYTES
 
 R, S = 2, 2  # replicas (nodes) x shards (ranks per node)
 N = R * S
-WIDTHS = (64, 129, 128, 65, 8)  # chapter 08's MLP: sizes S rarely divides, so shards pad
+WIDTHS = (64, 129, 128, 65, 8)  # chapter 11's MLP: sizes S rarely divides, so shards pad
 STEPS = 3
 INSIDE = Link.parse("alpha=20us,bandwidth=10gbit")  # NVLink, scaled to this machine
 ACROSS = Link.parse("alpha=200us,bandwidth=100mbit")  # the network between nodes
@@ -176,14 +176,14 @@ def refuse_other_world_sizes() -> None:
         return
     if os.environ.get("RANK", "0") == "0":
         raise SystemExit(
-            f"Chapter 08c lays out 4 ranks as 2 nodes of 2, and this job has {world}: run it "
-            "as torchrun --nproc_per_node=4 tutorials/08c_hsdp.py"
+            f"Chapter 11b lays out 4 ranks as 2 nodes of 2, and this job has {world}: run it "
+            "as torchrun --nproc_per_node=4 tutorials/11b_hsdp.py"
         )
     raise SystemExit(2)
 
 
 def main() -> None:
-    argparse.ArgumentParser(description="Chapter 08c: HSDP on 4 ranks.").parse_args()
+    argparse.ArgumentParser(description="Chapter 11b: HSDP on 4 ranks.").parse_args()
     refuse_other_world_sizes()
     init_distributed()
     torch.set_num_threads(1)  # four ranks share this machine's cores

@@ -1,8 +1,8 @@
-"""Chapter 09: the template. A training script to copy, on torch's own DistributedDataParallel.
+"""Chapter 08: the template. A training script to copy, on torch's own DistributedDataParallel.
 
-    torchrun --standalone --nproc_per_node=2 tutorials/09_template.py           CPU: 2 processes
-    torchrun --standalone --nproc_per_node=8 tutorials/09_template.py           8 GPUs: one each
-    torchrun --standalone --nproc_per_node=2 tutorials/09_template.py --epochs 6   resumes
+    torchrun --standalone --nproc_per_node=2 tutorials/08_template.py           CPU: 2 processes
+    torchrun --standalone --nproc_per_node=8 tutorials/08_template.py           8 GPUs: one each
+    torchrun --standalone --nproc_per_node=2 tutorials/08_template.py --epochs 6   resumes
 
 Chapters 00-07 rebuilt DDP to show how it works; this one is what a training script looks like
 once you use the real thing. It imports nothing from MiniDDP or the other chapters: copy it,
@@ -59,7 +59,7 @@ def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Chapter 09: a DDP training template.")
+    parser = argparse.ArgumentParser(description="Chapter 08: a DDP training template.")
     parser.add_argument("--epochs", type=int, default=3, help="train until this many are done")
     parser.add_argument("--batch-size", type=int, default=16, help="per rank, per micro-step")
     parser.add_argument("--accumulation", type=int, default=2, help="micro-steps per step")

@@ -1,7 +1,7 @@
-"""Chapter 18: across the internet. Replicas that sync every H steps instead of every step:
+"""Chapter 19: across the internet. Replicas that sync every H steps instead of every step:
 DiLoCo, its streaming form, and a replica that dies while the others train on.
 
-    NPROC=4 ./launch.sh tutorials/18_across_the_internet.py [--steps 300] [--plot DIR]
+    NPROC=4 ./launch.sh tutorials/19_across_the_internet.py [--steps 300] [--plot DIR]
 
 Every chapter so far all-reduced the gradients after every step, so the link between replicas
 set the pace. Inside one machine or one datacenter that is fine. Between two datacenters, or
@@ -129,7 +129,7 @@ def fingerprint(model: nn.Module) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Chapter 18: DiLoCo across a slow link.")
+    parser = argparse.ArgumentParser(description="Chapter 19: DiLoCo across a slow link.")
     parser.add_argument("--steps", type=int, default=300, help="inner steps per run")
     parser.add_argument("--plot", type=Path, metavar="DIR", help="save the figure here")
     args = parser.parse_args()
@@ -202,7 +202,7 @@ def main() -> None:
         if args.plot:
             path = loss_against_time_and_bytes(
                 {label: r.points for label, r in runs.items()},
-                args.plot / "18_across_the_internet.png",
+                args.plot / "19_across_the_internet.png",
                 f"{world} replicas of a {params:,}-parameter GPT over {LINK}",
             )
             say(f"  figure: {path}")

@@ -1,7 +1,7 @@
-"""Chapter 17: experts. Expert parallelism, the fifth dimension: a mixture of experts whose
+"""Chapter 18: experts. Expert parallelism, the fifth dimension: a mixture of experts whose
 experts live on different ranks, and the tokens travel to them.
 
-    NPROC=4 ./launch.sh tutorials/17_experts.py [--steps 200] [--plot DIR]
+    NPROC=4 ./launch.sh tutorials/18_experts.py [--steps 200] [--plot DIR]
 
 A mixture-of-experts layer (Shazeer et al. 2017; GShard; Switch) replaces a transformer's MLP by
 E MLPs, the experts, and a router that sends each token to k of them. The parameters grow E
@@ -300,7 +300,7 @@ def main() -> None:
         raise SystemExit(f"run on a number of ranks that divides {EXPERTS}: 1, 2, 4 or 8")
     torch.set_num_threads(1)
     checks: dict[str, bool] = {}
-    say(f"Chapter 17: experts, on W = {world} ranks")
+    say(f"Chapter 18: experts, on W = {world} ranks")
     every = section_routing(world, rank, checks)
     section_bytes(world, rank, every, checks)
     drops = section_capacity(world, rank, checks)
@@ -310,7 +310,7 @@ def main() -> None:
     if args.plot and env.is_main:
         from miniddp.figures.experts import experts
 
-        path = experts(every.tolist(), drops, loads, losses, args.plot / "17_experts.png")
+        path = experts(every.tolist(), drops, loads, losses, args.plot / "18_experts.png")
         say(f"  drawn: {path}")
     for name, passed in checks.items():
         say(f"  {'ok ' if passed else 'FAILED'} {name}")
