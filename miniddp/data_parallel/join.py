@@ -6,7 +6,7 @@ collectives below are Join's own: MiniDDP's forward issues them too, on a rank s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -14,8 +14,18 @@ from torch.distributed.algorithms.join import JoinHook
 
 from miniddp.job.faults import wait_for
 
-if TYPE_CHECKING:
-    from miniddp.data_parallel.ddp import MiniDDP
+
+class Joined(Protocol):
+    """What the hook needs of the model it shadows (MiniDDP): the narrow interface."""
+
+    join_device: torch.device
+    process_group: dist.ProcessGroup | None
+
+    def joined_forward(self, any_rank_syncs: bool) -> None: ...
+
+    def joined_backward(self) -> None: ...
+
+    def copy_model_from(self, source: int) -> None: ...
 
 
 def any_rank_syncs(this_rank_syncs: bool, device: torch.device, group: Any) -> bool:
@@ -73,7 +83,7 @@ class ShadowsTraining(JoinHook):
     rank with no batch, as torch's `_DDPJoinHook` calls its DDP's.
     """
 
-    def __init__(self, ddp: MiniDDP) -> None:
+    def __init__(self, ddp: Joined) -> None:
         self.ddp = ddp
 
     def main_hook(self) -> None:
