@@ -65,7 +65,8 @@ from miniddp.figures import three_d
 from miniddp.job.env import init_distributed
 from miniddp.mesh import init_device_mesh
 from miniddp.models.gpt import GPT, GPTConfig
-from miniddp.observe.link import Link, simulated_link, wire_bytes
+from miniddp.observe.link import Link, wire_bytes
+from miniddp.observe.link_group import simulated_link
 from miniddp.parallelize import ParallelGPT, parallelize
 from miniddp.pipeline.bubble import ascii_chart
 from miniddp.pipeline.step_checks import CheckRow

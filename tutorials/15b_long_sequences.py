@@ -54,7 +54,7 @@ from miniddp.job.env import init_distributed
 from miniddp.models.gpt import GPT, GPTConfig
 from miniddp.observe.activation_memory import SavedActivations
 from miniddp.observe.link import Link
-from miniddp.observe.link_sends import p2p_link
+from miniddp.observe.link_group import simulated_link
 from miniddp.tensor_parallel import SequenceParallel, TransformerBlock, parallelize_module, plan_for
 
 HEADS, HEAD_DIM = 4, 32
@@ -264,13 +264,13 @@ def all_gathered_attention(q, k, v):
 
 
 def section_link(world: int, link: Link, checks: dict[str, bool]) -> None:
-    """Both designs timed on the simulated link: the ring's sends through p2p_link, the
-    all-gathers through simulated_link, interleaved, against the model above."""
+    """Both designs timed on the simulated link (the ring's sends and the all-gathers alike
+    cross its process group), interleaved, against the model above."""
     q, k, v = (shard_sequence(t, 2) for t in qkv(RING_LENGTH))
     designs = {"ring": ring_attention, "all-gather": all_gathered_attention}
     times: dict[str, list[float]] = {name: [] for name in designs}
     outputs: dict[str, torch.Tensor] = {}
-    with p2p_link(link):
+    with simulated_link(link):
         for _ in range(LINK_REPEATS):
             for name, design in designs.items():
                 dist.barrier()

@@ -57,7 +57,7 @@ from miniddp.expert_parallel import ExpertParallel, MoE
 from miniddp.expert_parallel.parallel import AllToAllDispatch
 from miniddp.job.env import cleanup, init_distributed
 from miniddp.observe.link import Link
-from miniddp.observe.link_sends import p2p_link
+from miniddp.observe.link_group import simulated_link
 from miniddp.tensor_parallel import parallelize_module
 
 VARIANTS = ("dispatch + combine", "ep step", "dp step", "deepspeed step")
@@ -174,7 +174,7 @@ def measure(args: argparse.Namespace, case: Case, link: Link | None, bare: CostM
     run = (case.dispatch_and_combine, case.ep_step, case.dp_step, case.deepspeed_step)
     steps = {n: step for n, step in zip(VARIANTS, run) if case.deepspeed or n != "deepspeed step"}
     variants = list(steps)
-    with p2p_link(link):
+    with simulated_link(link):
         for step in steps.values():
             step()  # warm-up
         seconds = torch.zeros(len(variants), args.iters, dtype=torch.float64)

@@ -1,0 +1,252 @@
+"""The simulated link as a process group: gloo underneath, the link's time on top.
+
+`LinkGroup` is a `dist.ProcessGroup` written in Python, as torch's own tests write one
+(torch/testing/_internal/distributed/multi_threaded_pg.py), registered as the backend "link".
+Each operation runs for real on a gloo group of the same ranks (so the sums are right), and the
+Work it returns completes at the later of gloo's completion and the link's delivery, the model of
+miniddp/observe/link.py:
+
+    collective:  due = when the link is next free + alpha + wire_bytes / bandwidth
+    send:        issued only at that due time, with bytes = the tensor's; a receive is untouched
+
+Because torch calls a process group's methods from C++ as well as from Python, everything that
+talks over the group crosses the link: `dist.all_reduce` and its kin, torch's DDP's reducer (no
+comm hook), torch's pipelining's sends, DTensor's functional collectives. Nothing in `dist` is
+replaced.
+
+`simulated_link(link)` (the context manager every bench and chapter uses) makes a LinkGroup over
+all ranks and makes it the default group for the block: code that passes no group, and every
+group made inside the block (a DeviceMesh's, say), crosses the link. Groups made before the block
+do not: make the model's groups inside it.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from torch._C._distributed_c10d import _create_work_from_future
+
+from miniddp.observe.link import Link, LinkQueue, TwoSpeed, _Deliveries, wire_bytes
+
+BACKEND = "link"
+
+
+class Wire:
+    """One rank's simulated network while a `simulated_link` block lasts: a queue per speed for
+    collectives (two for a TwoSpeed), one for sends, and the threads that deliver on time."""
+
+    def __init__(self, link: Link | TwoSpeed) -> None:
+        self.link = link
+        speeds = (link.inside, link.across) if isinstance(link, TwoSpeed) else (link,)
+        self.collective_queues = [LinkQueue(speed) for speed in speeds]
+        self.send_queue = LinkQueue(speeds[-1])
+        self.deliveries = _Deliveries()
+        self.sends: queue.SimpleQueue = queue.SimpleQueue()
+        self.traffic: list[tuple[str, float]] = []  # (operation, wire bytes): what crossed
+        threading.Thread(target=self._issue_sends, daemon=True, name="miniddp-link-sends").start()
+
+    def queue_for(self, global_ranks: list[int]) -> LinkQueue:
+        """`across` for a group that spans two nodes of a TwoSpeed, else the one link."""
+        if isinstance(self.link, TwoSpeed):
+            nodes = {rank // self.link.ranks_per_node for rank in global_ranks}
+            return self.collective_queues[len(nodes) > 1]
+        return self.collective_queues[0]
+
+    def collective(self, name: str, nbytes: int, global_ranks: list[int], run: Callable):
+        """Run gloo's `run()` now; its Work completes no sooner than the link delivers."""
+        size = len(global_ranks)
+        wire = wire_bytes(name, nbytes, size)
+        self.traffic.append((name, wire))
+        due = self.queue_for(global_ranks).deliver_at(time.perf_counter(), wire)
+        due = due if size > 1 else -math.inf
+        real = _future_of(run())
+        future: torch.futures.Future = torch.futures.Future()
+
+        def deliver() -> None:
+            try:
+                future.set_result(real.value())
+            except Exception as error:  # gloo failed: so does the link
+                future.set_exception(error)
+
+        real.add_done_callback(lambda _: self.deliveries.at(due, deliver))
+        return _create_work_from_future(future)
+
+    def send(self, nbytes: int, run: Callable):
+        """Issue gloo's send at the time the link would have carried it (one FIFO thread: dues
+        only grow, so every pair's messages stay in order)."""
+        self.traffic.append(("send", float(nbytes)))
+        due = self.send_queue.deliver_at(time.perf_counter(), nbytes)
+        future: torch.futures.Future = torch.futures.Future()
+        self.sends.put((due, run, future))
+        return _create_work_from_future(future)
+
+    def _issue_sends(self) -> None:
+        while True:
+            due, run, future = self.sends.get()
+            time.sleep(max(0.0, due - time.perf_counter()))
+            try:
+                work = run()
+            except Exception as error:
+                future.set_exception(error)
+                continue
+            threading.Thread(target=_complete, args=(work, future), daemon=True).start()
+
+    def close(self) -> None:
+        self.deliveries.stop()
+
+
+def _future_of(work: dist.Work) -> torch.futures.Future:
+    """The Work's future; gloo's reduce-scatter has none, so a thread waits for it instead."""
+    try:
+        return work.get_future()
+    except RuntimeError:
+        future: torch.futures.Future = torch.futures.Future()
+        threading.Thread(target=_complete, args=(work, future), daemon=True).start()
+        return future
+
+
+def _complete(work: dist.Work, future: torch.futures.Future) -> None:
+    try:
+        work.wait()
+        future.set_result([])
+    except Exception as error:  # the real send failed: so does the simulated one
+        future.set_exception(error)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class LinkGroup(dist.ProcessGroup):
+    """A process group whose every operation runs on `gloo` and is timed by `wire`."""
+
+    def __init__(self, gloo: dist.ProcessGroup, wire: Wire, global_ranks: list[int]) -> None:
+        super().__init__(gloo.rank(), gloo.size())
+        self.gloo, self.wire, self.global_ranks = gloo, wire, global_ranks
+
+    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+        return BACKEND
+
+    def _set_group_name(self, name: str) -> None:  # a Python group keeps its own name
+        self._name = name
+
+    @property
+    def group_name(self) -> str:
+        return self._name
+
+    def _collective(self, name: str, nbytes: int, run: Callable) -> dist.Work:
+        return self.wire.collective(name, nbytes, self.global_ranks, run)
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        opts = opts or dist.AllreduceOptions()
+        run = lambda: self.gloo.allreduce(tensors, opts)  # noqa: E731
+        return self._collective("all_reduce", sum(map(_nbytes, tensors)), run)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        opts = opts or dist.AllreduceCoalescedOptions()
+        run = lambda: self.gloo.allreduce_coalesced(tensors, opts)  # noqa: E731
+        return self._collective("all_reduce", sum(map(_nbytes, tensors)), run)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        opts = opts or dist.BroadcastOptions()
+        run = lambda: self.gloo.broadcast(tensors, opts)  # noqa: E731
+        return self._collective("broadcast", sum(map(_nbytes, tensors)), run)
+
+    def allgather(self, outputs: list, inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        opts = opts or dist.AllgatherOptions()
+        run = lambda: self.gloo.allgather(outputs, inputs, opts)  # noqa: E731
+        return self._collective("all_gather", sum(map(_nbytes, inputs)), run)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None):
+        opts = opts or dist.AllgatherOptions()
+        run = lambda: self.gloo._allgather_base(output, input, opts)  # noqa: E731
+        return self._collective("all_gather", _nbytes(input), run)
+
+    def reduce_scatter(self, outputs: list, inputs: list, opts: Any = None) -> dist.Work:
+        opts = opts or dist.ReduceScatterOptions()
+        run = lambda: self.gloo.reduce_scatter(outputs, inputs, opts)  # noqa: E731
+        return self._collective("reduce_scatter", sum(map(_nbytes, outputs)), run)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None):
+        opts = opts or dist.ReduceScatterOptions()
+        run = lambda: self.gloo._reduce_scatter_base(output, input, opts)  # noqa: E731
+        return self._collective("reduce_scatter", _nbytes(output), run)
+
+    def all_to_all_single(self, output, input, output_splits, input_splits, opts: Any = None):
+        opts = opts or dist.AllToAllOptions()
+        run = lambda: self.gloo.alltoall_base(output, input, output_splits, input_splits, opts)  # noqa: E731
+        return self._collective("all_to_all", _nbytes(input), run)
+
+    def barrier(self, opts: Any = None) -> dist.Work:
+        return self.gloo.barrier(opts or dist.BarrierOptions())
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work:
+        return self.wire.send(sum(map(_nbytes, tensors)), lambda: self.gloo.send(tensors, dst, tag))
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
+        return self.gloo.recv(tensors, src, tag)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> dist.Work:
+        return self.gloo.recv_anysource(tensors, tag)
+
+    def __repr__(self) -> str:
+        return f"LinkGroup(rank {self.rank()} of {self.size()}, {self.wire.link})"
+
+
+_installing: list[Wire] = []  # the wire of the block being entered, for the backend's creator
+
+
+def _create_link_group(options: Any, _backend_options: Any) -> LinkGroup:
+    """Backend "link"'s creator: torch calls it for every group made with that backend."""
+    if not _installing:
+        raise RuntimeError(
+            'The "link" backend is made by miniddp.observe.link_group.simulated_link(link); '
+            "create groups with it inside that block, not with init_process_group directly."
+        )
+    gloo = dist.ProcessGroupGloo(
+        options.store, options.group_rank, options.group_size, options.timeout
+    )
+    return LinkGroup(gloo, _installing[-1], list(options.global_ranks_in_group))
+
+
+dist.Backend.register_backend(BACKEND, _create_link_group, extended_api=True, devices=["cpu"])
+
+
+def active_wire() -> Wire | None:
+    """The wire of the `simulated_link` block this process is in, if any."""
+    return _installing[-1] if _installing else None
+
+
+@contextmanager
+def simulated_link(link: Link | TwoSpeed | None) -> Iterator[Link | TwoSpeed | None]:
+    """Inside the block, the default group is a LinkGroup over every rank (None: the bare
+    machine, nothing changes). Every rank must enter it, with the same link: making the group is
+    itself collective."""
+    if link is None:
+        yield None
+        return
+    if _installing:
+        raise RuntimeError("a simulated link is already installed; leave its block first")
+    world = c10d._get_default_group()
+    wire = Wire(link)
+    _installing.append(wire)
+    try:
+        group = dist.new_group(backend=BACKEND)
+        c10d._world.default_pg = group
+        try:
+            yield link
+        finally:
+            c10d._world.default_pg = world
+            dist.destroy_process_group(group)
+    finally:
+        _installing.pop()
+        wire.close()
