@@ -129,12 +129,17 @@ def _nbytes(tensor: torch.Tensor) -> int:
 class LinkGroup(dist.ProcessGroup):
     """A process group whose every operation runs on `gloo` and is timed by `wire`."""
 
-    def __init__(self, gloo: dist.ProcessGroup, wire: Wire, global_ranks: list[int]) -> None:
+    def __init__(
+        self, gloo: dist.ProcessGroup, wire: Wire, global_ranks: list[int], store: dist.Store
+    ) -> None:
         super().__init__(gloo.rank(), gloo.size())
-        self.gloo, self.wire, self.global_ranks = gloo, wire, global_ranks
+        self.gloo, self.wire, self.global_ranks, self._store = gloo, wire, global_ranks, store
 
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         return BACKEND
+
+    def get_group_store(self) -> dist.Store:  # where MiniDDP's ranks post their fault notes
+        return self._store
 
     def _set_group_name(self, name: str) -> None:  # a Python group keeps its own name
         self._name = name
@@ -215,7 +220,8 @@ def _create_link_group(options: Any, _backend_options: Any) -> LinkGroup:
     gloo = dist.ProcessGroupGloo(
         options.store, options.group_rank, options.group_size, options.timeout
     )
-    return LinkGroup(gloo, _installing[-1], list(options.global_ranks_in_group))
+    ranks = list(options.global_ranks_in_group)
+    return LinkGroup(gloo, _installing[-1], ranks, options.store)
 
 
 dist.Backend.register_backend(BACKEND, _create_link_group, extended_api=True, devices=["cpu"])
