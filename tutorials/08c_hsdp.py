@@ -253,9 +253,13 @@ def main() -> None:
         its own):""")
     two_speed = TwoSpeed(INSIDE, ACROSS, ranks_per_node=S)
     steps = {}
-    with simulated_link(two_speed):
+    with simulated_link(two_speed):  # the groups made inside the block cross it: new meshes
+        on_the_link = {
+            "HSDP 2 x 2": init_device_mesh("cpu", (R, S), mesh_dim_names=names),
+            "ZeRO-3 over 4": init_device_mesh("cpu", (N,), mesh_dim_names=("shard",)),
+        }
         for design in DESIGNS:
-            steps[design] = timed_step(design, meshes)
+            steps[design] = timed_step(design, on_the_link)
     modelled = {design: link_seconds(design) for design in DESIGNS}
     for design in DESIGNS:
         inside, across = modelled[design]

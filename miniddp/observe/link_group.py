@@ -38,35 +38,38 @@ from torch._C._distributed_c10d import _create_work_from_future
 from miniddp.observe.link import Link, LinkQueue, TwoSpeed, _Deliveries, wire_bytes
 
 BACKEND = "link"
+now = time.perf_counter  # one clock for the queues and the delivering threads
 
 
 class Wire:
-    """One rank's simulated network while a `simulated_link` block lasts: a queue per speed for
-    collectives (two for a TwoSpeed), one for sends, and the threads that deliver on time."""
+    """One rank's simulated network while a `simulated_link` block lasts: per speed (two for a
+    TwoSpeed), a queue for collectives and one for sends, and the threads that deliver on time.
+    Sends keep their own queues, as a link's two directions: a collective's bytes go both ways
+    at once, a send's only out."""
 
     def __init__(self, link: Link | TwoSpeed) -> None:
         self.link = link
         speeds = (link.inside, link.across) if isinstance(link, TwoSpeed) else (link,)
         self.collective_queues = [LinkQueue(speed) for speed in speeds]
-        self.send_queue = LinkQueue(speeds[-1])
+        self.send_queues = [LinkQueue(speed) for speed in speeds]
         self.deliveries = _Deliveries()
-        self.sends: queue.SimpleQueue = queue.SimpleQueue()
+        self.sends: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in speeds]
         self.traffic: list[tuple[str, float]] = []  # (operation, wire bytes): what crossed
-        threading.Thread(target=self._issue_sends, daemon=True, name="miniddp-link-sends").start()
+        for sends in self.sends:  # a thread a speed: one link's sends never wait for the other's
+            threading.Thread(target=_issue_sends, args=(sends,), daemon=True).start()
 
-    def queue_for(self, global_ranks: list[int]) -> LinkQueue:
-        """`across` for a group that spans two nodes of a TwoSpeed, else the one link."""
+    def speed_of(self, global_ranks: list[int]) -> int:
+        """1 (`across`) for ranks on two nodes of a TwoSpeed, else 0 (`inside`, or the link)."""
         if isinstance(self.link, TwoSpeed):
-            nodes = {rank // self.link.ranks_per_node for rank in global_ranks}
-            return self.collective_queues[len(nodes) > 1]
-        return self.collective_queues[0]
+            return len({rank // self.link.ranks_per_node for rank in global_ranks}) > 1
+        return 0
 
     def collective(self, name: str, nbytes: int, global_ranks: list[int], run: Callable):
         """Run gloo's `run()` now; its Work completes no sooner than the link delivers."""
         size = len(global_ranks)
         wire = wire_bytes(name, nbytes, size)
         self.traffic.append((name, wire))
-        due = self.queue_for(global_ranks).deliver_at(time.perf_counter(), wire)
+        due = self.collective_queues[self.speed_of(global_ranks)].deliver_at(now(), wire)
         due = due if size > 1 else -math.inf
         real = _future_of(run())
         future: torch.futures.Future = torch.futures.Future()
@@ -80,28 +83,32 @@ class Wire:
         real.add_done_callback(lambda _: self.deliveries.at(due, deliver))
         return _create_work_from_future(future)
 
-    def send(self, nbytes: int, run: Callable):
-        """Issue gloo's send at the time the link would have carried it (one FIFO thread: dues
-        only grow, so every pair's messages stay in order)."""
+    def send(self, nbytes: int, pair: list[int], run: Callable):
+        """Issue gloo's send between the global ranks `pair` at the time the link would have
+        carried it (a FIFO thread per speed: a queue's dues only grow, so a pair's messages keep
+        their order)."""
         self.traffic.append(("send", float(nbytes)))
-        due = self.send_queue.deliver_at(time.perf_counter(), nbytes)
+        speed = self.speed_of(pair)
+        due = self.send_queues[speed].deliver_at(now(), nbytes)
         future: torch.futures.Future = torch.futures.Future()
-        self.sends.put((due, run, future))
+        self.sends[speed].put((due, run, future))
         return _create_work_from_future(future)
-
-    def _issue_sends(self) -> None:
-        while True:
-            due, run, future = self.sends.get()
-            time.sleep(max(0.0, due - time.perf_counter()))
-            try:
-                work = run()
-            except Exception as error:
-                future.set_exception(error)
-                continue
-            threading.Thread(target=_complete, args=(work, future), daemon=True).start()
 
     def close(self) -> None:
         self.deliveries.stop()
+
+
+def _issue_sends(sends: queue.SimpleQueue) -> None:
+    """Issue each send at its due time; a thread then waits for gloo to finish it."""
+    while True:
+        due, run, future = sends.get()
+        time.sleep(max(0.0, due - now()))
+        try:
+            work = run()
+        except Exception as error:  # gloo refused it: the sender's wait raises
+            future.set_exception(error)
+            continue
+        threading.Thread(target=_complete, args=(work, future), daemon=True).start()
 
 
 def _future_of(work: dist.Work) -> torch.futures.Future:
@@ -195,7 +202,9 @@ class LinkGroup(dist.ProcessGroup):
         return self.gloo.barrier(opts or dist.BarrierOptions())
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work:
-        return self.wire.send(sum(map(_nbytes, tensors)), lambda: self.gloo.send(tensors, dst, tag))
+        pair = [self.global_ranks[self.rank()], self.global_ranks[dst]]
+        run = lambda: self.gloo.send(tensors, dst, tag)  # noqa: E731
+        return self.wire.send(sum(map(_nbytes, tensors)), pair, run)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
         return self.gloo.recv(tensors, src, tag)
