@@ -57,7 +57,7 @@ from miniddp.expert_parallel import ExpertParallel, MoE
 from miniddp.expert_parallel.parallel import AllToAllDispatch
 from miniddp.job.env import cleanup, init_distributed
 from miniddp.observe.link import Link
-from miniddp.observe.link_group import simulated_link
+from miniddp.observe.link_group import link_groups, simulated_link
 from miniddp.tensor_parallel import parallelize_module
 
 VARIANTS = ("dispatch + combine", "ep step", "dp step", "deepspeed step")
@@ -260,10 +260,11 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(1)  # the ranks share the cores
     if args.experts % env.world_size:
         raise SystemExit(f"--experts {args.experts} must be a multiple of {env.world_size} ranks")
-    case = Case(args)
     bare = fit_cost_model()
     links = args.link or [None, Link.parse(DEFAULT_LINK)]
-    results = [measure(args, case, link, bare) for link in links]
+    with link_groups():  # the case's groups cross each link in turn
+        case = Case(args)
+        results = [measure(args, case, link, bare) for link in links]
     if env.is_main:
         print(
             f"one MoE layer, {args.tokens} tokens a rank, dim {args.dim}, hidden {args.hidden}, "

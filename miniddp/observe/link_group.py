@@ -17,7 +17,8 @@ replaced.
 `simulated_link(link)` (the context manager every bench and chapter uses) makes a LinkGroup over
 all ranks and makes it the default group for the block: code that passes no group, and every
 group made inside the block (a DeviceMesh's, say), crosses the link. Groups made before the block
-do not: make the model's groups inside it.
+do not: make the model's groups inside it, or inside `link_groups()`, whose groups cross
+whichever link a `simulated_link` block inside it names (none outside those).
 """
 
 from __future__ import annotations
@@ -45,18 +46,22 @@ class Wire:
     """One rank's simulated network while a `simulated_link` block lasts: per speed (two for a
     TwoSpeed), a queue for collectives and one for sends, and the threads that deliver on time.
     Sends keep their own queues, as a link's two directions: a collective's bytes go both ways
-    at once, a send's only out."""
+    at once, a send's only out. With no link (None), every operation goes straight to gloo."""
 
-    def __init__(self, link: Link | TwoSpeed) -> None:
-        self.link = link
-        speeds = (link.inside, link.across) if isinstance(link, TwoSpeed) else (link,)
-        self.collective_queues = [LinkQueue(speed) for speed in speeds]
-        self.send_queues = [LinkQueue(speed) for speed in speeds]
+    def __init__(self, link: Link | TwoSpeed | None) -> None:
         self.deliveries = _Deliveries()
-        self.sends: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in speeds]
+        self.sends: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(2)]
         self.traffic: list[tuple[str, float]] = []  # (operation, wire bytes): what crossed
         for sends in self.sends:  # a thread a speed: one link's sends never wait for the other's
             threading.Thread(target=_issue_sends, args=(sends,), daemon=True).start()
+        self.use(link)
+
+    def use(self, link: Link | TwoSpeed | None) -> None:
+        """From now on, cross `link`, on empty queues (None: the bare machine)."""
+        self.link = link
+        speeds = (link.inside, link.across) if isinstance(link, TwoSpeed) else (link,)
+        self.collective_queues = [LinkQueue(speed) for speed in speeds if speed is not None]
+        self.send_queues = [LinkQueue(speed) for speed in speeds if speed is not None]
 
     def speed_of(self, global_ranks: list[int]) -> int:
         """1 (`across`) for ranks on two nodes of a TwoSpeed, else 0 (`inside`, or the link)."""
@@ -69,6 +74,8 @@ class Wire:
         size = len(global_ranks)
         wire = wire_bytes(name, nbytes, size)
         self.traffic.append((name, wire))
+        if self.link is None:
+            return run()
         due = self.collective_queues[self.speed_of(global_ranks)].deliver_at(now(), wire)
         due = due if size > 1 else -math.inf
         real = _future_of(run())
@@ -88,6 +95,8 @@ class Wire:
         carried it (a FIFO thread per speed: a queue's dues only grow, so a pair's messages keep
         their order)."""
         self.traffic.append(("send", float(nbytes)))
+        if self.link is None:
+            return run()
         speed = self.speed_of(pair)
         due = self.send_queues[speed].deliver_at(now(), nbytes)
         future: torch.futures.Future = torch.futures.Future()
@@ -243,22 +252,42 @@ def active_wire() -> Wire | None:
 
 @contextmanager
 def simulated_link(link: Link | TwoSpeed | None) -> Iterator[Link | TwoSpeed | None]:
-    """Inside the block, the default group is a LinkGroup over every rank (None: the bare
-    machine, nothing changes). Every rank must enter it, with the same link: making the group is
-    itself collective."""
-    if link is None:
-        yield None
+    """Inside the block, the default group is a LinkGroup over every rank, crossing `link`
+    (None: the bare machine, nothing changes). Every rank must enter it, with the same link:
+    making the group is itself collective. Nested in another block, it makes no group: the
+    groups made in the outer block cross `link` until the inner one ends, which lets a
+    benchmark alternate the bare machine and a link on the same model, step by step."""
+    if not _installing:
+        if link is None:
+            yield None
+            return
+        with link_groups(), simulated_link(link):
+            yield link
         return
+    wire = _installing[-1]
+    before = wire.link
+    wire.use(link)
+    try:
+        yield link
+    finally:
+        wire.use(before)
+
+
+@contextmanager
+def link_groups() -> Iterator[Wire]:
+    """Inside, the default group, and every group made in the block (a DeviceMesh's), is a
+    LinkGroup, on the bare machine until a `simulated_link(link)` block inside says otherwise.
+    Make a model's groups in here to time it both ways, step by step."""
     if _installing:
-        raise RuntimeError("a simulated link is already installed; leave its block first")
+        raise RuntimeError("link_groups() is already active; its groups are LinkGroups already")
     world = c10d._get_default_group()
-    wire = Wire(link)
+    wire = Wire(None)
     _installing.append(wire)
     try:
         group = dist.new_group(backend=BACKEND)
         c10d._world.default_pg = group
         try:
-            yield link
+            yield wire
         finally:
             c10d._world.default_pg = world
             dist.destroy_process_group(group)
