@@ -29,6 +29,12 @@ new_group is collective over the whole job). An axis whose group is the whole jo
 default group. `mesh["tp"]` is a 1-D mesh over this rank's TP group; its `get_group()` is what
 MiniDDP, fully_shard and PipelineStage take as their group, and `parallelize_module` takes it
 whole.
+
+Two axes as one, `mesh["dp", "cp"]._flatten("dp_cp")`, as torch's DeviceMesh._flatten: a 1-D
+mesh whose group is every rank of this rank's (dp, cp) plane, numbered dp-major (rank
+dp · cp_size + cp), for what spans both, such as averaging gradients over dp x cp (torchtitan's
+"dp_shard_cp"). Its groups are made once, on every rank (collective), and kept by the whole mesh:
+afterwards `mesh["dp_cp"]` is the same 1-D mesh.
 """
 
 from __future__ import annotations
@@ -56,6 +62,10 @@ class DeviceMesh:
         self.mesh = mesh  # the global ranks, shaped as the grid
         self.mesh_dim_names = mesh_dim_names
         self._groups = list(groups)  # this rank's group along each axis
+        # The whole job's mesh this one was cut from, and which of its axes this one's are:
+        # what _flatten needs to build every plane's group, not only this rank's.
+        self._root, self._root_axes = self, tuple(range(mesh.dim()))
+        self._flattened: dict[str, DeviceMesh] = {}  # the root's: name -> its 1-D mesh
 
     @property
     def ndim(self) -> int:
@@ -92,11 +102,42 @@ class DeviceMesh:
     def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
         """The sub-mesh through this rank along the named axes: `mesh["tp"]` is its TP row."""
         names = (names,) if isinstance(names, str) else tuple(names)
+        if len(names) == 1 and names[0] in self._root._flattened:
+            return self._root._flattened[names[0]]
         axes = [self._axis(name) for name in names]
         here = self.get_coordinate()
         index = tuple(slice(None) if a in axes else here[a] for a in range(self.ndim))
         sub = self.mesh[index].permute(*[sorted(axes).index(a) for a in axes])
-        return DeviceMesh(self.device_type, sub, names, [self._groups[a] for a in axes])
+        part = DeviceMesh(self.device_type, sub, names, [self._groups[a] for a in axes])
+        part._root, part._root_axes = self._root, tuple(self._root_axes[a] for a in axes)
+        return part
+
+    def _flatten(self, mesh_dim_name: str | None = None) -> DeviceMesh:
+        """This mesh's axes as one (torch's name and meaning): a 1-D mesh over all its ranks,
+        named `mesh_dim_name` ("dp_cp" for ("dp", "cp") unless given). Collective the first
+        time: every rank must call it, in the same order."""
+        name = mesh_dim_name or "_".join(self.mesh_dim_names)
+        known = self._root._flattened.get(name)
+        if known is not None and known._root_axes == self._root_axes:
+            return known
+        if known is not None or name in self._root.mesh_dim_names:
+            raise ValueError(
+                f"the mesh already has an axis named {name!r}: flatten {self.mesh_dim_names} "
+                "under another name"
+            )
+        grid, axes = self._root.mesh, self._root_axes
+        others = [a for a in range(grid.dim()) if a not in axes]
+        # Every plane of these axes is one group, ranks in this mesh's axis order (new_group
+        # numbers them in increasing order: the same when the axes keep the root's order).
+        planes = grid.permute(*others, *axes).reshape(-1, self.size()).tolist()
+        mine = None
+        for ranks in planes:
+            group = dist.group.WORLD if len(ranks) == grid.numel() else dist.new_group(ranks)
+            mine = group if dist.get_rank() in ranks else mine
+        flat = DeviceMesh(self.device_type, self.mesh.flatten(), (name,), [mine])
+        flat._root, flat._root_axes = self._root, axes
+        self._root._flattened[name] = flat
+        return flat
 
     def _axis(self, mesh_dim: int | str) -> int:
         if isinstance(mesh_dim, int) and 0 <= mesh_dim < self.ndim:

@@ -1,4 +1,4 @@
-"""`parallelize(gpt, mesh)`: chapter 12's GPT over a (pp, dp, tp) mesh, in one readable function.
+"""`parallelize(gpt, mesh)`: chapter 12's GPT over a (pp, dp, [cp,] tp) mesh, in one function.
 
 In the spirit of torchtitan's `parallelize_llama`, each parallelism is applied once, in a fixed
 order, to what the previous one left:
@@ -11,6 +11,9 @@ order, to what the previous one left:
     3. data parallelism     MiniDDP (or fully_shard) over mesh["dp"], last: it wraps exactly what
                             this rank holds, shards included (their mark tells it which group
                             it must not average over, miniddp/placement.py).
+
+With a "cp" axis, context parallelism cuts the sequence, not the model: each stage runs its
+attention on the ring over mesh["cp"], and step 3 averages over dp x cp (4-D, below).
 
 The plan (Megatron's): in each block, qkv colwise (whole heads: the GPT lays its rows out head
 by head) and proj rowwise, the MLP's up colwise and down rowwise; the token embedding rowwise
@@ -34,6 +37,20 @@ HSDP, as torchtitan names it: a mesh whose "dp" is two axes, ("pp", "dp_replicat
 "tp"), with data_parallel="fsdp", shards over "dp_shard" and replicates over "dp_replicate"
 (fully_shard over the 2-D mesh[("dp_replicate", "dp_shard")]); replica r of the batch is then
 dp_replicate_rank · dp_shard + dp_shard_rank.
+
+4-D, torchtitan's order ("pp", "dp", "cp", "tp"): the sequence is the innermost split but TP,
+because ring attention talks at every layer (W - 1 K/V hops forward, twice that backward), less
+than TP's all-reduces and more than DP's once-a-step average. Every rank of a replica, its pp,
+cp and tp ranks alike, is given the replica's whole windows (B, T + 1); `train_step` cuts each
+into cp rank r's chunks r and 2cp-1-r of 2cp (load-balanced: equal causal work), inputs and
+targets alike, gives the position embedding those chunks' global positions, and runs attention
+on the ring (miniddp/context_parallel/model.py's ContextParallel; torchtitan's context_parallel
+does the same around its step). Each cp rank's loss is its mean over its B·T/cp tokens, and as
+they hold equally many, the whole sequence's mean is their mean: so its gradient is the average
+over cp of theirs, and with dp replicas the average over dp x cp: MiniDDP or fully_shard run
+over mesh["dp", "cp"]._flatten("dp_cp"), torchtitan's "dp_shard_cp". A parameter replicated
+over cp then holds the same gradient on every cp rank, so clip_grad_norm_ counts it once, as a
+dp replica (no mark needed). Ring attention has no dropout: cp > 1 needs dropout 0.0.
 
 Mixed precision, `parallelize(..., mixed_precision=MixedPrecision(torch.bfloat16))`: one policy
 for both data parallelisms (MiniDDP's `mixed_precision`; fully_shard's MixedPrecisionPolicy with
@@ -77,6 +94,7 @@ process does with the same mixed precision, under MiniDDP and fully_shard alike.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 
@@ -85,6 +103,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from miniddp.context_parallel import ContextParallel
 from miniddp.data_parallel.compute_copies import ComputeInCopies, MixedPrecision
 from miniddp.data_parallel.ddp import MiniDDP
 from miniddp.job.faults import wait_for
@@ -104,6 +123,7 @@ from miniddp.tensor_parallel import (
 
 AXES = ("pp", "dp", "tp")
 HSDP_AXES = ("pp", "dp_replicate", "dp_shard", "tp")  # torchtitan's: "dp" as two axes
+CP_AXES = ("pp", "dp", "cp", "tp")  # 4-D: the sequence split too (the docstring)
 
 
 def tensor_parallel_plan(model: GPT) -> dict[str, ParallelStyle]:
@@ -124,10 +144,17 @@ class GPTStage(nn.Module):
     """Some of the GPT's layers, under the names they have in one process ("blocks.2.mlp.up"):
     the embeddings on the first stage, the norm and head on the last, blocks in between."""
 
-    def __init__(self, model: GPT, blocks: range, first: bool, last: bool) -> None:
+    def __init__(
+        self,
+        model: GPT,
+        blocks: range,
+        first: bool,
+        last: bool,
+        context: ContextParallel | None = None,
+    ) -> None:
         super().__init__()
-        self.first, self.last = first, last
-        self.context = model.config.context
+        self.first, self.last, self.context = first, last, context
+        self.context_length = model.config.context  # the longest window it has positions for
         if first:
             self.token, self.position, self.dropout = model.token, model.position, model.dropout
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in blocks})
@@ -138,12 +165,16 @@ class GPTStage(nn.Module):
                 carry_over(model.token.weight, self.head.weight)  # a TP shard stays one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.first:  # x: token ids (b, T)
-            refuse_a_window_longer_than_the_context(x.shape[1], self.context)
-            positions = torch.arange(x.shape[1], device=x.device)
+        if self.first:  # x: token ids (b, T), or (b, T / cp) at the global positions below
+            if self.context is None:  # under cp, train_step checked the whole window already
+                refuse_a_window_longer_than_the_context(x.shape[1], self.context_length)
+                positions = torch.arange(x.shape[1], device=x.device)
+            else:
+                positions = self.context.positions(x.shape[1], x.device)
             x = self.dropout(self.token(x) + self.position(positions))
-        for block in self.blocks.values():
-            x = block(x)
+        with nullcontext() if self.context is None else self.context.attention():
+            for block in self.blocks.values():
+                x = block(x)
         return self.head(self.norm(x)) if self.last else x
 
 
@@ -157,6 +188,7 @@ class ParallelGPT:
     mesh: DeviceMesh
     schedule: PipelineSchedule | None
     tied: TiedAcrossStages | None
+    context: ContextParallel | None = None  # with cp > 1: how the sequence is cut
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.model.parameters()
@@ -166,16 +198,22 @@ class ParallelGPT:
 
     def train_step(self, windows: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward of this replica's windows (B, T + 1); gradients complete when it
-        returns. The mean loss, on the ranks that compute it (the last stage's)."""
-        inputs, targets = windows[:, :-1], windows[:, 1:]
-        # Every rank checks: under a pipeline the first stage alone would fail, the others
-        # waiting for its activations.
-        refuse_a_window_longer_than_the_context(inputs.shape[1], self.model.context)
+        returns. The mean loss, on the ranks that compute it (the last stage's). With cp > 1,
+        every rank of the replica is given the same whole windows, and each keeps its part."""
+        # Every rank checks the whole window: under a pipeline the first stage alone would
+        # fail, the others waiting for its activations; under cp, each rank sees a part.
+        refuse_a_window_longer_than_the_context(windows.shape[1] - 1, self.model.context_length)
+        if self.context is None:
+            inputs, targets = windows[:, :-1], windows[:, 1:]
+        else:
+            inputs, targets = self.context.cut(windows)
         if self.schedule is None:
             loss = self.loss_fn(self.module(inputs), targets)
             loss.backward()
         else:
             stage, losses = self.schedule.stage, []
+            if self.tied is not None:
+                self.tied.set_aside()
             if stage.is_first:
                 self.schedule.step(inputs)
             elif stage.is_last:
@@ -185,6 +223,8 @@ class ParallelGPT:
             loss = torch.stack(losses).mean() if losses else None
         if self.tied is not None:
             self.tied.sum_gradients()
+        if loss is not None and self.context is not None:
+            loss = self.context.mean(loss)  # the whole sequence's, from the cp ranks' parts
         return None if loss is None else loss.detach()
 
 
@@ -203,17 +243,37 @@ def next_character_loss(
 
 class TiedAcrossStages:
     """The token embedding on the first stage and its copy in the last stage's head: after
-    backward, each gets the sum of both gradients, over the pair of ranks that hold them."""
+    backward, each gets the sum of both gradients, over the pair of ranks that hold them.
+
+    Only this step's part is summed. Two steps before the optimizer's: after the first, both
+    copies hold S1 = a1 + b1 (a from the embedding, b from the head); summing what the second
+    leaves, S1 + a2 and S1 + b2, would give 2 S1 + a2 + b2. So the earlier sum is set aside
+    before the step (.grad zeroed in place: a MiniDDP bucket view stays one), the step leaves a2
+    and b2 alone, their sum goes over the pair, and S1 comes back: S1 + (a2 + b2), as one process
+    accumulates the two steps."""
 
     def __init__(self, owner: nn.Module, attribute: str, pair: dist.ProcessGroup) -> None:
         self.owner, self.attribute, self.pair = owner, attribute, pair
+        self.earlier: torch.Tensor | None = None  # earlier steps' sum, while a step runs
+
+    def set_aside(self) -> None:
+        grad = self._grad()
+        if grad is not None:
+            self.earlier = grad.clone()
+            grad.zero_()
 
     def sum_gradients(self) -> None:
-        grad = getattr(self.owner, self.attribute).grad  # fully_shard: the shard's, looked up now
+        grad = self._grad()
         work = dist.all_reduce(grad, group=self.pair, async_op=True)
         wait_for(
             work, "all-reduce of the tied embedding's gradient (first + last stage)", self.pair
         )
+        if self.earlier is not None:
+            grad.add_(self.earlier)
+            self.earlier = None
+
+    def _grad(self) -> torch.Tensor | None:
+        return getattr(self.owner, self.attribute).grad  # fully_shard: the shard's, looked up now
 
 
 def parallelize(
@@ -226,10 +286,10 @@ def parallelize(
     mixed_precision: MixedPrecision | None = None,
 ) -> ParallelGPT:
     """Split `model` (built alike on every rank) over `mesh`, whose axes are named from
-    ("pp", "dp", "tp"), any of them of size 1, or for HSDP from HSDP_AXES; `data_parallel` is
-    "ddp" (MiniDDP) or "fsdp"; `mixed_precision` computes in its param_dtype on fp32 masters
-    (the module docstring); `device`, where the pipeline's messages land, is the model's own
-    unless given."""
+    ("pp", "dp", "tp"), any of them of size 1, from CP_AXES to cut the sequence too, or for HSDP
+    from HSDP_AXES; `data_parallel` is "ddp" (MiniDDP) or "fsdp"; `mixed_precision` computes in
+    its param_dtype on fp32 masters (the module docstring); `device`, where the pipeline's
+    messages land, is the model's own unless given."""
     if mixed_precision is not None and torch.float16 in (
         mixed_precision.param_dtype,
         mixed_precision.reduce_dtype,
@@ -241,11 +301,12 @@ def parallelize(
             "which needs none"
         )
     hsdp = sorted(mesh.mesh_dim_names) == sorted(HSDP_AXES)
-    if sorted(mesh.mesh_dim_names) != sorted(AXES) and not hsdp:
+    four_d = sorted(mesh.mesh_dim_names) == sorted(CP_AXES)
+    if sorted(mesh.mesh_dim_names) != sorted(AXES) and not hsdp and not four_d:
         raise ValueError(
-            f"parallelize needs a mesh with the axes {AXES} (any may have size 1), or {HSDP_AXES} "
-            f"for HSDP, got {mesh.mesh_dim_names}: init_device_mesh(..., "
-            "mesh_dim_names=('pp', 'dp', 'tp'))"
+            f"parallelize needs a mesh with the axes {AXES} (any may have size 1), {CP_AXES} "
+            f"with context parallelism, or {HSDP_AXES} for HSDP, got {mesh.mesh_dim_names}: "
+            "init_device_mesh(..., mesh_dim_names=('pp', 'dp', 'tp'))"
         )
     if data_parallel not in ("ddp", "fsdp"):
         raise ValueError(f'data_parallel is "ddp" or "fsdp", got {data_parallel!r}')
@@ -254,8 +315,20 @@ def parallelize(
             "a mesh with ('dp_replicate', 'dp_shard') axes is HSDP, which fully_shard runs: "
             'pass data_parallel="fsdp", or name one "dp" axis for MiniDDP'
         )
-    dp_mesh = mesh[("dp_replicate", "dp_shard")] if hsdp else mesh["dp"]
-    pp, dp, tp = mesh["pp"].size(), dp_mesh.size(), mesh["tp"].size()
+    cp = mesh["cp"].size() if four_d else 1
+    if cp > 1 and model.config.dropout > 0.0:
+        raise ValueError(
+            f"context parallelism (cp = {cp}) runs attention on the ring, which has no "
+            f"attention dropout, but this GPT's dropout is {model.config.dropout}: build it "
+            "with GPTConfig(..., dropout=0.0)"
+        )
+    if hsdp:
+        dp_mesh = mesh[("dp_replicate", "dp_shard")]
+    elif cp > 1:  # one average over dp x cp (the module docstring); collective, on every rank
+        dp_mesh = mesh["dp", "cp"]._flatten("dp_cp")
+    else:
+        dp_mesh = mesh["dp"]
+    pp, dp, tp = mesh["pp"].size(), dp_mesh.size(), mesh["tp"].size()  # dp: dp x cp, with cp
     layers, heads = len(model.blocks), model.config.heads
     if heads % tp:
         raise ValueError(
@@ -265,6 +338,10 @@ def parallelize(
         )
     if layers < pp:
         raise ValueError(f"{layers} blocks cannot fill {pp} pipeline stages: use pp <= {layers}")
+    context = None
+    if cp > 1:  # the replica: every rank with this rank's dp coordinate, given the same windows
+        replica = mesh["pp", "cp", "tp"]._flatten("pp_cp_tp").get_group()
+        context = ContextParallel(mesh["cp"].get_group(), replica)
 
     # 1. Tensor parallelism, by the whole model's names; under TP the tie is one shard.
     if tp > 1:
@@ -275,16 +352,14 @@ def parallelize(
     # one stage, all of them: the same module, its names one process's).
     index = mesh["pp"].get_local_rank()
     blocks = range(index * layers // pp, (index + 1) * layers // pp)
-    part = GPTStage(model, blocks, first=index == 0, last=index == pp - 1)
+    part = GPTStage(model, blocks, first=index == 0, last=index == pp - 1, context=context)
 
-    # 3. Data parallelism over "dp" (HSDP: its two axes), around exactly what this rank holds;
-    # it casts for mixed precision, and without it (dp = 1) ComputeInCopies does what MiniDDP
-    # would.
+    # 3. Data parallelism over "dp" (HSDP: its two axes; with cp, dp x cp), around exactly what
+    # this rank holds; it casts for mixed precision, and without it (dp = 1) ComputeInCopies
+    # does what MiniDDP would.
     module: nn.Module = part
     if dp > 1 and data_parallel == "ddp":
-        module = MiniDDP(
-            part, process_group=mesh["dp"].get_group(), mixed_precision=mixed_precision
-        )
+        module = MiniDDP(part, process_group=dp_mesh.get_group(), mixed_precision=mixed_precision)
     elif dp > 1:
         policy = None if mixed_precision is None else as_policy(mixed_precision)
         for block in part.blocks.values():
@@ -299,7 +374,7 @@ def parallelize(
         stage = PipelineStage(module, index, pp, device, group=mesh["pp"].get_group())
         schedule = Schedule1F1B(stage, n_microbatches, partial(next_character_loss, mesh=mesh))
         tied = _tie_first_and_last_stage(part, mesh)
-    return ParallelGPT(part, module, mesh, schedule, tied)
+    return ParallelGPT(part, module, mesh, schedule, tied, context)
 
 
 def as_policy(mixed_precision: MixedPrecision) -> MixedPrecisionPolicy:

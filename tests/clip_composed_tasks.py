@@ -107,6 +107,29 @@ def data_tensor_fully_sharded() -> dict[float, dict]:
     return results
 
 
+def data_tensor_zero() -> dict[float, dict]:
+    """(dp, tp) = (2, 2): TP inside each row, MiniDDP and ZeRO-1 over each column, mesh["dp"]:
+    each gradient is counted on its ZeRO owner, a rank of the dp group (group rank 0 or 1,
+    global ranks 0 and 2, or 1 and 3), not on the global rank of that number."""
+    from miniddp import MiniDDP, ZeroRedundancyOptimizer
+
+    mesh = mesh_once((2, 2), ("dp", "tp"))
+    dp, tp = mesh["dp"], mesh["tp"]
+    results = {}
+    for norm_type in NORMS:
+        reference, clipped = one_process(block(0), [0, 1], norm_type)
+        model = parallelize_module(block(0), tp, PLAN)
+        replica = MiniDDP(model, process_group=dp.get_group())
+        ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, process_group=dp.get_group())
+        x, y = batch(dp.get_local_rank())
+        nn.functional.mse_loss(replica(x), y).backward()
+        norm = clip_grad_norm_(model.parameters(), MAX_NORM, norm_type)
+        rank, size = tp.get_local_rank(), tp.size()
+        expected = {n: tp_chunk(n, g, rank, size) for n, g in clipped.items()}
+        results[norm_type] = outcome(norm, reference, largest_difference(model, expected))
+    return results
+
+
 class TiedPipeline(nn.Module):
     """Two stages, each a block, with an extra square map at each end whose weight is tied (as a
     GPT ties its embedding and its head): stage 0 holds `first`, the last stage a replica of

@@ -59,3 +59,19 @@ def get_group_of_a_3d_mesh() -> str:
     except ValueError as error:
         return str(error)
     return "no error"
+
+
+def flattened_axes(shape: tuple[int, ...], names: tuple[str, ...]) -> tuple[tuple, tuple, bool]:
+    """The group of the last two axes as one (`_flatten`), from MiniDDP's mesh and from torch's:
+    its global ranks, this rank's place in it, its size; and whether mesh["a_b"] finds it after."""
+    from torch.distributed.device_mesh import init_device_mesh as torch_init_device_mesh
+
+    pair, name = names[-2:], "_".join(names[-2:])
+    ours = mesh_once(shape, names)
+    theirs = torch_init_device_mesh("cpu", shape, mesh_dim_names=names)
+    described = []
+    for mesh in (ours, theirs):
+        flat = mesh[pair]._flatten(name)
+        group = flat.get_group()
+        described.append((dist.get_process_group_ranks(group), flat.get_local_rank(), flat.size()))
+    return described[0], described[1], ours[name] is ours[pair]._flatten(name)

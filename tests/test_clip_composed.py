@@ -50,6 +50,11 @@ def test_dp_tp_fully_shard_norm_adds_the_pieces_of_the_shards(rank_pools):
     check_against_one_process(rank_pools(4).run(tasks.data_tensor_fully_sharded), "DPxTPxFSDP")
 
 
+def test_dp_tp_zero_over_the_dp_axis_counts_each_gradient_on_its_owner(rank_pools):
+    """(dp, tp) = (2, 2), ZeRO-1 over mesh["dp"] only: its owners are ranks of that group."""
+    check_against_one_process(rank_pools(4).run(tasks.data_tensor_zero), "DPxTP, ZeRO-1 over dp")
+
+
 def test_pipeline_norm_adds_the_stages_and_counts_a_tied_replica_once(pool2):
     check_against_one_process(pool2.run(tasks.pipeline), "PP")
 

@@ -86,12 +86,13 @@ def test_the_plan_computes_every_needed_block_once(world_size, is_causal, load_b
 def test_blocks_counted_and_bytes_sent(rank_pools, load_balance):
     """Plain, causal rank r computes r + 1 of its W chunk pairs; balanced, every rank the same
     2W + 1 (two diagonal), and the same scores. Forward sends (W-1)·2·S/W·H·D·itemsize bytes
-    (times B), backward twice that."""
+    (times B) and the settings, one number a hop; backward twice K and V's."""
     world_size, spec = 4, AttentionSpec(is_causal=True, load_balance=load_balance, length=32)
     results = rank_pools(world_size).run(tasks.blocks_and_bytes, spec)
     per_rank_bytes = (world_size - 1) * 2 * spec.length // world_size * spec.heads
     per_rank_bytes *= spec.head_dim * 8 * spec.batch
-    expected = (per_rank_bytes, 2 * per_rank_bytes)
+    settings = (world_size - 1) * 8  # one number a hop: is_causal and load_balance
+    expected = (per_rank_bytes + settings, 2 * per_rank_bytes)
     assert ring_bytes(spec.length, spec.heads, spec.head_dim, world_size, 8, spec.batch) == expected
     for rank, result in enumerate(results):
         (stats,) = result["stats"]

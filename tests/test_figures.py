@@ -120,7 +120,7 @@ def test_other_bad_options_are_refused_without_making_the_folder(
 
 
 def test_the_three_d_figure_draws_the_mesh_and_a_step(tmp_path: Path) -> None:
-    """Chapter 15's figure from a step made up here (the 8-rank job that records a real one is
+    """Chapter 15c's figure from a step made up here (the 8-rank job that records a real one is
     the slow test's): its groups are the mesh's, and it is a readable PNG."""
     from miniddp.figures import three_d
     from miniddp.pipeline.bubble import Block

@@ -33,6 +33,7 @@ FLOORS = {
     "models": 2,
     "checkpoint": 3,
     "parallelize": 3,
+    "parallelize_formulas": 3,
     "steps": 4,
     "plan": 4,
     "bench": 5,

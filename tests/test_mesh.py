@@ -29,6 +29,15 @@ def test_a_sub_mesh_of_two_axes_is_the_slice_through_this_rank(rank_pools):
     assert grid == [[0, 4], [1, 5]]
 
 
+def test_two_axes_flattened_are_one_group_as_torchs_flatten_makes(rank_pools):
+    """mesh["dp", "cp"]._flatten("dp_cp"): the ranks of this rank's (dp, cp) plane, dp-major,
+    as torch's DeviceMesh._flatten; built once, then found by name."""
+    results = rank_pools(4).run(mesh_tasks.flattened_axes, (2, 1, 2), ("pp", "dp", "cp"))
+    for rank, (ours, theirs, found) in enumerate(results):
+        assert ours == theirs and found, f"rank {rank}: {ours} against torch's {theirs}"
+    assert results[3][0] == ([2, 3], 1, 2)
+
+
 @pytest.mark.parametrize(
     "shape, names, expected",
     [

@@ -41,7 +41,9 @@ def stage_that_may_die(rank: int, store_path: str, out_dir: str) -> None:
     os._exit(0)
 
 
-def run_processes(task, world_size: int, tmp_path: Path) -> list[str]:
+def run_processes(
+    task, world_size: int, tmp_path: Path, deadline_s: float = RUN_DEADLINE_S
+) -> list[str]:
     """Each rank's report, after all ended (or the deadline passed and they were killed)."""
     context = mp.start_processes(
         task,
@@ -50,7 +52,7 @@ def run_processes(task, world_size: int, tmp_path: Path) -> list[str]:
         join=False,
         start_method="spawn",
     )
-    deadline = time.monotonic() + RUN_DEADLINE_S
+    deadline = time.monotonic() + deadline_s
     for process in context.processes:
         process.join(max(0.0, deadline - time.monotonic()))
     for process in context.processes:

@@ -30,8 +30,8 @@ TORCH_LOG = re.compile(r"[DIWEF]\d{4} \d\d:\d\d:\d\d")
 # code on a tiny GPT, with its checks, instead.
 # Chapters 02 and 03 (the README's) run through `./launch.sh` below. Chapter 06 has its own
 # tests/test_failover.py: uninterrupted, crashed and restarted by torchrun, and once finished.
-# Chapter 15 needs 8 ranks, 08c, 09b and 18 4 (in 18 one dies): their own tests are at the end
-# of this file.
+# Chapters 15, 15c and 15d need 8 ranks, 08c, 09b and 18 4 (in 18 one dies): their own tests
+# are at the end of this file.
 OWN_TESTS = {
     "02_naive_ddp.py",
     "03_bucketing.py",
@@ -41,6 +41,8 @@ OWN_TESTS = {
     "12_train_gpt.py",
     "15_three_d_parallel.py",
     "18_across_the_internet.py",
+    "15d_four_d.py",
+    "15c_three_d_traffic.py",
 }
 CHAPTERS = [
     chapter
@@ -163,48 +165,65 @@ def test_launch_sh_help_prints_usage(tmp_path: Path) -> None:
 
 
 THREE_D = REPO / "tutorials" / "15_three_d_parallel.py"
+THREE_D_TRAFFIC = REPO / "tutorials" / "15c_three_d_traffic.py"
 
 
-@pytest.mark.slow  # 40 s; the default suite trains the same composition: test_parallelize.py
-def test_the_three_d_chapter_runs_quickly_on_eight_ranks(tmp_path: Path) -> None:
-    """Chapter 15 on its 8 ranks, 2 steps and nothing timed: every check but the link's. About
-    30 s here, most of it 8 processes importing torch, and torch._dynamo at AdamW's first step."""
-    returncode, output = run_chapter(THREE_D, 8, tmp_path, "--steps", "2", "--link", "none")
-    assert returncode == 0, f"{THREE_D.name} exited with {returncode}:\n{tail(output)}"
+def assert_verified_on_eight(chapter: Path, returncode: int, output: str, tmp_path: Path) -> None:
+    assert returncode == 0, f"{chapter.name} exited with {returncode}:\n{tail(output)}"
     assert "Verified on 8 ranks" in output
     assert "FAILED" not in output
+    wide = too_wide(output, tmp_path)
+    assert not wide, f"{chapter.name} printed lines over {LINE} characters:\n" + "\n".join(wide)
+
+
+@pytest.mark.slow  # 40 s; the default suite trains the same composition (test_parallelize.py)
+def test_the_three_d_chapter_runs_quickly_on_eight_ranks(tmp_path: Path) -> None:
+    """Chapter 15 on its 8 ranks, 2 steps: every check. About 30 s here, most of it 8 processes
+    importing torch. tests/test_three_d_audit.py checks its formulas by default."""
+    returncode, output = run_chapter(THREE_D, 8, tmp_path, "--steps", "2")
+    assert_verified_on_eight(THREE_D, returncode, output, tmp_path)
 
 
 @pytest.mark.slow  # 40 s; the default suite trains bf16 compositions: test_parallelize_mixed_...
 def test_the_three_d_chapter_trains_in_bf16_beside_fp32(tmp_path: Path) -> None:
-    """--precision bf16: section 7 trains the 3-D layout again in bf16 on fp32 masters, and
+    """--precision bf16: section 4 trains the 3-D layout again in bf16 on fp32 masters, and
     checks its loss against fp32's, its bytes against the formula, and the masters' dtype."""
-    args = ("--precision", "bf16", "--steps", "2", "--link", "none")
-    returncode, output = run_chapter(THREE_D, 8, tmp_path, *args)
-    assert "7. The same 3-D run in bf16, on fp32 masters" in output, tail(output)
+    returncode, output = run_chapter(THREE_D, 8, tmp_path, "--precision", "bf16", "--steps", "2")
+    assert "4. The same 3-D run in bf16, on fp32 masters" in output, tail(output)
     for check in ("bf16 loss within", "bf16 memory per rank", "bf16: parameters fp32"):
         assert re.search(rf"ok  {re.escape(check)}", output), f"{check}:\n{tail(output)}"
-    assert returncode == 0, f"{THREE_D.name} exited with {returncode}:\n{tail(output)}"
+    assert_verified_on_eight(THREE_D, returncode, output, tmp_path)
 
 
-@pytest.mark.slow  # 1-2 minutes: 8 steps, then two layouts timed over the simulated link
-def test_the_three_d_chapter_default_run_draws_its_step(tmp_path: Path) -> None:
+@pytest.mark.slow  # 30 s; tests/test_three_d_audit.py counts the same messages by default
+def test_the_traffic_chapter_runs_quickly_on_eight_ranks(tmp_path: Path) -> None:
+    """Chapter 15c, nothing timed: its messages against the formula, the layouts priced, one
+    step recorded on every rank."""
+    returncode, output = run_chapter(THREE_D_TRAFFIC, 8, tmp_path, "--link", "none")
+    assert "nothing timed" in output, tail(output)
+    assert_verified_on_eight(THREE_D_TRAFFIC, returncode, output, tmp_path)
+
+
+@pytest.mark.slow  # 1-2 minutes: two layouts timed over the simulated link
+def test_the_traffic_chapter_default_run_times_two_layouts_and_draws_its_step(
+    tmp_path: Path,
+) -> None:
     figures = tmp_path / "figures"
-    returncode, output = run_chapter(THREE_D, 8, tmp_path, "--plot", str(figures))
-    assert returncode == 0, f"{THREE_D.name} exited with {returncode}:\n{tail(output)}"
-    assert "Verified on 8 ranks" in output
+    returncode, output = run_chapter(THREE_D_TRAFFIC, 8, tmp_path, "--plot", str(figures))
+    assert_verified_on_eight(THREE_D_TRAFFIC, returncode, output, tmp_path)
     assert "x; measured: " in output or "the model calls it close" in output  # it timed
     assert (figures / "15_three_d.png").stat().st_size > 10_000
 
 
-def test_the_three_d_chapter_refuses_another_world_size(tmp_path: Path) -> None:
-    """Started as one process (or on any number of ranks but 8), it says how to start it, once,
-    before building anything."""
+@pytest.mark.parametrize("chapter", [THREE_D, THREE_D_TRAFFIC], ids=lambda c: c.name)
+def test_the_three_d_chapters_refuse_another_world_size(chapter: Path, tmp_path: Path) -> None:
+    """Started as one process (or on any number of ranks but 8), each says how to start it,
+    once, before building anything."""
     env = child_env(tmp_path, drop=(*LAUNCH_VARIABLES, "WORLD_SIZE", "RANK", "LOCAL_RANK"))
-    command = [sys.executable, str(THREE_D), "--steps", "2"]
+    command = [sys.executable, str(chapter), "--steps", "2"]
     returncode, output = run_in_own_session(command, env, TIMEOUT_SECONDS)
     assert returncode == 1, tail(output)
-    assert output.count("torchrun --nproc_per_node=8 tutorials/15_three_d_parallel.py") == 1
+    assert output.count(f"torchrun --nproc_per_node=8 tutorials/{chapter.name}") == 1
     assert "this job has 1" in output and "Traceback" not in output
 
 
@@ -270,3 +289,22 @@ def test_the_across_the_internet_chapter_runs_short_on_four_ranks(tmp_path: Path
     assert "Chapter 18 done: every check held." in output, tail(output)
     wide = too_wide(output, tmp_path)
     assert not wide, f"{ACROSS.name} printed lines over {LINE} characters:\n" + "\n".join(wide)
+
+
+FOUR_D = REPO / "tutorials" / "15d_four_d.py"
+
+
+@pytest.mark.slow  # 8 ranks on 2 cores; the default suite checks the same compositions in
+def test_the_four_d_chapter_runs_on_eight_ranks(tmp_path: Path) -> None:  # test_parallelize_cp
+    returncode, output = run_chapter(FOUR_D, 8, tmp_path)
+    assert returncode == 0, f"{FOUR_D.name} exited with {returncode}:\n{tail(output)}"
+    assert "Verified on 8 ranks" in output
+    assert not too_wide(output, tmp_path)
+
+
+def test_the_four_d_chapter_refuses_another_world_size(tmp_path: Path) -> None:
+    env = child_env(tmp_path, drop=(*LAUNCH_VARIABLES, "WORLD_SIZE", "RANK", "LOCAL_RANK"))
+    returncode, output = run_in_own_session([sys.executable, str(FOUR_D)], env, 60)
+    assert returncode == 1, tail(output)
+    assert output.count("torchrun --nproc_per_node=8 tutorials/15d_four_d.py") == 1
+    assert "Traceback" not in output

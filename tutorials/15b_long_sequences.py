@@ -203,14 +203,16 @@ def section_bytes(world: int, checks: dict[str, bool]) -> None:
     traffic.reset()
     out.sum().backward()
     backward = traffic.bytes_sent
-    formula, _ = ring_bytes(RING_LENGTH, HEADS, HEAD_DIM, world, 4)
+    formula, backward_formula = ring_bytes(RING_LENGTH, HEADS, HEAD_DIM, world, 4)
     say_prose(f"""\
-        Per rank and call, B = 1: K and V, S/W positions each, travel W - 1 hops forward;
-        backward sends them round again and brings dK and dV home the same way, twice that.
-        Counted by MiniDDP's traffic, S = {RING_LENGTH}, H = {HEADS}, D = {HEAD_DIM}, float32:
+        Per rank and call, B = 1: K and V, S/W positions each, travel W - 1 hops forward
+        (with one number more, the block's is_causal and load_balance, which every rank checks
+        it shares); backward sends them round again and brings dK and dV home the same way,
+        twice that. Counted by MiniDDP's traffic, S = {RING_LENGTH}, H = {HEADS}, D = {HEAD_DIM},
+        float32:
 
-            forward    {forward:>10,} bytes    (W-1)·2·S/W·H·D·4 = {formula:,}
-            backward   {backward:>10,} bytes    twice that        = {2 * formula:,}
+            forward    {forward:>10,} bytes    (W-1)·(2·S/W·H·D + 1)·4 = {formula:,}
+            backward   {backward:>10,} bytes    twice K and V's         = {backward_formula:,}
 
         All-gathering K/V first (torch's context_parallel with rotate_method="allgather")
         sends the same bytes. What differs is when they move and what is held. The ring sends
@@ -244,8 +246,8 @@ def section_bytes(world: int, checks: dict[str, bool]) -> None:
         above. The all-gather's case lies outside the model: K/V made small by grouped-query
         attention (H_kv heads of H), and one library collective in place of W - 1 launches
         and waits, each paying its own overhead.""")
-    checks["bytes: forward (W-1)·2·S/W·H·D·itemsize"] = forward == formula
-    checks["bytes: backward twice the forward"] = backward == 2 * formula
+    checks["bytes: forward (W-1)·(2·S/W·H·D + 1)·itemsize"] = forward == formula
+    checks["bytes: backward twice the forward's K and V"] = backward == backward_formula
     checks["the ring never slower than all-gather (model)"] = all(wins)
 
 
@@ -284,7 +286,7 @@ def section_link(world: int, link: Link, checks: dict[str, bool]) -> None:
     measured = {name: statistics.median(seconds) for name, seconds in times.items()}
     say_prose(f"""\
         Timed, S = {RING_LENGTH}, non-causal, on the simulated link {link} (every send
-        delayed by miniddp/observe/link_sends.py, the all-gather's too: W - 1 sends), median of
+        and collective crosses the link's process group, miniddp/observe/link_group.py), median of
         {LINK_REPEATS}, the two interleaved; t = {t * 1e3:.1f} ms measured here, m = 2 alpha +
         block bytes / bandwidth = {m * 1e3:.1f} ms (K and V, two messages):""")
     for name in designs:

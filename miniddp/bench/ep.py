@@ -4,7 +4,7 @@
                                [--top-k 2] [--capacity-factor 1.25] [--iters 20]
                                [--link none --link alpha=1ms,...]
 
-On the bare machine, then over a simulated link (miniddp/observe/link_sends.py: every send
+On the bare machine, then over a simulated link (miniddp/observe/link_group.py: every send
 waits for the link, alpha + bytes / bandwidth, one at a time per rank), each rank routes its
 own `--tokens` tokens through one MoE layer:
 

@@ -16,7 +16,8 @@ reading order:
     attention.py        ring_attention: K/V round the ring, the log-sum-exp merge, the backward
                         by the same ring; the blocks each rank computes (count_blocks)
     model.py            a whole model on the ring: sdpa_on_the_ring routes its attention
-                        calls, positions_of gives its position embedding global positions
+                        calls, positions_of gives its position embedding global positions;
+                        ContextParallel does both around a training step (parallelize's)
 
     q, k, v = (shard_sequence(t, dim=2, load_balance=True) for t in (Q, K, V))
     out = ring_attention(q, k, v, is_causal=True, load_balance=True)
@@ -33,11 +34,12 @@ from miniddp.context_parallel.attention import (
     stats_for,
     step_blocks,
 )
-from miniddp.context_parallel.model import positions_of, sdpa_on_the_ring
+from miniddp.context_parallel.model import ContextParallel, positions_of, sdpa_on_the_ring
 from miniddp.context_parallel.sequence import chunks_of, shard_sequence, unshard_sequence
 
 __all__ = [
     "Block",
+    "ContextParallel",
     "RingStats",
     "chunks_of",
     "count_blocks",

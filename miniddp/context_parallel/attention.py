@@ -37,7 +37,9 @@ pairs (one diagonal), the others waiting for the last; load-balanced, every rank
 
 The bytes, per rank per call (B = 1; multiply by the batch):
 
-    forward    (W-1) · 2 · S/W · H · D · itemsize    K and V, W-1 hops
+    forward    (W-1) · 2 · S/W · H · D · itemsize    K and V, W-1 hops (and one number a hop,
+                                                     the block owner's is_causal and
+                                                     load_balance, which every rank checks)
     backward   twice that                            K and V again, then dK and dV: W-1 hops
                                                      from the first rank that adds to them
                                                      (the owner's right neighbour) back home
@@ -128,9 +130,11 @@ def ring_bytes(
     sequence: int, kv_heads: int, head_dim: int, world_size: int, itemsize: int, batch: int = 1
 ) -> tuple[int, int]:
     """(forward, backward) bytes one rank sends in one ring_attention call (the module
-    docstring): K and V, S/W positions each, W-1 hops forward; backward twice that."""
-    forward = (world_size - 1) * 2 * sequence // world_size * kv_heads * head_dim * itemsize
-    return forward * batch, 2 * forward * batch
+    docstring): K and V, S/W positions each, W-1 hops forward, each hop with one number more
+    (its sender's is_causal and load_balance, which every rank checks); backward twice the
+    K and V."""
+    kv = (world_size - 1) * 2 * sequence // world_size * kv_heads * head_dim * itemsize * batch
+    return kv + (world_size - 1) * itemsize, 2 * kv
 
 
 def ring_seconds(world_size: int, block_s: float, hop_s: float) -> tuple[float, float]:
@@ -188,18 +192,24 @@ class _RingAttention(torch.autograd.Function):
         slots = len(chunks_of(rank, size, load_balance))
         chunk = q.shape[2] // slots
         merge_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-        kv = torch.cat([k.reshape(-1), v.reshape(-1)])
+        # The block carries its owner's mask settings, one number after K and V (the ring
+        # agreement below): every rank sees every block, so every rank sees every setting.
+        settings = _settings(is_causal, load_balance)
+        kv = torch.cat([k.reshape(-1), v.reshape(-1), q.new_tensor([settings])])
         spare = torch.empty_like(kv)
         kernel = kernel_for(q.device, q.dtype)
         outs: list = [None] * slots
         lses: list = [None] * slots
+        held_settings = {}  # the owner's rank in the group -> what it was called with
         for step in range(size):
             source = (rank - step) % size
             work = None
             if step < size - 1:  # the next block travels while this one is computed
                 what = f"K/V of rank {peers.global_ranks[source]}"
                 work = _post(peers, step + 1, [(kv, what)], [spare])
-            key, value = kv[: k.numel()].view(k.shape), kv[k.numel() :].view(v.shape)
+            held_settings[source] = int(kv[-1].item())
+            key = kv[: k.numel()].view(k.shape)
+            value = kv[k.numel() : k.numel() + v.numel()].view(v.shape)
             for b in step_blocks(rank, size, step, is_causal, load_balance):
                 o, lse = kernel.forward(
                     _rows(q, chunk, b.q, b.q + 1),
@@ -213,6 +223,7 @@ class _RingAttention(torch.autograd.Function):
                 left = peers.global_ranks[(rank - 1) % size]
                 wait_for(work, f"ring attention step {step + 1}: K/V from rank {left}", group)
                 kv, spare = spare, kv
+        _refuse_different_settings(held_settings, peers.global_ranks)
         out, lse = torch.cat(outs, 2).to(q.dtype), torch.cat(lses, 2)
         if _recorded is not None:
             _recorded.append(
@@ -283,6 +294,31 @@ class _RingAttention(torch.autograd.Function):
             own = own + incoming
         dk, dv = own[: k.numel()].view(k.shape), own[k.numel() :].view(v.shape)
         return dq, dk, dv, None, None, None, None
+
+
+def _settings(is_causal: bool, load_balance: bool) -> int:
+    """The settings every rank of the ring must share, as one small number (exact in any
+    floating-point dtype: it travels inside the K/V block)."""
+    return int(is_causal) + 2 * int(load_balance)
+
+
+def _refuse_different_settings(held: dict[int, int], global_ranks: list[int]) -> None:
+    """Ring agreement: after a forward every rank has held every rank's block, and with it the
+    settings its owner was called with. A rank whose is_causal or load_balance differs from the
+    others' computes another attention than theirs, and each rank's output would come back
+    finite and wrong; instead every rank raises here, once the ring is done (so none is left
+    waiting for a block), naming each rank's settings. Costs no message: it rides on the K/V."""
+    if len(set(held.values())) <= 1:
+        return
+    said = ", ".join(
+        f"rank {global_ranks[r]}: is_causal={bool(held[r] & 1)}, load_balance={bool(held[r] & 2)}"
+        for r in sorted(held)
+    )
+    raise ValueError(
+        f"ring_attention was called with different settings on the ranks of its group ({said}): "
+        "each rank computes its part of one attention, so pass the same is_causal and "
+        "load_balance on every rank"
+    )
 
 
 def _check(q, k, v, attn_mask, is_causal: bool, load_balance: bool) -> None:

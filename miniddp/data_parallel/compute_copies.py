@@ -27,7 +27,8 @@ The life of one step, beside MiniDDP's own (ddp.py):
     reduce       each bucket is summed in reduce_dtype, and only then divided by W (bucket.py):
                  torch's DDP mixed-precision hook divides after its sum, and fully_shard reduces
                  with AVG (a sum, then a division), so their averages are these bits at any W.
-                 The average is written into the master's fp32 `.grad`.
+                 The average is written into the master's fp32 `.grad`, and then the hooks
+                 registered on the master run (optimizer in backward: gradient_written).
     backward     the masters take their places back, and the optimizer steps them in fp32.
     ends
 
@@ -57,7 +58,9 @@ the same steps: torch's scaler serves as it is (sharded gradients need
 miniddp.sharding.ShardedGradScaler). bfloat16 has float32's 8-bit exponent and needs none.
 
 A forward with grad enabled whose backward never runs leaves the copies in the module until
-the next forward: evaluate under `torch.no_grad()`, which puts the masters back at once.
+the next forward: evaluate under `torch.no_grad()`, which puts the masters back at once. Either
+way `state_dict()` and `load_state_dict()` put the masters back first, so a checkpoint saves and
+restores the fp32 masters, never the copies (which the next forward would overwrite).
 """
 
 from __future__ import annotations
@@ -144,6 +147,9 @@ class ComputeCopies:
             if master is not None and id(master) in copy_of
         ]
         self.holds = Holds.MASTERS
+        # A checkpoint reads and writes the masters, whatever sits in the slots (the docstring).
+        module.register_state_dict_pre_hook(lambda *_: self._put(Holds.MASTERS))
+        module.register_load_state_dict_pre_hook(lambda *_: self._put(Holds.MASTERS))
         if policy.buffer_dtype is not None:
             for buffer in module.buffers():
                 if buffer.is_floating_point():
@@ -198,6 +204,18 @@ class ComputeCopies:
 
         return hook
 
+    @staticmethod
+    def gradient_written(master: torch.Tensor) -> None:
+        """Run the post-accumulate-grad hooks registered on `master`, now that its `.grad` holds
+        this backward's gradient. Autograd runs a leaf's hooks when it accumulates into it, but
+        the graph's leaves are the copies: the masters' `.grad` is written here (the fold) and
+        by MiniDDP (the average), and their hooks, where optimizer-in-backward steps
+        (`p.register_post_accumulate_grad_hook` on `model.parameters()`), would never run. So
+        they run once each master's gradient is final: after the average in a synced backward,
+        after the fold otherwise, as fully_shard runs them on each reduced shard."""
+        for hook in (master._post_accumulate_grad_hooks or {}).values():
+            hook(master)
+
     def _put(self, holds: Holds) -> None:
         """Swap masters or copies into the module's slots. setattr, not `_parameters[name]`,
         so that modules that keep their own references (nn.LSTM's flat weights) follow."""
@@ -224,7 +242,7 @@ class ComputeInCopies(nn.Module):
         self.module = module
         trainable = [p for p in module.parameters() if p.requires_grad]
         self._copies = ComputeCopies(module, policy, trainable)  # as MiniDDP names it
-        fold = self._copies.fold_then(lambda index, master: None)
+        fold = self._copies.fold_then(lambda index, master: ComputeCopies.gradient_written(master))
         self._hooks = [
             copy.register_post_accumulate_grad_hook(partial(fold, index))
             for index, copy in enumerate(self._copies.trainable_copies)

@@ -272,6 +272,8 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
             )
         self._start_reducing()  # in case backward reached a parameter before the output
         if self._phase is Phase.LOCAL:
+            if self._copies is not None:  # no average will come: the fold was the last write
+                self._copies.gradient_written(param)
             return
         if self._static_graph is not None and not self._static_graph.last_hook(index):
             return  # static_graph: ready after as many hooks as the first backward had
@@ -348,6 +350,10 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
             bucket.wait(self._wait)
             self._note("wait", f"bucket {bucket.index}")
             bucket.write_back(used)
+            if self._copies is not None:  # each master holds its average now
+                for index, master in zip(bucket.param_indices, bucket.params):
+                    if master.grad is not None and (used is None or used[index]):
+                        self._copies.gradient_written(master)
         self._reset_backward(Phase.SYNCED)
         self._note("sync", "end")
 

@@ -22,7 +22,7 @@ Where the data comes from:
 - 14: a job of 4 gloo ranks runs GPipe and 1F1B on stages of fixed cost (figures/pipeline.py);
   14b: the four schedules' orders (GPipe, 1F1B, interleaved 1F1B, zero bubble) on the logical
   clock, no run needed.
-- 15: a job of 8 gloo ranks trains chapter 15's GPT on a (pp, dp, tp) = (2, 2, 2) mesh and
+- 15: a job of 8 gloo ranks trains chapter 15c's GPT on a (pp, dp, tp) = (2, 2, 2) mesh and
   records one step: the mesh beside every rank's F, B and traffic per axis (figures/three_d.py).
 - 15b: drawn from ring attention's plan (step_blocks): the blocks each of 4 ranks computes,
   causal, plain and load-balanced (figures/context_parallel.py).

@@ -1,4 +1,4 @@
-"""Chapter 15's picture: the (pp, dp, tp) mesh of 8 ranks, and one training step on it.
+"""Chapter 15c's picture: the (pp, dp, tp) mesh of 8 ranks, and one training step on it.
 
 Left, the grid as `miniddp.mesh.init_device_mesh` lays it out, `torch.arange(8).view(2, 2, 2)`:
 two pages (pp), each a 2 x 2 square of replicas (dp, down) and shards (tp, across), every rank
@@ -8,8 +8,9 @@ under them what it sent on each axis, when: TP's all-reduces inside every F and 
 between the stages, DP's one all-reduce and the tied embedding's at the end.
 
 The data: an 8-rank gloo job (spawned, with a deadline) trains the GPT two steps and records
-the second (`record_step`); chapter 15 records its own step the same way and draws it with
---plot. `recording_the_wire` is also how the chapter counts what each axis sends.
+the second (`record_step`); chapter 15c records its own step the same way and draws it with
+--plot. `recording_the_wire` is also how chapter 15c counts what each axis sends, and
+`measure_step` how chapter 15 and tests/test_three_d_audit.py measure what each rank holds.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import inspect
 import os
 import pickle
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -30,13 +32,15 @@ import torch.distributed as dist
 from miniddp.figures.record import spawn_and_collect
 from miniddp.mesh import DeviceMesh, init_device_mesh
 from miniddp.models.gpt import GPT, GPTConfig
+from miniddp.observe.activation_memory import PeakSavedActivations
 from miniddp.parallelize import ParallelGPT, parallelize
 from miniddp.pipeline.bubble import Block, blocks_of
+from miniddp.sharding import MemoryPerRank, ddp_buckets, ddp_compute_copies, measure_memory
 
 AXES = ("pp", "dp", "tp")
 SHAPE = (2, 2, 2)
 COLOURS = {"tp": "crimson", "pp": "royalblue", "dp": "seagreen", "F": "#aed6f1", "B": "#f5cba7"}
-# The job's model: chapter 15's shape, on random tokens (the chapter trains on real text).
+# The job's model: chapters 15 and 15c's shape, on random tokens (the chapter trains on real text).
 CONFIG = GPTConfig(vocab_size=64, context=16, width=32, layers=4, heads=4, dropout=0.0)
 WINDOWS, MICROBATCHES = 8, 4  # a step's windows (all replicas), and microbatches per replica
 JOB_TIMEOUT_S = 600  # 8 ranks importing torch on 2 busy cores took 150 s once
@@ -66,11 +70,17 @@ class WireEvent:
 
 
 @contextmanager
-def recording_the_wire(mesh: DeviceMesh) -> Iterator[list[WireEvent]]:
+def recording_the_wire(
+    mesh: DeviceMesh, tie: dist.ProcessGroup | None = None
+) -> Iterator[list[WireEvent]]:
     """Inside the block, every `dist.all_reduce` and `dist.batch_isend_irecv` this rank issues
     is logged with the axis of its group (MiniDDP, tensor parallelism, the pipeline and the
-    tied embedding all call them by attribute). Nothing else changes."""
+    tied embedding all call them by attribute). Nothing else changes. `tie`: the group of a
+    pipeline's first and last stage, the pipeline's own with two stages, a pair of its ranks
+    with more: logged as "pp" too."""
     axis_of = {id(mesh[name].get_group()): name for name in mesh.mesh_dim_names}
+    if tie is not None:
+        axis_of[id(tie)] = "pp"
     log: list[WireEvent] = []
     all_reduce, batch = dist.all_reduce, dist.batch_isend_irecv
     signature = inspect.signature(all_reduce)
@@ -131,7 +141,7 @@ def record_step(parts: ParallelGPT, windows: torch.Tensor) -> tuple[torch.Tensor
     step = RankStep(dist.get_rank(), mesh.get_coordinate())
     if schedule is not None:
         schedule.record_events()
-    with recording_the_wire(mesh) as wire:
+    with recording_the_wire(mesh, None if parts.tied is None else parts.tied.pair) as wire:
         loss = parts.train_step(windows)
     step.wire = wire
     if schedule is not None:
@@ -141,6 +151,42 @@ def record_step(parts: ParallelGPT, windows: torch.Tensor) -> tuple[torch.Tensor
         step.waits = list(zip(idle[::2], idle[1::2]))  # start, end, start, end...
         schedule.record_events(False)
     return loss, step
+
+
+def messages_sent(step: RankStep) -> Counter:
+    """(axis, kind, elements, bytes an element) -> how many, of what the rank put on the wire:
+    its all-reduces and sends (a receive is its neighbour's send)."""
+    return Counter(
+        (event.axis, event.kind, event.elements, event.nbytes // event.elements)
+        for event in step.wire
+        if event.kind != "recv"
+    )
+
+
+@dataclass
+class StepMeasured:
+    """One rank's recorded step (`step`), its loss, and what the rank held in it: `memory` from
+    the storages after backward, the `activations` saved for backward at their peak, and the
+    microbatches its pipeline stage `held` at once."""
+
+    loss: torch.Tensor | None
+    step: RankStep
+    memory: MemoryPerRank
+    activations: int
+    held: int
+
+
+def measure_step(
+    parts: ParallelGPT, optimizer: torch.optim.Optimizer, windows: torch.Tensor
+) -> StepMeasured:
+    """`record_step`, and what this rank holds in it, before `optimizer` steps (so after a
+    first step, Adam's state is there to count). Every rank must call it."""
+    copies = ddp_compute_copies(parts.module)  # under mixed precision: what forward computes with
+    with PeakSavedActivations([*parts.parameters(), *copies]) as saved:
+        loss, step = record_step(parts, windows)
+    memory = measure_memory(parts.parameters(), optimizer, ddp_buckets(parts.module), copies)
+    held = parts.schedule.stage.peak_held if parts.schedule else 1
+    return StepMeasured(loss, step, memory, saved.peak, held)
 
 
 def gather_steps(step: RankStep) -> list[RankStep]:
@@ -325,8 +371,8 @@ def _draw_step(axes, steps: list[RankStep]) -> None:
 
 def mesh_and_step(steps: list[RankStep], path: str | Path, shape: tuple = SHAPE) -> Path:
     """The figure: the mesh on the left, the recorded step on the right. (matplotlib is
-    imported here, not above: chapter 15's 8 ranks import this module to record a step, and
-    only one of them draws.)"""
+    imported here, not above: the 8 ranks of chapters 15 and 15c import this module to measure
+    a step, and only one of them draws.)"""
     from miniddp.figures.draw import plt, save
 
     figure, (left, right) = plt.subplots(

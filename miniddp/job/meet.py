@@ -37,7 +37,7 @@ import time
 import torch.distributed as dist
 
 from miniddp.job.faults import POLL_S, SAME_STEPS, UNUSABLE, CollectiveFailed, describe_exit, ranks
-from miniddp.job.notes import Board, Note, board_of, boards
+from miniddp.job.notes import Board, Note, board_of, boards, first_line
 
 FIRST_POLL_S = 0.005  # ranks usually arrive together: look again soon, then less and less often
 CLEANUP = "cleanup()"
@@ -70,7 +70,14 @@ def leave_together(group: dist.ProcessGroup | None = None) -> None:
     """
     for board in boards() or [board_of(group)]:
         board.post_exit(by_cleanup=True)
-    meet(CLEANUP, f"The ranks ran different numbers of steps: {SAME_STEPS}.", group)
+    handling = sys.exc_info()[1]  # `except ...: cleanup()`: this rank left mid-step
+    advice = (
+        f"This rank left a step with {type(handling).__name__}: {first_line(handling)}, while "
+        "the others were still in it: fix that error."
+        if handling is not None
+        else f"The ranks ran different numbers of steps: {SAME_STEPS}."
+    )
+    meet(CLEANUP, advice, group)
     _rank_0_leaves_last(board_of(group))
 
 

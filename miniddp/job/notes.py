@@ -184,13 +184,14 @@ def _post_exit_at_interpreter_exit(board: Board) -> None:
 
 
 def _crash() -> str:
-    """The exception that is ending this process, if one is.
+    """The exception that is ending this process, if one is, or that the script is handling
+    as it calls cleanup() (`except ...: cleanup()`, after a pipeline stage raised, say).
 
     Python keeps the exception that ended the main script in `sys.last_value` before it runs
     the atexit handlers, whichever way the process group was started; so no `sys.excepthook`
     has to be installed, by `init_distributed` or anyone else.
     """
-    error = getattr(sys, "last_value", None)
+    error = getattr(sys, "last_value", None) or sys.exc_info()[1]
     return "" if error is None else f"{type(error).__name__}: {first_line(error)}"
 
 

@@ -85,11 +85,15 @@ def block_bytes(
     batch: int,
     dtype: torch.dtype = torch.float32,
     checkpointing: Checkpointing = Checkpointing.NONE,
+    tp: int = 1,
 ) -> int:
     """What one Block keeps for backward, in train() mode on the CPU (the module docstring
-    derives each term)."""
+    derives each term). `tp` > 1: one rank of Megatron's tensor parallelism (chapter 15), which
+    keeps what it computes on its a/t heads and 4H/t of the MLP, and the rest whole."""
     s, b, h, a, e = config.context, batch, config.width, config.heads, dtype.itemsize
     sbh, dropout = s * b * h, config.dropout > 0
+    if tp > 1:
+        return tensor_parallel_block_bytes(config, batch, dtype, checkpointing, tp)
     norms = 2 * (e * sbh + 2 * e * s * b)  # each norm's input and its mean and 1/std
     mlp = e * sbh + 4 * e * sbh + 4 * e * sbh + dropout * e * sbh  # up, GELU, down, mask
     if checkpointing is Checkpointing.BLOCK:
@@ -101,6 +105,29 @@ def block_bytes(
     else:  # flash: q, k, v one storage, the output (= proj's input), the log-sum-exp
         attention = 3 * e * sbh + e * sbh + FP32 * a * b * s
     return norms + e * sbh + attention + mlp  # e·sbh: qkv's input
+
+
+def tensor_parallel_block_bytes(
+    config: GPTConfig, batch: int, dtype: torch.dtype, checkpointing: Checkpointing, tp: int
+) -> int:
+    """block_bytes on one of `tp` ranks, at dropout 0 without checkpointing (where it is
+    checked). Whole on every rank: both norms' inputs and statistics (2(e·sbh + 2e·sb)), and
+    the inputs of qkv and up, the norms' outputs (2e·sbh). Split over the t ranks: q, k, v
+    (3e·sbh), flash's output (e·sbh) and log-sum-exp (4·abs), GELU's input and down's input
+    (8e·sbh). In fp32: 4sb(4h + 4) + 4sb(12h + a)/t."""
+    if config.dropout > 0 or checkpointing is not Checkpointing.NONE:
+        raise ValueError(
+            f"block_bytes under TP (tp={tp}) is derived for dropout 0 without checkpointing, "
+            f"got dropout={config.dropout}, checkpointing={checkpointing.value}: use tp=1, or "
+            "derive those terms and check them against SavedActivations first"
+        )
+    if config.heads % tp or (4 * config.width) % tp:
+        raise ValueError(f"tp={tp} must divide the {config.heads} heads and the MLP's 4H")
+    s, b, h, a, e = config.context, batch, config.width, config.heads, dtype.itemsize
+    sbh = s * b * h
+    whole = 2 * (e * sbh + 2 * e * s * b) + 2 * e * sbh
+    split = 3 * e * sbh + e * sbh + FP32 * a * b * s + 8 * e * sbh
+    return whole + split // tp
 
 
 def other_bytes(config: GPTConfig, batch: int, dtype: torch.dtype = torch.float32) -> int:

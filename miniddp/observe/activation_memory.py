@@ -24,11 +24,15 @@ saved tensor is seen, and counted:
 torch.utils.checkpoint(use_reentrant=False) saves its region's inputs through the same hooks
 (it keeps them to run the region again in backward) and, inside the region, pushes a hook of
 its own that saves nothing: a checkpointed block is measured as what it really keeps.
+
+SavedActivations reads what one forward left at its end. A pipeline holds several microbatches'
+at once and frees each after its backward: PeakSavedActivations follows every saved storage
+while it lives, through the whole step, and keeps the most held at once (chapter 15's 1F1B).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -108,3 +112,61 @@ class SavedActivations:
             self._storages[key] = storage
             self._owner[key] = self._running[-1] if self._running else OTHER
         return tensor
+
+
+class PeakSavedActivations:
+    """The most bytes autograd holds for backward at once, over forwards and backwards that
+    overlap (a pipeline's microbatches in flight), parameters left out. Inside `with`, each
+    storage is counted once while any saved reference to it lives; a reference dies with the
+    graph that saved it, after its backward. `peak` is the high-water mark, `now` the bytes
+    held. `parameters`: the storages to leave out (under mixed precision, the compute copies
+    too)."""
+
+    def __init__(self, parameters: Iterable[torch.Tensor]) -> None:
+        self.parameters = {p.untyped_storage().data_ptr() for p in parameters}
+        self.live: dict[int, list[int]] = {}  # storage -> [bytes, saved references]
+        self.now = self.peak = 0
+        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+
+    def __enter__(self) -> PeakSavedActivations:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exception: Any) -> None:
+        assert self._hooks is not None
+        self._hooks.__exit__(*exception)
+        self._hooks = None
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.parameters or not storage.nbytes():
+            return tensor
+        if key not in self.live:
+            self.live[key] = [storage.nbytes(), 0]
+            self.now += storage.nbytes()
+            self.peak = max(self.peak, self.now)
+        self.live[key][1] += 1
+        return _Saved(tensor, key, self)
+
+    def release(self, key: int) -> None:
+        entry = self.live[key]
+        entry[1] -= 1
+        if not entry[1]:
+            self.now -= entry[0]
+            del self.live[key]
+
+
+class _Saved:
+    """A saved tensor, handed back to autograd; freed with the graph, it tells its counter."""
+
+    def __init__(self, tensor: torch.Tensor, key: int, counter: PeakSavedActivations) -> None:
+        self.tensor, self.key, self.counter = tensor, key, counter
+
+    def __del__(self) -> None:
+        self.counter.release(self.key)
+
+
+def _unpack(saved: Any) -> torch.Tensor:
+    return saved.tensor if isinstance(saved, _Saved) else saved

@@ -10,20 +10,14 @@ process group. Two rules keep it from deadlocking, on gloo and on NCCL alike:
     one by one, stage s's send of an activation and stage s+1's send of a gradient could each
     wait for the other's receive forever (torch's Schedule1F1B fuses the same pairs).
 
-A failed transfer goes through `miniddp.faults.wait_for`, the seam that names a dead or silent
-peer, but a transfer is not waited for there the way a collective is, for two reasons:
-
-    a timed `wait()` on a gloo receive does not merely time out, it fails the receive ("Timed
-    out waiting 100ms for recv operation"), so a receive cannot be polled while listening for
-    other ranks' fault flags; and gloo's send/recv `Work` has no future either;
-    wait_for counts the collectives each rank finished, and ranks compare those counts to
-    tell where each one is (and cleanup() to tell that all ran the same steps); stages run
-    different numbers of transfers (a middle stage twice an end stage's), so counting them
-    would set ranks apart that are in step.
-
-So the stage blocks in gloo's own `work.wait()` (in C++, the GIL released: as cheap as torch's
-wait), and only if it raises hands the error to `wait_for`, which says which rank is missing and
-why. A dead peer shows at once, as its connection closes; a silent one after the group's timeout.
+A transfer is waited for through `miniddp.job.faults.wait_for_transfer`, the seam that names a
+dead or silent peer, and not through `wait_for` as a collective is: wait_for counts the
+collectives each rank finished, and ranks compare those counts to tell where each one is (and
+cleanup() to tell that all ran the same steps); stages run different numbers of transfers (a
+middle stage twice an end stage's), so counting them would set ranks apart that are in step.
+While the stage waits (gloo's own `work.wait()`, on a helper thread), it listens to the store:
+a peer that stopped (its stage raised, and its script called cleanup()) is named at once, on
+both ranks, instead of after the group's timeout; a dead one shows as its connection closes.
 
 With several stages a rank (interleaving), two ranks exchange several streams (W = 2: rank 0
 sends stage 0's activations AND stage 2's to rank 1), and the order one rank sends in need not
@@ -54,7 +48,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from miniddp.job.faults import wait_for
+from miniddp.job.faults import wait_for, wait_for_transfer
 
 MAX_TENSORS = 8  # an activation is a tuple of at most 8 tensors ...
 MAX_DIMS = 8  # ... each of up to 8 dimensions
@@ -208,7 +202,8 @@ class Mailbox:
         """Block until `receives` have arrived; the time spent here is the stage's idle time."""
         self.note("idle", "start")
         for work, transfer in zip(works, receives, strict=True):
-            self._wait(work, transfer.description)
+            if work is not None:  # None: from a stage on this rank, handed over in memory
+                wait_for_transfer(work, transfer.description, transfer.rank, self.group)
         self.note("idle", "end")
         for transfer in receives:
             self.note("recv", transfer.what)
@@ -219,13 +214,5 @@ class Mailbox:
 
     def finish_sends(self) -> None:
         for work, transfer in self._sends_in_flight:
-            self._wait(work, transfer.description)
+            wait_for_transfer(work, transfer.description, transfer.rank, self.group)
         self._sends_in_flight.clear()
-
-    def _wait(self, work: dist.Work | None, what: str) -> None:
-        if work is None:  # from this rank: handed over in memory
-            return
-        try:
-            work.wait()  # in C++, without the GIL; gloo's own timeout applies
-        except RuntimeError as error:  # a peer's connection closed, or the timeout passed
-            wait_for(failed(error), what, self.group)  # raises, naming the missing peer

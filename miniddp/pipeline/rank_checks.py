@@ -47,6 +47,14 @@ def stages_problem(
             "or ScheduleInterleaved1F1B, its backward whole, or under the V schedules "
             "(ScheduleZBVZeroBubble, ScheduleDualPipeV)"
         )
+    if splits_backward and any(s.fully_sharded for s in stages):
+        return (
+            f"a fully_shard'ed stage cannot run under {schedule_name}: fully_shard gathers a "
+            "unit's weights for one whole backward and reduces their gradients when it ends, "
+            "and the zero-bubble split runs that backward in two passes (the inputs' gradients, "
+            "later the weights'), so the stage would not train. Use ScheduleInterleaved1F1B, "
+            "which trains it"
+        )
     return None
 
 

@@ -63,12 +63,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from miniddp.job.agree import gather_rows
 from miniddp.job.env import HOW_TO_LAUNCH, size_and_rank_in
 from miniddp.pipeline.p2p import as_tuple, carries_gradient
-from miniddp.placement import Stage, mark
+from miniddp.placement import Stage, mark, placement_of
 
 Activation = tuple[torch.Tensor, ...]  # what crosses a border (p2p.py)
 ONE_GROUP_EACH = (
@@ -85,6 +86,7 @@ class Held:
 
     inputs: Activation
     output: torch.Tensor | Activation
+    weights: list[torch.Tensor]  # the parameters this forward computed with: the graph's leaves
     loss: torch.Tensor | None = None
     output_grads: Activation | None = None
 
@@ -151,6 +153,7 @@ class PipelineStage:
         self.is_last = stage_index == num_stages - 1
         self.input_example = None if input_args is None else as_tuple(input_args)
         self.data_parallel = hasattr(submodule, "no_sync")  # MiniDDP or torch's DDP inside
+        self.fully_sharded = _fully_sharded(submodule)
         self.held: dict[int, Held] = {}
         self.peak_held = 0
         # Where every stage runs: torch's loop, s % W, unless a V schedule sets its own.
@@ -176,7 +179,11 @@ class PipelineStage:
         with no_sync:
             output = self.submodule(*inputs)
         if keep:
-            self.held[microbatch] = Held(inputs, output)
+            # Read now: a wrapper computing in copies of its parameters (ComputeInCopies) holds
+            # the copies, the graph's leaves, until this forward's backward; later they may be
+            # back to the masters, which the graph never saw (backward_weight).
+            weights = [p for p in self.submodule.parameters() if p.requires_grad]
+            self.held[microbatch] = Held(inputs, output, weights)
             self.peak_held = max(self.peak_held, len(self.held))
         return output
 
@@ -217,16 +224,17 @@ class PipelineStage:
     def backward_weight(self, microbatch: int, last: bool = False) -> None:
         """d loss / d parameters, into .grad, from the same roots and gradients as
         backward_input: `autograd.backward(..., inputs=parameters)` accumulates only the
-        parameters' .grad, then frees the graph and what forward kept. `last`: the step's last
+        parameters' .grad, then frees the graph and what forward kept. The parameters are those
+        forward computed with (under ComputeInCopies, the bf16 copies: their hooks fold each
+        gradient into its fp32 master, as one whole backward does). `last`: the step's last
         weight gradient, the one that all-reduces under data parallelism (backward_input
         touches no .grad, so no hook of the wrapper fires before it)."""
         held = self.held.pop(microbatch)
         if last and self.data_parallel:
             _arm_reduction(self.submodule, held.output)
         roots, grads = held.root(held.output_grads)
-        weights = [p for p in self.submodule.parameters() if p.requires_grad]
-        if weights and roots:
-            torch.autograd.backward(roots, grad_tensors=grads, inputs=weights)
+        if held.weights and roots:
+            torch.autograd.backward(roots, grad_tensors=grads, inputs=held.weights)
 
     def start_step(self) -> None:
         if self.held:
@@ -236,6 +244,16 @@ class PipelineStage:
                 "that raised: build a new PipelineStage and schedule to start again"
             )
         self.peak_held = 0
+
+
+def _fully_sharded(submodule: nn.Module) -> bool:
+    """Does fully_shard hold parameters of `submodule`? MiniDDP's marks each piece it keeps (a
+    DataShard with no owner: every rank of the group holds one, miniddp/placement.py); torch's
+    makes the modules it shards FSDPModules."""
+    pieces = (placement_of(p).data for p in submodule.parameters())
+    return any(data is not None and data.owner is None for data in pieces) or any(
+        isinstance(module, FSDPModule) for module in submodule.modules()
+    )
 
 
 def _arm_reduction(wrapper: nn.Module, output: torch.Tensor | Activation) -> None:

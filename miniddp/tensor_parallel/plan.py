@@ -47,8 +47,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch.distributed as dist
 from torch import nn
 
+from miniddp.job.env import HOW_TO_LAUNCH
 from miniddp.tensor_parallel.layers import (
-    HOW_TO_LAUNCH,
     ColwiseEmbedding,
     ColwiseLinear,
     RowwiseLinear,
@@ -141,7 +141,9 @@ def parallelize_module(
     if hasattr(group, "get_group"):  # a 1-D DeviceMesh, as torch's API takes
         group = group.get_group()
     if not dist.is_initialized():  # refuse at once when there is no process group
-        raise RuntimeError(HOW_TO_LAUNCH)
+        raise RuntimeError(
+            f"parallelize_module needs a process group, and none exists. {HOW_TO_LAUNCH}"
+        )
     if plan is None:
         raise ValueError("give a plan: a style, or {submodule name: ColwiseParallel() ...}")
     if isinstance(plan, Style):
