@@ -15,6 +15,9 @@ collective; wire_bytes is what the best ring algorithm makes each rank send, and
     all_gather       (W-1) n       every other rank's n bytes (n: one rank's input)
     reduce_scatter   (W-1) n       every other rank's share of this rank's n-byte output
     all_to_all       (W-1)/W n     every other rank's share of this rank's n-byte input
+    reduce           n             broadcast's chain, run backwards
+    scatter, gather  (W-1)/W n     the root's n bytes, all but its own share (the root's link
+                                   is the busiest: the others wait for it)
 
 Each direction of the link carries one transfer at a time: a collective issued while another is
 on the wire queues behind it (`LinkQueue`). Collectives send and receive the same bytes at once,
@@ -165,6 +168,9 @@ def wire_bytes(collective: str, nbytes: int, world_size: int) -> float:
         "all_gather": (w - 1) * nbytes,
         "reduce_scatter": (w - 1) * nbytes,
         "all_to_all": (w - 1) / w * nbytes,
+        "reduce": nbytes if w > 1 else 0,
+        "scatter": (w - 1) / w * nbytes,
+        "gather": (w - 1) / w * nbytes,
     }
     if collective not in per_collective:
         raise ValueError(f"no wire model for {collective!r}; known: {', '.join(per_collective)}")

@@ -207,6 +207,26 @@ class LinkGroup(dist.ProcessGroup):
         run = lambda: self.gloo.alltoall_base(output, input, output_splits, input_splits, opts)  # noqa: E731
         return self._collective("all_to_all", _nbytes(input), run)
 
+    def alltoall(self, outputs: list, inputs: list, opts: Any = None) -> dist.Work:
+        opts = opts or dist.AllToAllOptions()
+        run = lambda: self.gloo.alltoall(outputs, inputs, opts)  # noqa: E731
+        return self._collective("all_to_all", sum(map(_nbytes, inputs)), run)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        opts = opts or dist.ReduceOptions()
+        run = lambda: self.gloo.reduce(tensors, opts)  # noqa: E731
+        return self._collective("reduce", sum(map(_nbytes, tensors)), run)
+
+    def scatter(self, outputs: list, inputs: list, opts: Any = None) -> dist.Work:
+        opts = opts or dist.ScatterOptions()
+        run = lambda: self.gloo.scatter(outputs, inputs, opts)  # noqa: E731
+        return self._collective("scatter", self.size() * sum(map(_nbytes, outputs)), run)
+
+    def gather(self, outputs: list, inputs: list, opts: Any = None) -> dist.Work:
+        opts = opts or dist.GatherOptions()
+        run = lambda: self.gloo.gather(outputs, inputs, opts)  # noqa: E731
+        return self._collective("gather", self.size() * sum(map(_nbytes, inputs)), run)
+
     def barrier(self, opts: Any = None) -> dist.Work:
         return self.gloo.barrier(opts or dist.BarrierOptions())
 
