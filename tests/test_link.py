@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from miniddp import MiniDDP
 from miniddp.job.faults import wait_for
 from miniddp.observe.link import Link, LinkQueue, TwoSpeed, wire_bytes
-from miniddp.observe.link_group import LinkGroup, active_wire, simulated_link
+from miniddp.observe.link_group import LinkGroup, active_wire, link_groups, simulated_link
 from tests.harness.pool import RankPool
 
 GBIT = 1e9 / 8  # bytes per second
@@ -99,8 +99,8 @@ def test_wire_bytes_are_the_ring_algorithms(nbytes: int, world_size: int) -> Non
 
 def test_two_ranks_send_the_whole_tensor_once() -> None:
     assert wire_bytes("all_reduce", 1000, 2) == 1000
-    with pytest.raises(ValueError, match="no wire model for 'gather'"):
-        wire_bytes("gather", 1000, 2)
+    with pytest.raises(ValueError, match="no wire model for 'gossip'"):
+        wire_bytes("gossip", 1000, 2)
 
 
 def test_an_idle_link_delivers_after_its_own_time() -> None:
@@ -142,8 +142,8 @@ def all_reduces_over_the_link(link_text: str, numel: int) -> dict:
     first = torch.full((numel,), float(rank + 1))
     second = torch.full((numel,), 10.0 * (rank + 1))
     blocking = torch.full((numel,), 100.0 * (rank + 1))
-    dist.barrier()
     with simulated_link(Link.parse(link_text)):
+        dist.barrier()  # after the link's group is made: the ranks start together
         start = time.perf_counter()
         works = [dist.all_reduce(t, async_op=True) for t in (first, second)]
         issued = time.perf_counter() - start
@@ -248,8 +248,8 @@ def sends_over_the_link(link_text: str, numel: int) -> dict:
     and when each side saw each transfer complete (seconds after the first send)."""
     rank = dist.get_rank()
     buffers = [torch.full((numel,), 1.0 + i) if rank == 0 else torch.zeros(numel) for i in (0, 1)]
-    dist.barrier()
     with simulated_link(Link.parse(link_text)):
+        dist.barrier()  # after the link's group is made: the ranks start together
         start = time.perf_counter()
         post = dist.isend if rank == 0 else dist.irecv
         works = [post(buffer, 1 - rank) for buffer in buffers]
@@ -274,6 +274,34 @@ def test_sends_over_the_link_arrive_in_turn_with_their_values(pool2: RankPool) -
         first, second = result["done_s"]
         assert first >= transfer and second >= 2 * transfer, (rank, result["done_s"])
         assert result["restored"]
+
+
+def one_group_on_two_links(link_text: str) -> dict:
+    """A group made once inside `link_groups()`, then used bare and over the link in turn: which
+    link the wire had at each all-reduce, and the sums (the same bits either way)."""
+    link = Link.parse(link_text)
+    seen, sums = [], []
+    with link_groups() as wire:
+        group = dist.new_group([0, 1])
+        for use in (None, link, None):
+            with simulated_link(use):
+                tensor = torch.full((4,), dist.get_rank() + 1.0)
+                dist.all_reduce(tensor, group=group)
+                seen.append(str(wire.link))
+                sums.append(tensor[0].item())
+        kind = type(group).__name__
+    return {"seen": seen, "sums": sums, "kind": kind, "after": dist.get_backend()}
+
+
+def test_groups_made_once_cross_whichever_link_the_inner_block_names(pool2: RankPool) -> None:
+    link = "alpha=100us,bandwidth=10gbit"
+    for result in pool2.run(one_group_on_two_links, link):
+        assert result == {
+            "seen": ["None", link, "None"],
+            "sums": [3.0, 3.0, 3.0],
+            "kind": "LinkGroup",
+            "after": "gloo",
+        }
 
 
 def test_no_module_of_the_library_assigns_to_torch_distributed() -> None:
