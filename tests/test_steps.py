@@ -105,7 +105,6 @@ PRODUCTION_EXTRAS = {
         *("_small", "small_gradient_numel", "_copy_small_gradients", "_copy_all", "averaged"),
         *("_small_runs", "_runs_of_small_gradients"),
     ],
-    "launch_during_backward": ["launch_during_backward"],
     "mixed precision: fp32 masters, bf16 copies, buckets in reduce_dtype": [
         *("mixed_precision", "MixedPrecision", "ComputeCopies", "_copies", "_leaves"),
         *("reduce_dtype", "divide_after_sum", "in_flight"),

@@ -49,7 +49,7 @@ from miniddp.bench.paired import paired_ratio, time_interleaved
 from miniddp.bench.workloads import Workload
 from miniddp.figures import draw
 from miniddp.job.env import init_distributed
-from miniddp.observe.link import all_reduce_hook, simulated_link
+from miniddp.observe.link_group import simulated_link
 from miniddp.observe.overlap_model import predict_step, uniform_buckets
 from miniddp.observe.timeline import StepTimeline, gather, recording, split_steps, summarize
 from miniddp.observe.timeline_views import ascii_timeline
@@ -87,10 +87,8 @@ def make_workload(rank: int) -> Workload:
 
 
 def torch_ddp(module: nn.Module) -> DistributedDataParallel:
-    """torch's DDP at the bucketed cap; its buckets reach the link through a comm hook."""
-    ddp = DistributedDataParallel(module, bucket_cap_mb=cap_mb(BUCKETED))
-    ddp.register_comm_hook(None, all_reduce_hook)
-    return ddp
+    """torch's DDP at the bucketed cap; its reducer's all-reduces cross the link group."""
+    return DistributedDataParallel(module, bucket_cap_mb=cap_mb(BUCKETED))
 
 
 DESIGNS = {

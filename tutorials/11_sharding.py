@@ -30,13 +30,13 @@ import torch.distributed as dist
 from common import add_plot_option, end_chapter, fmt_bytes, say, say_prose, section
 from torch import nn
 
-import miniddp.collectives
 from miniddp import MiniDDP, ZeroRedundancyOptimizer, full_state_dict, fully_shard
 from miniddp.collectives import traffic
 from miniddp.data_parallel.default_hooks import all_reduce_hook
 from miniddp.job.env import init_distributed
 from miniddp.observe import timeline
-from miniddp.observe.link import Link, simulated_link
+from miniddp.observe.link import Link
+from miniddp.observe.link_group import simulated_link
 from miniddp.observe.overlap_model import predict_zero3_step
 from miniddp.sharding import Formula, clip_grad_norm_, ddp_buckets, measure_memory
 from miniddp.sharding.unit_lanes import recording, summarize, unit_timeline
@@ -344,7 +344,7 @@ def main() -> None:
         units, a batch of {BATCH}, over a simulated link ({LINK}; chapter 04) on which one
         unit's all-gather takes about as long as its forward, with prefetch off (the
         benchmark's switch, set_prefetch(False)) and on:""")
-    with simulated_link(LINK, also=(miniddp.collectives,)):  # fully_shard's own collectives
+    with simulated_link(LINK):  # fully_shard's own collectives
         linked = {"no prefetch": zero3_over_the_link(False), "prefetch": zero3_over_the_link(True)}
         zero2 = zero2_overlap()
     unit_bytes = world * sum(-(-n // world) for n in (WIDTH * WIDTH, WIDTH)) * 4  # W shards

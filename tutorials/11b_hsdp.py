@@ -26,13 +26,13 @@ import torch.distributed as dist
 from common import end_chapter, fmt_bytes, say, say_all_ranks, say_prose, section
 from torch import nn
 
-import miniddp.collectives
 from miniddp import MiniDDP, full_state_dict, fully_shard
 from miniddp.collectives import record_messages
 from miniddp.data_parallel.default_hooks import all_reduce_hook
 from miniddp.job.env import init_distributed
 from miniddp.mesh import init_device_mesh
-from miniddp.observe.link import Link, TwoSpeed, simulated_link, wire_bytes
+from miniddp.observe.link import Link, TwoSpeed, wire_bytes
+from miniddp.observe.link_group import simulated_link
 from miniddp.sharding.units import UNIT_NUMBER_BYTES
 
 R, S = 2, 2  # replicas (nodes) x shards (ranks per node)
@@ -253,9 +253,13 @@ def main() -> None:
         its own):""")
     two_speed = TwoSpeed(INSIDE, ACROSS, ranks_per_node=S)
     steps = {}
-    with simulated_link(two_speed, also=(miniddp.collectives,)):
+    with simulated_link(two_speed):  # the groups made inside the block cross it: new meshes
+        on_the_link = {
+            "HSDP 2 x 2": init_device_mesh("cpu", (R, S), mesh_dim_names=names),
+            "ZeRO-3 over 4": init_device_mesh("cpu", (N,), mesh_dim_names=("shard",)),
+        }
         for design in DESIGNS:
-            steps[design] = timed_step(design, meshes)
+            steps[design] = timed_step(design, on_the_link)
     modelled = {design: link_seconds(design) for design in DESIGNS}
     for design in DESIGNS:
         inside, across = modelled[design]

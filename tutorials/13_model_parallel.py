@@ -37,7 +37,8 @@ from miniddp.bench.paired import time_interleaved
 from miniddp.bench.workloads import Workload
 from miniddp.job.env import init_distributed
 from miniddp.mesh import DeviceMesh, init_device_mesh
-from miniddp.observe.link import Link, simulated_link, wire_bytes
+from miniddp.observe.link import Link, wire_bytes
+from miniddp.observe.link_group import simulated_link
 from miniddp.sharding import MemoryPerRank, ddp_buckets, measure_memory
 from miniddp.tensor_parallel import (
     TinyGPT,

@@ -49,7 +49,7 @@ from miniddp.context_parallel import (
 from miniddp.job.env import init_distributed
 from miniddp.observe.activation_memory import SavedActivations
 from miniddp.observe.link import Link
-from miniddp.observe.link_sends import p2p_link
+from miniddp.observe.link_group import simulated_link
 from miniddp.tensor_parallel import SequenceParallel, TransformerBlock, parallelize_module, plan_for
 
 HEADS, HEAD_DIM = 4, 32
@@ -259,13 +259,13 @@ def all_gathered_attention(q, k, v):
 
 
 def section_link(world: int, link: Link, checks: dict[str, bool]) -> None:
-    """Both designs timed on the simulated link: the ring's sends through p2p_link, the
-    all-gathers through simulated_link, interleaved, against the model above."""
+    """Both designs timed on the simulated link (the ring's sends and the all-gathers alike
+    cross its process group), interleaved, against the model above."""
     q, k, v = (shard_sequence(t, 2) for t in qkv(RING_LENGTH))
     designs = {"ring": ring_attention, "all-gather": all_gathered_attention}
     times: dict[str, list[float]] = {name: [] for name in designs}
     outputs: dict[str, torch.Tensor] = {}
-    with p2p_link(link):
+    with simulated_link(link):
         for _ in range(LINK_REPEATS):
             for name, design in designs.items():
                 dist.barrier()
@@ -279,7 +279,7 @@ def section_link(world: int, link: Link, checks: dict[str, bool]) -> None:
     measured = {name: statistics.median(seconds) for name, seconds in times.items()}
     say_prose(f"""\
         Timed, S = {RING_LENGTH}, non-causal, on the simulated link {link} (every send
-        delayed by miniddp/observe/link_sends.py, the all-gather's too: W - 1 sends), median of
+        and collective crosses the link's process group, miniddp/observe/link_group.py), median of
         {LINK_REPEATS}, the two interleaved; t = {t * 1e3:.1f} ms measured here, m = 2 alpha +
         block bytes / bandwidth = {m * 1e3:.1f} ms (K and V, two messages):""")
     for name in designs:

@@ -38,7 +38,18 @@ class DeferredMiniDDP(MiniDDP):
     """MiniDDP with every bucket's launch held back until backward is over: the same buckets
     and the same all-reduces, minus the overlap. Only the timing differs from MiniDDP."""
 
-    launch_during_backward = False
+    _backward_over = False  # launches go only inside `_finish_backward`
+
+    def _launch_full_buckets(self) -> None:
+        if self._backward_over:
+            super()._launch_full_buckets()
+
+    def _finish_backward(self) -> None:
+        self._backward_over = True
+        try:
+            super()._finish_backward()  # launches every bucket, in index order
+        finally:
+            self._backward_over = False
 
 
 ONE_BUCKET_MB = 2**20  # 1 TiB: every gradient of a dtype in one bucket

@@ -34,10 +34,9 @@ the median of the per-iteration ratios ours / torch's with its 95% interval
 
     --link none                      the bare machine: gloo over loopback
     --link alpha=1ms,bandwidth=1gbit every collective and activation crosses a simulated link:
-                                     collectives through miniddp.observe.link.simulated_link
-                                     (torch's DDP through its `all_reduce_hook`, DTensor's
-                                     collectives re-issued through torch.distributed's), sends
-                                     through miniddp.observe.link_sends.p2p_link
+                                     the process group of
+                                     miniddp.observe.link_group.simulated_link, which torch's
+                                     DDP, DTensor and pipelining call like any other
 """
 
 from __future__ import annotations
@@ -53,7 +52,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.nn import functional as F
 
@@ -67,8 +65,8 @@ from miniddp.bench.paired import paired_ratio, paired_ratio_interval, quantile, 
 from miniddp.job.env import cleanup, init_distributed, launched_by_torchrun
 from miniddp.mesh import init_device_mesh
 from miniddp.models.gpt import GPT, GPTConfig
-from miniddp.observe.link import Link, all_reduce_hook, simulated_link
-from miniddp.observe.link_sends import p2p_link
+from miniddp.observe.link import Link
+from miniddp.observe.link_group import simulated_link
 from miniddp.parallelize import (
     AXES,
     GPTStage,
@@ -152,8 +150,6 @@ def theirs(args: argparse.Namespace, link: Link | None) -> Side:
         if tp > 1:
             _pre_dp_module_transform(part)  # DTensor parameters -> their local shards, for DDP
         module = DistributedDataParallel(part, process_group=mesh["dp"].get_group())
-        if link is not None:  # torch's reducer runs in C++: route its buckets over the link
-            module.register_comm_hook(mesh["dp"].get_group(), all_reduce_hook)
     params = dict(part.named_parameters())  # now: a forward swaps in DTensors made from them
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -245,68 +241,10 @@ def check_same_maths(sides: dict[str, Side], batch: torch.Tensor) -> dict[str, f
     return result
 
 
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.AVG}
-
-
-@contextmanager
-def functional_collectives_over_the_link(link: Link | None) -> Iterator[None]:
-    """Inside, DTensor's collectives (torch.distributed._functional_collectives, which call
-    gloo from C++, past `dist.all_reduce`) are issued through torch.distributed's own, which
-    `simulated_link` delays: torch's TP then crosses the same wire as ours. The same gloo
-    collectives, waited for at once (a TP collective's result is needed at once anyway)."""
-    if link is None:
-        yield
-        return
-
-    def group_of(group) -> dist.ProcessGroup:
-        resolved = funcol._resolve_group(group)
-        if isinstance(resolved, dist.ProcessGroup):
-            return resolved
-        return dist.distributed_c10d._resolve_process_group(resolved)
-
-    def all_reduce(tensor, reduceOp, group, tag=""):
-        result = tensor.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(result, op=_REDUCE_OPS[str(reduceOp).lower()], group=group_of(group))
-        return result
-
-    def all_gather_single(tensor, gather_dim, group, tag=""):
-        group = group_of(group)
-        size = dist.get_world_size(group)
-        tensor = tensor.contiguous()
-        result = tensor.new_empty((size * tensor.shape[0], *tensor.shape[1:]))
-        dist.all_gather_into_tensor(result, tensor, group=group)
-        return result if gather_dim == 0 else torch.cat(result.chunk(size), dim=gather_dim)
-
-    def reduce_scatter_single(tensor, reduceOp, scatter_dim, group, tag=""):
-        group = group_of(group)
-        size = dist.get_world_size(group)
-        if scatter_dim != 0:
-            tensor = torch.cat(tensor.chunk(size, dim=scatter_dim), dim=0)
-        tensor = tensor.contiguous()
-        result = tensor.new_empty((tensor.shape[0] // size, *tensor.shape[1:]))
-        op = _REDUCE_OPS[str(reduceOp).lower()]
-        dist.reduce_scatter_tensor(result, tensor, op=op, group=group)
-        return result
-
-    replacements = {
-        "all_reduce": all_reduce,
-        "all_gather_single": all_gather_single,
-        "reduce_scatter_single": reduce_scatter_single,
-    }
-    originals = {name: getattr(funcol, name) for name in replacements}
-    for name, replacement in replacements.items():
-        setattr(funcol, name, replacement)
-    try:
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(funcol, name, original)
-
-
 @contextmanager
 def over(link: Link | None) -> Iterator[None]:
     """Every message of both designs over `link` (None: the bare machine)."""
-    with simulated_link(link), p2p_link(link), functional_collectives_over_the_link(link):
+    with simulated_link(link):
         yield
 
 

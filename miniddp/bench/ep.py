@@ -4,7 +4,7 @@
                                [--top-k 2] [--capacity-factor 1.25] [--iters 20]
                                [--link none --link alpha=1ms,...]
 
-On the bare machine, then over a simulated link (miniddp/observe/link_sends.py: every send
+On the bare machine, then over a simulated link (miniddp/observe/link_group.py: every send
 waits for the link, alpha + bytes / bandwidth, one at a time per rank), each rank routes its
 own `--tokens` tokens through one MoE layer:
 
@@ -57,7 +57,7 @@ from miniddp.expert_parallel import ExpertParallel, MoE
 from miniddp.expert_parallel.parallel import AllToAllDispatch
 from miniddp.job.env import cleanup, init_distributed
 from miniddp.observe.link import Link
-from miniddp.observe.link_sends import p2p_link
+from miniddp.observe.link_group import link_groups, simulated_link
 from miniddp.tensor_parallel import parallelize_module
 
 VARIANTS = ("dispatch + combine", "ep step", "dp step", "deepspeed step")
@@ -174,7 +174,7 @@ def measure(args: argparse.Namespace, case: Case, link: Link | None, bare: CostM
     run = (case.dispatch_and_combine, case.ep_step, case.dp_step, case.deepspeed_step)
     steps = {n: step for n, step in zip(VARIANTS, run) if case.deepspeed or n != "deepspeed step"}
     variants = list(steps)
-    with p2p_link(link):
+    with simulated_link(link):
         for step in steps.values():
             step()  # warm-up
         seconds = torch.zeros(len(variants), args.iters, dtype=torch.float64)
@@ -260,10 +260,11 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(1)  # the ranks share the cores
     if args.experts % env.world_size:
         raise SystemExit(f"--experts {args.experts} must be a multiple of {env.world_size} ranks")
-    case = Case(args)
     bare = fit_cost_model()
     links = args.link or [None, Link.parse(DEFAULT_LINK)]
-    results = [measure(args, case, link, bare) for link in links]
+    with link_groups():  # the case's groups cross each link in turn
+        case = Case(args)
+        results = [measure(args, case, link, bare) for link in links]
     if env.is_main:
         print(
             f"one MoE layer, {args.tokens} tokens a rank, dim {args.dim}, hidden {args.hidden}, "

@@ -11,9 +11,9 @@ from the same iteration, with its 95% interval (miniddp/bench/paired.py).
     --link none                      the bare machine: gloo over loopback
     --link alpha=1ms,bandwidth=1gbit every activation and gradient crosses a simulated link
 
-The simulated link (`p2p_link`, miniddp/observe/link_sends.py) delays each send, ours and
-torch's alike, until the link would have carried it: alpha + bytes / bandwidth, one transfer at
-a time per rank, as miniddp/observe/link.py does for collectives.
+The simulated link (`simulated_link`, miniddp/observe/link_group.py) is a process group that
+delays each send, ours and torch's alike, until the link would have carried it:
+alpha + bytes / bandwidth, one transfer at a time per rank.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from miniddp.bench.options import (
 from miniddp.bench.paired import paired_ratio, paired_ratio_interval, quantile, rotated
 from miniddp.job.env import cleanup, init_distributed
 from miniddp.observe.link import Link
-from miniddp.observe.link_sends import p2p_link
+from miniddp.observe.link_group import simulated_link
 from miniddp.pipeline import (
     PipelineStage,
     Schedule1F1B,
@@ -161,7 +161,7 @@ def main(argv: list[str]) -> None:
     init_distributed()
     results = []
     for link in links:
-        with p2p_link(link):
+        with simulated_link(link):
             times = time_designs(args)
         if dist.get_rank() == 0:
             results.append(report(times, link))

@@ -47,6 +47,7 @@ from miniddp.bench.sharding_overlap import report_prefetch, shard_bytes_per_unit
 from miniddp.collectives import traffic
 from miniddp.data_parallel.default_hooks import all_reduce_hook
 from miniddp.job.env import cleanup, init_distributed
+from miniddp.observe.link_group import link_groups
 from miniddp.sharding import Formula, ddp_buckets, measure_memory, reduce_scatter_hook
 
 STAGES = ("ddp", "zero1", "zero2", "zero3")
@@ -248,8 +249,11 @@ def main(argv: list[str]) -> None:
         time_designs(args, timing_group) if timing_group and env.rank < 2 and args.iters else None
     )
     prefetch = None
-    if timing_group and env.rank < 2 and args.link:
-        prefetch = time_prefetch(lambda: build_model(args.width, args.depth), args, timing_group)
+    if timing_group and args.link:
+        with link_groups():  # every rank makes the group; ranks 0 and 1 time over it
+            linked = dist.new_group([0, 1])
+            if env.rank < 2:
+                prefetch = time_prefetch(lambda: build_model(args.width, args.depth), args, linked)
     if env.is_main:
         order = lambda r: (r["world_size"], STAGES.index(r["stage"]), r["rank"])  # noqa: E731
         everyone = sorted((r for rows in gathered for r in rows), key=order)

@@ -33,10 +33,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import miniddp.collectives
 from miniddp import fully_shard
 from miniddp.bench.paired import paired_ratio, paired_ratio_interval, rotated
-from miniddp.observe.link import Link, simulated_link
+from miniddp.observe.link import Link
+from miniddp.observe.link_group import simulated_link
 from miniddp.observe.overlap_model import PredictedZero3Step, predict_zero3_step
 from miniddp.sharding.unit_lanes import recording, summarize, unit_timeline
 
@@ -63,7 +63,7 @@ def time_prefetch(model_of, args: argparse.Namespace, group: dist.ProcessGroup) 
     def step(name: str) -> None:
         dist.barrier(group)
         link = FREE_LINK if name.endswith(FREE) else args.link
-        with simulated_link(link, also=(miniddp.collectives,)):
+        with simulated_link(link):
             with recording(models[name]) as recorded:
                 start = time.perf_counter()
                 models[name](x).pow(2).mean().backward()

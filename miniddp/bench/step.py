@@ -48,7 +48,7 @@ from miniddp.bench.paired import (
 from miniddp.bench.variants import VARIANT_HELP, VARIANTS
 from miniddp.bench.workloads import Workload, workloads
 from miniddp.job.env import cleanup, init_distributed
-from miniddp.observe.link import simulated_link
+from miniddp.observe.link_group import simulated_link
 from miniddp.observe.timeline import gather, recording, split_steps, summarize
 from miniddp.observe.timeline_views import write_chrome_trace
 

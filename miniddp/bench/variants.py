@@ -11,15 +11,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from miniddp.bench.baselines import BASELINES, DeferredMiniDDP
 from miniddp.data_parallel.ddp import MiniDDP
-from miniddp.observe.link import active_link, all_reduce_hook
 
 
 def _torch_ddp(**options) -> Callable[[nn.Module], nn.Module]:
     def wrap(module: nn.Module) -> nn.Module:
-        ddp = DistributedDataParallel(module, **options)
-        if active_link() is not None:  # torch reduces in C++, past dist.all_reduce: route it over
-            ddp.register_comm_hook(None, all_reduce_hook)
-        return ddp
+        return DistributedDataParallel(module, **options)  # its reducer crosses the link group
 
     return wrap
 

@@ -90,8 +90,6 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         {"batchnorm", "mixed-dtypes", "torch-layout", "no-sync", "find-unused-parameters"}
         | {"comm-hook", "gradient-as-bucket-view"}
     )
-    # False (the benchmark's "deferred" ablation) holds launches until backward ends: no overlap.
-    launch_during_backward = True
 
     def __init__(
         self,
@@ -323,8 +321,7 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         bucket.add(position, self._divide_by)
         if bucket.is_full:
             self._note("ready", f"bucket {bucket.index}")
-            if self.launch_during_backward:
-                self._launch_full_buckets()
+            self._launch_full_buckets()
 
     def _launch_full_buckets(self) -> None:
         """Launch buckets strictly in index order, so every rank issues the same collectives in
@@ -359,7 +356,7 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
             raise no_gradient(self.param_names[i] for i in missing)
         for index in missing:  # reachable from the output, yet no gradient came: unused too
             self._mark_ready(index)
-        self._launch_full_buckets()  # nothing left to launch, unless launch_during_backward=False
+        self._launch_full_buckets()  # nothing left to launch, unless a subclass held launches
         # Parameters no rank used keep .grad (None stays None): static_graph learnt which in its
         # first backward; find_unused_parameters asks every backward.
         used = None if self._static_graph is None else self._static_graph.used_on_any_rank

@@ -14,44 +14,40 @@ collective; wire_bytes is what the best ring algorithm makes each rank send, and
     broadcast        n             a pipelined chain: every rank receives it once, passes it on
     all_gather       (W-1) n       every other rank's n bytes (n: one rank's input)
     reduce_scatter   (W-1) n       every other rank's share of this rank's n-byte output
+    all_to_all       (W-1)/W n     every other rank's share of this rank's n-byte input
+    reduce           n             broadcast's chain, run backwards
+    scatter, gather  (W-1)/W n     the root's n bytes, all but its own share (the root's link
+                                   is the busiest: the others wait for it)
 
 Each direction of the link carries one transfer at a time: a collective issued while another is
 on the wire queues behind it (`LinkQueue`). Collectives send and receive the same bytes at once,
 so both directions are busy together and one queue describes both. One rank: no wire.
 
 It completes at the later of its real completion and the link's, by sleeping: one thread keeps
-the deliveries in a heap and sleeps until the earliest is due.
+the deliveries in a heap and sleeps until the earliest is due (`_Deliveries`). The process
+group that applies this model to every operation is miniddp/observe/link_group.py:
 
     with simulated_link(Link.parse("alpha=200us,bandwidth=1gbit")):   # or $MINIDDP_LINK
         model = MiniDDP(net)            # its broadcast and all-reduces cross the link
-        torch_ddp.register_comm_hook(None, all_reduce_hook)   # so do torch's DDP's buckets
+        torch_ddp = DistributedDataParallel(net)   # and so do torch's DDP's buckets
 
 A cluster has two speeds: a fast link among a node's GPUs, a slow one between nodes.
 `TwoSpeed(inside, across, ranks_per_node)` gives each its own queue: a collective whose group
 lies in one node crosses `inside`; one whose group spans nodes, `across`, the slowest hop of
 its ring, which sets its pace (chapter 11b times HSDP, ZeRO-3 and DDP on one).
-
-It wraps the attributes (`dist.all_reduce`, ...) that MiniDDP, the ladder and the chapters call.
-torch's DDP reduces in C++, past them: `all_reduce_hook` routes its buckets over the link too.
 """
 
 import argparse
-import atexit
 import heapq
-import inspect
 import itertools
 import math
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from fractions import Fraction
-from typing import Any
 
-import torch
 import torch.distributed as dist
 
 ENVIRONMENT_VARIABLE = "MINIDDP_LINK"
@@ -171,6 +167,10 @@ def wire_bytes(collective: str, nbytes: int, world_size: int) -> float:
         "broadcast": nbytes if w > 1 else 0,
         "all_gather": (w - 1) * nbytes,
         "reduce_scatter": (w - 1) * nbytes,
+        "all_to_all": (w - 1) / w * nbytes,
+        "reduce": nbytes if w > 1 else 0,
+        "scatter": (w - 1) / w * nbytes,
+        "gather": (w - 1) / w * nbytes,
     }
     if collective not in per_collective:
         raise ValueError(f"no wire model for {collective!r}; known: {', '.join(per_collective)}")
@@ -189,29 +189,6 @@ class LinkQueue:
         start = max(now, self.free_at)
         self.free_at = start + self.link.seconds(wire_bytes)
         return self.free_at
-
-
-class LinkWork(dist.Work):
-    """What a collective returns on the simulated link: torch's Work interface (so MiniDDP's
-    `faults.wait_for` waits on it as on gloo's), done when the link has delivered it."""
-
-    def __init__(self, future: torch.futures.Future, delivered: threading.Event) -> None:
-        super().__init__()
-        self._future, self._delivered = future, delivered
-
-    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
-        """Like torch's: block until done (0: no limit); raise its error, or a timeout's."""
-        seconds = timeout.total_seconds() or None
-        if not self._delivered.wait(seconds):
-            raise RuntimeError("Operation timed out!")
-        self._future.wait()  # raises the collective's error, if it failed
-        return True
-
-    def is_completed(self) -> bool:
-        return self._delivered.is_set()
-
-    def get_future(self) -> torch.futures.Future:
-        return self._future
 
 
 class _Deliveries:
@@ -253,119 +230,3 @@ class _Deliveries:
                     return  # stopping, with nothing held
                 _, _, deliver = heapq.heappop(self._due)
             deliver()
-
-
-_COLLECTIVES = {  # torch.distributed name -> (wire model, argument holding n bytes)
-    "all_reduce": ("all_reduce", "tensor"),
-    "broadcast": ("broadcast", "tensor"),
-    "all_gather": ("all_gather", "tensor"),
-    "all_gather_into_tensor": ("all_gather", "input_tensor"),
-    "reduce_scatter_tensor": ("reduce_scatter", "output"),
-}
-
-
-def active_link() -> Link | TwoSpeed | None:  # the link simulated_link installed, if any
-    return getattr(dist.all_reduce, "simulated_link", None)
-
-
-@contextmanager
-def simulated_link(
-    link: Link | TwoSpeed | None, also: tuple[Any, ...] = ()
-) -> Iterator[Link | TwoSpeed | None]:
-    """Inside the block, this process's torch.distributed collectives cross `link` (None: the
-    bare machine, nothing changes; TwoSpeed: its two links, a queue each). Every rank should
-    enter it, with the same link. `also`: modules whose collectives of the same names and
-    arguments cross it too, on the same queues (`miniddp.collectives`, whose ring fully_shard
-    gathers and reduce-scatters on)."""
-    if link is None:
-        yield None
-        return
-    if active_link() is not None:
-        raise RuntimeError("a simulated link is already installed; leave its block first")
-    two = isinstance(link, TwoSpeed)
-    queues = [LinkQueue(speed) for speed in ((link.inside, link.across) if two else (link,))]
-
-    def queue(group: dist.ProcessGroup | None) -> LinkQueue:
-        return queues[two and link.link_of(group) is link.across]
-
-    deliveries = _Deliveries()
-    atexit.register(deliveries.stop)
-    originals = {
-        (module, name): getattr(module, name)
-        for module in (dist, *also)
-        for name in _COLLECTIVES
-        if hasattr(module, name)
-    }
-    for (module, name), original in originals.items():
-        setattr(module, name, _delayed(original, *_COLLECTIVES[name], link, queue, deliveries))
-    try:
-        yield link
-    finally:
-        for (module, name), original in originals.items():
-            setattr(module, name, original)
-        deliveries.stop()
-        atexit.unregister(deliveries.stop)
-
-
-def _delayed(
-    original: Callable,
-    wire_model: str,
-    sized: str,
-    link: Link | TwoSpeed,
-    queue: Callable[[dist.ProcessGroup | None], LinkQueue],
-    deliveries: _Deliveries,
-):
-    signature = inspect.signature(original)
-
-    def collective_over_the_link(*args: Any, **kwargs: Any) -> LinkWork | None:
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        async_op = bound.arguments["async_op"]
-        tensor = bound.arguments[sized]
-        group = bound.arguments["group"]
-        world_size = dist.get_world_size(group)
-        nbytes = tensor.numel() * tensor.element_size()
-        wire = wire_bytes(wire_model, nbytes, world_size)
-        due = queue(group).deliver_at(time.perf_counter(), wire) if world_size > 1 else -math.inf
-        bound.arguments["async_op"] = True
-        real = original(*bound.args, **bound.kwargs)
-        if real is None:  # this rank is not in the group: nothing was sent
-            return None
-        work = _deliver_when_both_done(real.get_future(), due, deliveries)
-        if async_op:
-            return work
-        work.wait()
-        return None
-
-    collective_over_the_link.simulated_link = link
-    return collective_over_the_link
-
-
-def _deliver_when_both_done(real: torch.futures.Future, due: float, deliveries) -> LinkWork:
-    """A LinkWork completed at the later of `real`'s completion and `due`."""
-    future: torch.futures.Future = torch.futures.Future()
-    delivered = threading.Event()
-
-    def deliver() -> None:
-        try:
-            future.set_result(real.value())
-        except Exception as error:  # the real collective failed: so does the simulated one
-            future.set_exception(error)
-        delivered.set()
-
-    real.add_done_callback(lambda _: deliveries.at(due, deliver))
-    return LinkWork(future, delivered)
-
-
-# No `from __future__ import annotations` in this file: torch's DDP checks a hook's annotations
-# as objects, and refuses these two as strings.
-def all_reduce_hook(
-    process_group: Any, bucket: dist.GradBucket
-) -> torch.futures.Future[torch.Tensor]:
-    """A comm hook for torch's DDP (or MiniDDP): average the bucket with `dist.all_reduce`, so
-    it crosses the simulated link like every other design's all-reduces. Like MiniDDP, it scales
-    by the float 1/W and then sums: MiniDDP's bits whenever the layouts match."""
-    group = process_group if isinstance(process_group, dist.ProcessGroup) else None
-    flat = bucket.buffer().mul_(1.0 / dist.get_world_size(group))
-    work = dist.all_reduce(flat, group=group, async_op=True)
-    return work.get_future().then(lambda done: done.value()[0])

@@ -30,8 +30,6 @@ f and g are conjugate: each is the other with forward and backward swapped. That
 costs exactly one all-reduce forward (g) and one backward (f); an attention and an MLP make a
 transformer block's two each way.
 
-Both call `dist.all_reduce` by attribute, so the simulated link (miniddp/observe/link.py) sees them.
-
 A linear layer split by columns or by rows across the tensor-parallel group (Megatron, §3).
 
 Write the layer as Y = X A^T + b with A of shape (out, in) (nn.Linear's convention):
