@@ -69,7 +69,7 @@ def spread(tensors: list[torch.Tensor]) -> float:
 def show(mistake, code) -> None:
     """The mistake's summary line, then its `code` (the one change is marked "the mistake")."""
     say(f"{mistake.__name__.split('.')[-1]}.py: {mistake.__doc__.splitlines()[0]}")
-    say(textwrap.indent(inspect.getsource(code).strip(), "    "))
+    say(textwrap.indent(textwrap.dedent(inspect.getsource(code)).strip(), "  "))
 
 
 def model_seeded(seed: int) -> nn.Module:

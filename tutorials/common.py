@@ -293,7 +293,7 @@ def say_timeline(
     steps = split_steps(model.events, _rank())
     for number in drawn:
         step = steps[number]
-        say(f"{name}, step {step.step} on every rank, ms since its forward began:")
+        say(f"{name}, step {step.step} on every rank, ms since the first rank's forward began:")
         say(ascii_timeline(gather([step]), travels=travels))
     counts = [launch_counts(step) for step in steps]
     for step, (launched, early) in zip(steps, counts):
