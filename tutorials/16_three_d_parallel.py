@@ -41,15 +41,14 @@ from three_d_setup import (
     WINDOWS,
     WORLD,
     Run,
-    build_gpt,
     end_with_checks,
     gather,
     global_losses,
     mesh_of,
+    one_process,
     start,
     train,
 )
-from torch.nn import functional as F
 
 from miniddp import MixedPrecision
 from miniddp.bench.options import whole_number
@@ -185,21 +184,6 @@ def section_holdings(c: GPTConfig, characters: int, run: Run, dp_only: Run) -> b
         microbatches at 1F1B's peak, the last one: its backward starts as soon as its forward
         ends. Every rank's bytes are the formula's, to the byte.""")
     return all(row[-1] for row in rows)
-
-
-def one_process(c: GPTConfig, batches: list[torch.Tensor]) -> tuple[list[float], GPT]:
-    """The whole GPT in this process on every step's whole batch: the reference."""
-    model = build_gpt(c)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
-    losses = []
-    for windows in batches:
-        logits = model(windows[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, model
 
 
 def parameter_gap(run: Run, reference: GPT) -> float:

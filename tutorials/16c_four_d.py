@@ -18,15 +18,14 @@ Any other number of ranks is refused, naming the command.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 from char_corpus import Windows, load_corpus
 from common import end_chapter, fmt_bytes, say, say_prose, section
-from torch.nn import functional as F
+from three_d_setup import one_process, refuse_other_world_sizes
 
 from miniddp.collectives import traffic
+from miniddp.context_parallel import ring_bytes
 from miniddp.job.env import init_distributed
 from miniddp.mesh import init_device_mesh
 from miniddp.models.gpt import GPT, GPTConfig
@@ -111,8 +110,11 @@ def section_sends(parts: ParallelGPT, windows: torch.Tensor) -> dict[str, bool]:
     parts.train_step(windows)  # its gradients are dropped below: this step only counts
     ring = traffic.bytes_sent  # Peers' messages: only the ring's, here (the rest is gloo's)
     tokens = WINDOWS * CONTEXT // cp  # B·T/cp positions, over all microbatches
-    per_layer = (cp - 1) * 2 * tokens * (WIDTH // tp) * 4  # K and V, W - 1 hops, fp32
-    formula = 3 * per_layer * LAYERS // pp  # forward once, backward twice
+    microbatches = MICROBATCHES if pp > 1 else 1  # ring_attention is called per microbatch
+    forward, backward = ring_bytes(  # one call (the library's formula): K and V, W - 1 hops
+        CONTEXT, HEADS // tp, WIDTH // HEADS, cp, 4, batch=WINDOWS // microbatches
+    )
+    formula = microbatches * LAYERS // pp * (forward + backward)
     gradients = sum(bucket.numel() for bucket in ddp_buckets(parts.module))
     elements = sum(p.numel() for p in parts.parameters())
     dp_cp = parts.mesh["dp_cp"].size()
@@ -121,7 +123,8 @@ def section_sends(parts: ParallelGPT, windows: torch.Tensor) -> dict[str, bool]:
         positions, {WIDTH // tp} columns of its heads, W - 1 hops forward, and twice that
         backward (K/V again, then dK/dV home): on this stage's {LAYERS // pp} layer(s),
 
-            ring      3 (cp - 1) · 2 · B·T/cp · H/tp · 4 · L/pp = {formula:,} bytes a step
+            ring      3 (cp - 1) · 2 · B·T/cp · H/tp · 4 · L/pp
+                      + (cp - 1) · 4 a call (the settings)     = {formula:,} bytes a step
             counted   {ring:,} bytes (MiniDDP's traffic counter, around one train_step)
 
         Once a step, MiniDDP all-reduces the rank's gradients over dp x cp = {dp_cp} ranks: its
@@ -135,21 +138,6 @@ def section_sends(parts: ParallelGPT, windows: torch.Tensor) -> dict[str, bool]:
         "the ring's bytes = the formula's": ring == formula,
         "dp x cp averages every gradient, once": gradients == elements,
     }
-
-
-def one_process(c: GPTConfig, batches: list[torch.Tensor]) -> tuple[list[float], GPT]:
-    torch.manual_seed(0)
-    model = GPT(c)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
-    losses = []
-    for windows in batches:
-        logits = model(windows[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, model
 
 
 def section_training(parts: ParallelGPT, c: GPTConfig, batches: list) -> dict[str, bool]:
@@ -200,21 +188,8 @@ def section_training(parts: ParallelGPT, c: GPTConfig, batches: list) -> dict[st
     }
 
 
-def refuse_other_world_sizes() -> None:
-    """Before any process group: the mesh needs exactly 8 ranks."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == WORLD:
-        return
-    if os.environ.get("RANK", "0") == "0":
-        raise SystemExit(
-            f"Chapter 16c lays out 8 ranks as (pp, dp, cp, tp) = {SHAPE}, and this job has "
-            f"{world}: run it as torchrun --nproc_per_node=8 tutorials/16c_four_d.py"
-        )
-    raise SystemExit(2)
-
-
 def main() -> None:
-    refuse_other_world_sizes()
+    refuse_other_world_sizes("16c_four_d.py", "16c", f"(pp, dp, cp, tp) = {SHAPE}")
     init_distributed(backend="gloo")
     torch.set_num_threads(1)
     corpus = load_corpus(max_characters=CHARACTERS)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from char_corpus import Corpus, Windows, load_corpus
 from common import end_chapter, say, say_prose, section
+from torch.nn import functional as F
 
 from miniddp import MixedPrecision
 from miniddp.figures.three_d import StepMeasured, measure_step
@@ -78,6 +79,21 @@ def text_and_model(steps: int) -> tuple[list[torch.Tensor], Corpus, GPTConfig]:
 def build_gpt(config: GPTConfig) -> GPT:
     torch.manual_seed(0)  # every rank builds the same model: parallelize keeps its part
     return GPT(config)
+
+
+def one_process(c: GPTConfig, batches: list[torch.Tensor]) -> tuple[list[float], GPT]:
+    """The whole GPT in this process on every step's whole batch: the reference."""
+    model = build_gpt(c)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    losses = []
+    for windows in batches:
+        logits = model(windows[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, model
 
 
 @dataclass
@@ -150,14 +166,16 @@ def gather(mine: object) -> list:
     return everyone
 
 
-def refuse_other_world_sizes(script: str, chapter: str) -> None:
+def refuse_other_world_sizes(
+    script: str, chapter: str, layout: str = "(pp, dp, tp) = (2, 2, 2)"
+) -> None:
     """Before any process group: the mesh needs exactly 8 ranks. Rank 0 says so, once."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == WORLD:
         return
     if os.environ.get("RANK", "0") == "0":
         raise SystemExit(
-            f"Chapter {chapter} lays out 8 ranks as (pp, dp, tp) = (2, 2, 2), and this job has "
+            f"Chapter {chapter} lays out 8 ranks as {layout}, and this job has "
             f"{world}: run it as torchrun --nproc_per_node=8 tutorials/{script} "
             f"(or NPROC=8 ./launch.sh tutorials/{script})"
         )
