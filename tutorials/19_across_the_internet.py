@@ -249,7 +249,7 @@ def main() -> None:
     same = len({store.get(f"ch18/{r}").decode() for r in survivors}) == 1
     say(f"  after {run.fragment_syncs} syncs, survivors {survivors} hold the same bits: {same}")
     assert failure is not None and same, "the survivors did not carry on together"
-    say("\nChapter 18 done: every check held.")
+    say("\nChapter 19 done: every check held.")
     sys.stdout.flush()
     os._exit(0)  # not cleanup(): it would wait for the dead replica
 
