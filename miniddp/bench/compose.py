@@ -56,6 +56,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from miniddp.bench.options import (
+    add_gpt_options,
     add_iters_and_json,
     add_links_option,
     links_to_run,
@@ -335,11 +336,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--mesh", type=mesh_shape, default=DEFAULT_MESH, help="PP,DP,TP (default 2,2,2: 8 ranks)"
     )
-    parser.add_argument("--width", type=count, default=64, help="the GPT's width (default 64)")
-    parser.add_argument("--layers", type=count, default=2, help="blocks (default 2)")
-    parser.add_argument("--heads", type=count, default=4, help="attention heads (default 4)")
-    parser.add_argument("--vocab", type=count, default=64, help="vocabulary (default 64)")
-    parser.add_argument("--length", type=count, default=32, help="tokens per window (default 32)")
+    add_gpt_options(parser)
     parser.add_argument("--batch", type=count, default=8, help="windows per replica (default 8)")
     parser.add_argument("--microbatches", type=count, default=4, help="m (default 4)")
     add_iters_and_json(parser, 20, "timed iterations")

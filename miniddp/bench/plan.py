@@ -37,11 +37,11 @@ import torch
 import torch.distributed as dist
 
 from miniddp.bench.compose import ours, over, windows
-from miniddp.bench.options import whole_number, writable_file
+from miniddp.bench.options import add_gpt_options, add_iters_and_json, whole_number
 from miniddp.job.env import cleanup, init_distributed
 from miniddp.observe.link import Link
 from miniddp.plan import Layout, evaluate
-from miniddp.plan.clusters import Cluster
+from miniddp.plan.clusters import Cluster, cpu_cluster
 from miniddp.plan.shapes import gpt
 
 LAYOUTS = ((1, 8, 1), (1, 4, 2), (2, 4, 1), (2, 2, 2))  # (pp, dp, tp), 8 ranks each
@@ -82,24 +82,15 @@ def collective_overhead(link: Link, repeats: int = 10) -> float:
 
 def this_machine(flops: float, overhead: float, link: Link) -> Cluster:
     """The plan's cluster for these 8 ranks: every constant measured or set here."""
-    return Cluster(
+    return cpu_cluster(
         "this machine",
-        peak_flops=flops,
-        memory_gib=1024.0,
+        flops,
+        link.alpha,
+        link.bandwidth,
         hbm_bandwidth=1e12,
-        gpus_per_node=8,
-        nvlink_bandwidth=link.bandwidth,
-        network_bandwidth=link.bandwidth,
-        nvlink_latency=link.alpha,
-        network_latency=link.alpha,
-        reserved_gib=0.0,
-        causal_half=False,
-        overlap=False,
-        tp_overlap=False,
         sequence_parallel=False,
         context_parallel=False,
         max_zero=0,
-        matmul_efficiency=1.0,
         collective_overhead=overhead,
     )
 
@@ -137,19 +128,14 @@ def measured_step(args: argparse.Namespace, shape: tuple, link: Link) -> float:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m miniddp.bench plan", description=__doc__)
     count = whole_number(at_least=1)
-    parser.add_argument("--width", type=count, default=64, help="the GPT's width (default 64)")
-    parser.add_argument("--layers", type=count, default=2, help="blocks (default 2)")
-    parser.add_argument("--heads", type=count, default=4, help="attention heads (default 4)")
-    parser.add_argument("--vocab", type=count, default=64, help="vocabulary (default 64)")
-    parser.add_argument("--length", type=count, default=32, help="tokens a window (default 32)")
+    add_gpt_options(parser)
     parser.add_argument("--global-batch", type=count, default=16, help="windows a step (16)")
     parser.add_argument("--microbatches", type=count, default=2, help="m with a pipeline (2)")
-    parser.add_argument("--iters", type=count, default=5, help="timed steps a layout (5)")
+    add_iters_and_json(parser, 5, "timed steps a layout")
     parser.add_argument("--warmup", type=whole_number(at_least=0), default=2)
     parser.add_argument(
         "--link", type=Link.parse, default=Link.parse(DEFAULT_LINK), help=f"({DEFAULT_LINK})"
     )
-    parser.add_argument("--json", metavar="PATH", type=writable_file, help="write results here")
     args = parser.parse_args(argv)
     problems = []
     for pp, dp, tp in LAYOUTS:

@@ -183,22 +183,28 @@ def measured_cpu(link_alpha: float = 100e-6, link_bandwidth: float = 1e6 / 8) ->
         best = min(best, (time.perf_counter() - start) / 10)
     flops = 2 * x.shape[0] * 128 * 512 / best
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return Cluster(
-        "cpu",
-        peak_flops=flops,
-        memory_gib=pages / GiB,
+    return cpu_cluster("cpu", flops, link_alpha, link_bandwidth, memory_gib=pages / GiB)
+
+
+def cpu_cluster(name: str, flops: float, alpha: float, bandwidth: float, **more) -> Cluster:
+    """CPU ranks as the plan sees them: every matmul at `flops` (measured, so efficiency 1),
+    one simulated link (alpha, bandwidth) inside and between "nodes" alike, no HBM term, no
+    overlap of communication with compute. `more`: the fields a caller sets besides."""
+    fields = dict(
+        memory_gib=1024.0,
         reserved_gib=0.0,
         hbm_bandwidth=10 * GB,
         gpus_per_node=8,
-        nvlink_bandwidth=link_bandwidth,
-        network_bandwidth=link_bandwidth,
-        nvlink_latency=link_alpha,
-        network_latency=link_alpha,
+        nvlink_bandwidth=bandwidth,
+        network_bandwidth=bandwidth,
+        nvlink_latency=alpha,
+        network_latency=alpha,
         causal_half=False,
         overlap=False,
         tp_overlap=False,
         matmul_efficiency=1.0,
     )
+    return Cluster(name, peak_flops=flops, **(fields | more))
 
 
 def load_cluster(text: str) -> Cluster:
