@@ -261,17 +261,17 @@ def _draw_mesh(axes, shape: tuple[int, int, int]) -> None:
                 cell = Rectangle((x - 0.42, y - 0.42), 0.84, 0.84, fc=colour, ec="black", zorder=3)
                 axes.add_patch(cell)
                 rank = f"{grid[p, d, t]}"
-                axes.text(x, y + 0.08, rank, ha="center", va="center", fontsize=15, zorder=4)
+                axes.text(x, y + 0.08, rank, ha="center", va="center", fontsize=17, zorder=4)
                 where = f"({p},{d},{t})"
-                axes.text(x, y - 0.26, where, ha="center", va="center", fontsize=7, zorder=4)
+                axes.text(x, y - 0.26, where, ha="center", va="center", fontsize=10, zorder=4)
     ends = {0: "embeds", pp - 1: "norm, head, loss"}
     for p in range(pp):
         x, y = centre(p, 0, tp - 1) if p else centre(p, dp - 1, 0)
         label = f"pp = {p}: stage {p} ({ends.get(p, 'blocks')})"
         if p:  # above the back page, at its right
-            axes.text(x + 0.42, y + 0.6, label, fontsize=8, ha="right")
+            axes.text(x + 0.42, y + 0.6, label, fontsize=10, ha="right")
         else:  # below the front page
-            axes.text(x - 0.42, y - 0.75, label, fontsize=8, ha="left")
+            axes.text(x - 0.42, y - 0.75, label, fontsize=10, ha="left")
     x0, y0 = centre(0, dp - 1, 0)
     groups = groups_of(shape)
     lines = [
@@ -285,16 +285,16 @@ def _draw_mesh(axes, shape: tuple[int, int, int]) -> None:
             x0 - 0.42,
             y0 - 1.35 - 0.45 * row,
             f"{label:<24}{listed}",
-            fontsize=8,
+            fontsize=10,
             color=COLOURS[name],
             family="monospace",
         )
-    axes.text(x0 - 0.42, y0 - 2.8, "in a cell: the rank, (pp, dp, tp)", fontsize=7, color="0.3")
+    axes.text(x0 - 0.42, y0 - 2.8, "in a cell: the rank, (pp, dp, tp)", fontsize=10, color="0.3")
     axes.set_xlim(-0.7, spacing * (tp - 1) + depth[0] * (pp - 1) + 0.7)
     axes.set_ylim(y0 - 3.0, depth[1] * (pp - 1) + 1.0)
     axes.set_aspect("equal")
     axes.axis("off")
-    axes.set_title(f"the mesh (pp, dp, tp) = {shape}: rank = 4 pp + 2 dp + tp", fontsize=10)
+    axes.set_title(f"the mesh (pp, dp, tp) = {shape}\nrank = 4 pp + 2 dp + tp", fontsize=12)
 
 
 def _draw_step(axes, steps: list[RankStep]) -> None:
@@ -321,7 +321,7 @@ def _draw_step(axes, steps: list[RankStep]) -> None:
                 lw=0.5,
             )
             axes.text(
-                left + width / 2, row - 0.12, block.label, ha="center", va="center", fontsize=6
+                left + width / 2, row - 0.12, block.label, ha="center", va="center", fontsize=9
             )
         for event in s.wire:
             if event.axis not in lanes:
@@ -338,16 +338,16 @@ def _draw_step(axes, steps: list[RankStep]) -> None:
     axes.set_yticks(range(len(steps)))
     axes.set_yticklabels(
         [
-            f"rank {s.rank}  (stage {s.coordinate[0]}, replica {s.coordinate[1]}, shard "
-            f"{s.coordinate[2]})"
+            f"rank {s.rank}\n({s.coordinate[0]},{s.coordinate[1]},{s.coordinate[2]})"
             for s in steps
         ],
-        fontsize=8,
+        fontsize=11,
     )
     axes.set_ylim(len(steps) - 0.45, -0.45)
     cores = os.cpu_count()
     axes.set_xlabel(
-        f"ms since the step's first forward (measured: {len(steps)} ranks on {cores} cores)"
+        f"ms since the step's first forward (measured: {len(steps)} ranks on {cores} cores)",
+        fontsize=11,
     )
     handles = [
         Rectangle((0, 0), 1, 1, color=COLOURS["F"], ec="black", lw=0.5, label="forward F i"),
@@ -359,14 +359,14 @@ def _draw_step(axes, steps: list[RankStep]) -> None:
     ]
     axes.legend(
         handles=handles,
-        fontsize=7,
+        fontsize=10,
         loc="upper center",
         ncol=3,
         bbox_to_anchor=(0.5, -0.12),
         frameon=False,
     )
     m = max((b.microbatch for s in steps for b in s.blocks), default=0) + 1
-    axes.set_title(f"one 1F1B step, m = {m} microbatches a replica", fontsize=10)
+    axes.set_title(f"one 1F1B step, m = {m} microbatches a replica", fontsize=12)
 
 
 def mesh_and_step(steps: list[RankStep], path: str | Path, shape: tuple = SHAPE) -> Path:
@@ -376,13 +376,13 @@ def mesh_and_step(steps: list[RankStep], path: str | Path, shape: tuple = SHAPE)
     from miniddp.figures.draw import plt, save
 
     figure, (left, right) = plt.subplots(
-        1, 2, figsize=(15, 6.2), gridspec_kw={"width_ratios": [1, 2.1]}
+        1, 2, figsize=(14, 7.2), gridspec_kw={"width_ratios": [1, 2.1]}
     )
     _draw_mesh(left, shape)
     _draw_step(right, steps)
     figure.suptitle(
         "3-D parallelism: chapter 12's GPT on 8 ranks, TP inside a row, DP down a column, "
         "PP through the pages",
-        fontsize=11,
+        fontsize=14,
     )
     return save(figure, path)
