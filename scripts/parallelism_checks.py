@@ -11,6 +11,7 @@ from the same bits.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ class Measured:
 @dataclass(frozen=True)
 class Check:
     name: str
-    parallelism: str  # DDP, ZeRO, FSDP, TP, PP, CP, 3-D, collectives
+    parallelism: str  # DDP, ZeRO, FSDP, HSDP, TP, PP, CP, EP, 3-D, 4-D, collectives
     run: Callable[[torch.device], Measured]
     sends: bool  # sends device tensors by send/recv: gloo's take host memory only
 
@@ -315,14 +316,34 @@ def mesh_shape(world: int) -> tuple[int, int, int]:
 def three_d(device: torch.device, dp: str) -> Measured:
     """Chapter 12's GPT in float64 (tests/parallelize_tasks.py): the losses and every full
     parameter after AdamW steps, within rounding of one process on the replicas' whole batch."""
-    from miniddp.mesh import init_device_mesh
-    from miniddp.parallelize import AXES, parallelize
-    from tests import parallelize_tasks as tasks
+    from miniddp.parallelize import AXES
 
     sizes = dict(zip(("pp", "dp", "tp"), mesh_shape(dist.get_world_size())))
-    shape = tuple(sizes.get(axis, 1) for axis in AXES)  # any other axis parallelize has: 1
-    mesh = init_device_mesh(device.type, shape, mesh_dim_names=AXES)
+    return against_one_process(device, AXES, sizes, dp)
+
+
+@check("4-D", {"parallelize(GPT) with cp vs one process, MiniDDP": {}}, sends=True)
+def four_d(device: torch.device) -> Measured:
+    """The same, with the sequence cut over a "cp" axis of 2 (ring attention on the device's
+    kernel) and the rest of the ranks laid out as the 3-D check lays them."""
+    from miniddp.parallelize import CP_AXES
+
+    sizes = dict(zip(("pp", "dp", "tp"), mesh_shape(dist.get_world_size() // 2)), cp=2)
+    return against_one_process(device, CP_AXES, sizes, "ddp")
+
+
+def against_one_process(device: torch.device, axes: tuple, sizes: dict, dp: str) -> Measured:
+    """parallelize over a mesh of `axes` with `sizes` (any other axis 1) against one process:
+    every step's loss (each last-stage rank's, averaged over dp and cp) and, at the end, every
+    full parameter, in float64 units of rounding."""
+    from miniddp.mesh import init_device_mesh
+    from miniddp.parallelize import parallelize
+    from tests import parallelize_tasks as tasks
+
+    shape = tuple(sizes.get(axis, 1) for axis in axes)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=axes)
     replicas, replica = sizes["dp"], mesh["dp"].get_local_rank()
+    averaged_over = [mesh[axis] for axis in ("dp", "cp") if axis in axes]
 
     reference = tasks.build_gpt().to(device)
     optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
@@ -339,16 +360,104 @@ def three_d(device: torch.device, dp: str) -> Measured:
         mine = parts.train_step(windows.tensor_split(replicas)[replica])
         parallel_optimizer.step()
         parallel_optimizer.zero_grad()
-        if mine is not None:  # the last stage's loss, this replica's mean
+        if mine is not None:  # the last stage's loss, this rank's mean
             mine = mine.detach().clone()
-            dist.all_reduce(mine, group=mesh["dp"].get_group())
-            difference = max(difference, abs(mine.item() / replicas - loss.item()))
-    full = tasks.full_tensors(parts.model, mesh, sharded=dp == "fsdp" and replicas > 1)
+            for axis in averaged_over:
+                dist.all_reduce(mine, group=axis.get_group())
+                mine /= axis.size()
+            difference = max(difference, abs(mine.item() - loss.item()))
+    sharded = dp == "fsdp" and math.prod(axis.size() for axis in averaged_over) > 1
+    full = tasks.full_tensors(parts.model, mesh, sharded=sharded)
     expected = dict(reference.named_parameters())
     for name, tensor in full.items():
         name = "token.weight" if name == "head.weight" else name  # the last stage's tied copy
         difference = max(difference, scaled_error(tensor, expected[name].detach()))
-    return Measured(difference, 1e-10, f"({', '.join(AXES)}) = {shape}")
+    return Measured(difference, 1e-10, f"({', '.join(axes)}) = {shape}")
+
+
+@check("HSDP", {"fully_shard over (replicate, shard) vs torch's": {}}, sends=True)
+def hsdp(device: torch.device) -> Measured:
+    """HSDP, torch's meaning: every Linear, then the root, sharded over a 2-D mesh (2, W / 2),
+    replicated down its first axis; three AdamW steps; every full parameter, bitwise."""
+    from torch.distributed.device_mesh import init_device_mesh as torchs_mesh
+    from torch.distributed.fsdp import fully_shard as torchs_fully_shard
+
+    from miniddp import fully_shard
+    from miniddp.mesh import init_device_mesh
+    from tests import sharding_fsdp_tasks as tasks
+
+    shape, names = (2, dist.get_world_size() // 2), ("replicate", "shard")
+    spec = tasks.FsdpSpec(widths=(8, 16, 12, 4))
+    runs = []
+    for kind, apply, make_mesh in (
+        ("ours", fully_shard, init_device_mesh),
+        ("torch", torchs_fully_shard, torchs_mesh),
+    ):
+        mesh = make_mesh(device.type, shape, mesh_dim_names=names)
+        model = tasks.build_model(spec).to(device)
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                apply(layer, mesh=mesh)
+        model = apply(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01)
+        seen = []
+        for step in range(3):
+            x, y = tasks.batch(spec, dist.get_rank(), step, 0)
+            F.mse_loss(model(x.to(device)), y.to(device)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            seen += [t.cpu() for t in tasks.full_parameters(kind, model)]
+        runs.append(seen)
+    return Measured(largest_difference(*runs), note=f"(replicate, shard) = {shape}")
+
+
+@check("EP", {"all_to_all_single vs torch's (uneven, zeros)": {}}, sends=True)
+def all_to_all(device: torch.device) -> Measured:
+    """Rank r sends (r + d) % 3 rows to rank d, some of them none: ours, on send/recv,
+    against torch.distributed.all_to_all_single on the same rows, bitwise (rows only move)."""
+    from miniddp.collectives import all_to_all_single
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sends = [(rank + d) % 3 for d in range(world)]
+    arrives = [(source + rank) % 3 for source in range(world)]
+    rows = (torch.arange(sum(sends) * 4, dtype=torch.float32).view(-1, 4) + 1000 * rank).to(device)
+    mine = torch.full((sum(arrives), 4), -1.0, device=device)
+    theirs = mine.clone()
+    all_to_all_single(mine, rows, arrives, sends)
+    dist.all_to_all_single(theirs, rows.clone(), arrives, sends)
+    return Measured(largest_difference([mine], [theirs]), note=f"rows out: {sum(sends)}")
+
+
+@check("EP", {"MoE + ExpertParallel vs one process (dropless)": {}}, sends=True)
+def expert_parallel(device: torch.device) -> Measured:
+    """2W experts, top 2, each rank its own 12 tokens (tests/expert_parallel_tasks.py): the
+    output and every expert's gradient bitwise one process's on the whole batch (each expert
+    sees the same rows in the same order); the router's gradient, summed over ranks, within
+    rounding (a sum in another order)."""
+    from miniddp.expert_parallel import ExpertParallel
+    from miniddp.tensor_parallel import parallelize_module
+    from tests.expert_parallel_tasks import Spec, build, run
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    spec = Spec(num_experts=2 * world)
+    moe, x, dy, _ = build(spec)
+    moe, x, dy = moe.to(device), x.to(device), dy.to(device)
+    reference = run(moe, x, dy, 1.0)
+    moe.zero_grad()
+    parallelize_module(moe.experts, dist.group.WORLD, ExpertParallel())
+    mine = slice(rank * spec.tokens, (rank + 1) * spec.tokens)
+    ours = run(moe, x[mine], dy[mine], 1.0)
+    experts = [f"experts.{w}" for w in ("w1", "w2", "w3")]
+    exact = largest_difference(
+        [ours["y"], *(ours[name] for name in experts)],
+        [reference["y"][mine], *(reference[name].chunk(world)[rank] for name in experts)],
+    )
+    if exact > 0:
+        return Measured(exact, note="the output or an expert's gradient is not bitwise")
+    router = ours["router.gate.weight"]
+    dist.all_reduce(router)
+    error = scaled_error(router, reference["router.gate.weight"])
+    return Measured(error, 1e-6, "output, experts bitwise; router within rounding")
 
 
 @check(
