@@ -4,7 +4,9 @@ rest of data and model parallelism.
 The house has floors, and every import runs down (tests/test_layers.py keeps it so, and names
 an import that runs up):
 
-    floor 5  bench/ (and the baselines it measures), figures/: they use the library like a user
+    floor 5  instruments/: bench/ (and the baselines it measures), figures/, the simulated
+             link's process group, timeline views: they use the library like a user (bench.py
+             and figures.py are the doors of `python -m miniddp.bench` and `.figures`)
     floor 4  steps/: the ladder, DDP built up one idea a rung, ending with MiniDDP; plan/: a
              layout's memory and time at any scale, from the formulas below (issue 46)
     floor 3  checkpoint/ (every parallelism's state, to disk and back), parallelize.py (the
@@ -18,10 +20,11 @@ an import that runs up):
              (init_device_mesh, one grid and a group per axis) and models/ (the GPT chapter
              12 trains)
     floor 1  the ground: collectives/ (from send/recv), job/ (the environment, the wait seam
-             and its faults, meeting points), observe/ (events, timelines, the simulated link,
-             the overlap model), placement.py (the mark each parallelism leaves on its
-             parameters, read by what spans them), same_model.py (every replica the same
-             model: what MiniDDP, ZeRO and fully_shard all check)
+             and its faults, meeting points), observe/ (the events the core tells an
+             observer, timelines, the link's model, the overlap model), placement.py (the
+             mark each parallelism leaves on its parameters, read by what spans them),
+             same_model.py (every replica the same model: what MiniDDP, ZeRO and fully_shard
+             all check)
 
 `miniddp.faults` is job/faults.py under the name users know, as one module object (one
 CollectiveFailed class, whichever name an `except` uses).

@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 
 from miniddp import MiniDDP, MixedPrecision, fully_shard
+from miniddp.instruments.activation_memory import SavedActivations
 from miniddp.models.gpt import GPT, GPTConfig, next_character_loss
 from miniddp.models.gpt_activations import Checkpointing, block_layers, checkpoint_blocks
-from miniddp.observe.activation_memory import SavedActivations
 
 # Chapter 12's GPT, dropout 0.1 included, at half its context, width and depth: two ranks train
 # it three times in seconds (tests/test_activation_memory.py measures the full size alone).

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from miniddp import tensor_parallel as tp
-from miniddp.observe.activation_memory import SavedActivations
+from miniddp.instruments.activation_memory import SavedActivations
 from tests.tensor_parallel_tasks import local, local_grad, scaled_difference, shard_dim, torch_mesh
 
 
@@ -134,7 +134,7 @@ def without_f_on_replicated_parameters(spec: SPSpec) -> dict:
 
 def saved_bytes(module: nn.Module, x: torch.Tensor) -> int:
     """The bytes autograd keeps for backward from `module`'s forward (distinct storages, the
-    weights left out: miniddp/observe/activation_memory.py)."""
+    weights left out: miniddp/instruments/activation_memory.py)."""
     with SavedActivations(module) as saved:
         module(x)
     return saved.total

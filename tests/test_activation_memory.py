@@ -1,4 +1,4 @@
-"""Activation memory (miniddp/observe/activation_memory.py) against the formula for chapter 12's
+"""Activation memory (miniddp/instruments/activation_memory.py) against the formula for chapter 12's
 GPT (miniddp/models/gpt_activations.py), to the byte, and what checkpointing trades for it.
 
 One process: the bytes autograd saves, per block and outside the blocks, at the chapter's size
@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from miniddp.instruments.activation_memory import SavedActivations
 from miniddp.models.gpt import GPT, GPTConfig, next_character_loss
 from miniddp.models.gpt_activations import (
     Checkpointing,
@@ -25,7 +26,6 @@ from miniddp.models.gpt_activations import (
     checkpoint_blocks,
     recompute_flops,
 )
-from miniddp.observe.activation_memory import SavedActivations
 from tests import activation_memory_tasks
 
 CONFIG = GPTConfig(vocab_size=96)  # chapter 12's sizes, its dropout 0.1 included

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-import miniddp.bench.__main__ as bench
-from miniddp.bench.paired import paired_ratio, paired_ratio_interval, quantile, rotated
-from miniddp.bench.step import targets
-from miniddp.bench.variants import VARIANTS
+import miniddp.instruments.bench.__main__ as bench
+from miniddp.instruments.bench.paired import paired_ratio, paired_ratio_interval, quantile, rotated
+from miniddp.instruments.bench.step import targets
+from miniddp.instruments.bench.variants import VARIANTS
 from tests.harness.processes import child_env, run_in_own_session
 
 

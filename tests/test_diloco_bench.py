@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from miniddp.bench.diloco import parse_args
+from miniddp.instruments.bench.diloco import parse_args
 from tests.harness.processes import child_env, run_in_own_session
 
 

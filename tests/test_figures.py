@@ -13,8 +13,8 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from miniddp.figures.__main__ import FIGURE_SETS
-from miniddp.figures.__main__ import main as figures
+from miniddp.instruments.figures.__main__ import FIGURE_SETS
+from miniddp.instruments.figures.__main__ import main as figures
 from tests.harness.processes import child_env, run_in_own_session, tail
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,7 +122,7 @@ def test_other_bad_options_are_refused_without_making_the_folder(
 def test_the_three_d_figure_draws_the_mesh_and_a_step(tmp_path: Path) -> None:
     """Chapter 16b's figure from a step made up here (the 8-rank job that records a real one is
     the slow test's): its groups are the mesh's, and it is a readable PNG."""
-    from miniddp.figures import three_d
+    from miniddp.instruments.figures import three_d
     from miniddp.pipeline.bubble import Block
 
     groups = three_d.groups_of((2, 2, 2))

@@ -36,8 +36,9 @@ FLOORS = {
     "parallelize_formulas": 3,
     "steps": 4,
     "plan": 4,
-    "bench": 5,
-    "figures": 5,
+    "instruments": 5,
+    "bench": 5,  # `python -m miniddp.bench`: the door to instruments/bench
+    "figures": 5,  # and to instruments/figures
 }
 PARALLELISMS = {
     "data_parallel",

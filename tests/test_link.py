@@ -26,9 +26,15 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from miniddp import MiniDDP
+from miniddp.instruments.link_group import (
+    LinkGroup,
+    LinkQueue,
+    active_wire,
+    link_groups,
+    simulated_link,
+)
 from miniddp.job.faults import wait_for
-from miniddp.observe.link import Link, LinkQueue, TwoSpeed, wire_bytes
-from miniddp.observe.link_group import LinkGroup, active_wire, link_groups, simulated_link
+from miniddp.observe.link import Link, TwoSpeed, wire_bytes
 from tests.harness.pool import RankPool
 
 GBIT = 1e9 / 8  # bytes per second
@@ -317,4 +323,6 @@ def test_no_module_of_the_library_assigns_to_torch_distributed() -> None:
         for match in pattern.finditer(path.read_text())
     ]
     # Left for now: chapter 16's figure logs each all-reduce and batch of sends by its mesh axis.
-    assert [line for line in found if not line.startswith("miniddp/figures/three_d.py")] == []
+    assert [
+        line for line in found if not line.startswith("miniddp/instruments/figures/three_d.py")
+    ] == []

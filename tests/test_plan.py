@@ -245,7 +245,7 @@ def test_bad_layouts_are_refused_with_the_fix(capsys, layout, gpus, seq, says):
 
 
 def test_bench_plan_refuses_a_run_it_cannot_price():
-    from miniddp.bench.plan import parse_args
+    from miniddp.instruments.bench.plan import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(["--link", "none"])

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from miniddp import MixedPrecision
-from miniddp.figures.three_d import CONFIG
+from miniddp.instruments.figures.three_d import CONFIG
 from miniddp.models.gpt_activations import block_bytes
 from miniddp.parallelize_formulas import (
     MeshLayout,

@@ -23,7 +23,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from miniddp import MiniDDP
-from miniddp.bench.baselines import BASELINES, DeferredMiniDDP
+from miniddp.instruments.bench.baselines import BASELINES, DeferredMiniDDP
+from miniddp.instruments.timeline_views import ascii_timeline, chrome_trace, plot
 from miniddp.observe.events import Event
 from miniddp.observe.timeline import (
     COMM,
@@ -35,7 +36,6 @@ from miniddp.observe.timeline import (
     split_steps,
     summarize,
 )
-from miniddp.observe.timeline_views import ascii_timeline, chrome_trace, plot
 from miniddp.steps import BucketedDDP, TorchLayoutDDP
 from tests.harness.processes import child_env, run_ranks_like_torchrun
 

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from miniddp.observe.timeline_views import LINE  # tutorials/common.py's say() wraps longer lines
+from miniddp.instruments.timeline_views import (
+    LINE,  # tutorials/common.py's say() wraps longer lines
+)
 from tests.harness.processes import (
     child_env,
     run_in_own_session,

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from miniddp import MixedPrecision
-from miniddp.figures.three_d import CONFIG, measure_step, messages_sent
+from miniddp.instruments.figures.three_d import CONFIG, measure_step, messages_sent
 from miniddp.mesh import init_device_mesh
 from miniddp.models.gpt import GPT
 from miniddp.parallelize import AXES, parallelize

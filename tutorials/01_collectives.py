@@ -40,9 +40,9 @@ from common import (
 )
 
 from miniddp import collectives
-from miniddp.bench.collectives import parse_size, time_size
 from miniddp.collectives import Message
-from miniddp.figures import draw
+from miniddp.instruments.bench.collectives import parse_size, time_size
+from miniddp.instruments.figures import draw
 from miniddp.job.env import init_distributed
 
 SWEEP_ROUNDS = 5  # interleaved rounds per size: enough for a first look, not a benchmark

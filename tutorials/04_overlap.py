@@ -44,15 +44,15 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from miniddp import MiniDDP
-from miniddp.bench.baselines import DeferredMiniDDP, NoCommunication
-from miniddp.bench.paired import paired_ratio, time_interleaved
-from miniddp.bench.workloads import Workload
-from miniddp.figures import draw
+from miniddp.instruments.bench.baselines import DeferredMiniDDP, NoCommunication
+from miniddp.instruments.bench.paired import paired_ratio, time_interleaved
+from miniddp.instruments.bench.workloads import Workload
+from miniddp.instruments.figures import draw
+from miniddp.instruments.link_group import simulated_link
+from miniddp.instruments.timeline_views import ascii_timeline
 from miniddp.job.env import init_distributed
-from miniddp.observe.link_group import simulated_link
 from miniddp.observe.overlap_model import predict_step, uniform_buckets
 from miniddp.observe.timeline import StepTimeline, gather, recording, split_steps, summarize
-from miniddp.observe.timeline_views import ascii_timeline
 from miniddp.steps import BucketedDDP, NaiveDDP, OverlapDDP, TorchLayoutDDP
 
 # A slow, shared network (think cloud regions apart): 5 ms a collective, 250 Mbit/s. Slow enough

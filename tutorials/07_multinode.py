@@ -50,10 +50,10 @@ from torch.utils.data import DataLoader
 
 from miniddp import MiniDDP
 from miniddp.data_parallel.sampler import DistributedSampler
+from miniddp.instruments.link_group import simulated_link
+from miniddp.instruments.timeline_views import ascii_timeline
 from miniddp.job.env import DistEnv, cleanup, init_distributed
-from miniddp.observe.link_group import simulated_link
 from miniddp.observe.timeline import recording, split_steps, summarize
-from miniddp.observe.timeline_views import ascii_timeline
 
 TRAIN_STEPS = 4
 LEARNING_RATE = 0.1

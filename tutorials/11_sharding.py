@@ -33,10 +33,10 @@ from torch import nn
 from miniddp import MiniDDP, ZeroRedundancyOptimizer, full_state_dict, fully_shard
 from miniddp.collectives import traffic
 from miniddp.data_parallel.default_hooks import all_reduce_hook
+from miniddp.instruments.link_group import simulated_link
 from miniddp.job.env import init_distributed
 from miniddp.observe import timeline
 from miniddp.observe.link import Link
-from miniddp.observe.link_group import simulated_link
 from miniddp.observe.overlap_model import predict_zero3_step
 from miniddp.sharding import Formula, clip_grad_norm_, ddp_buckets, measure_memory
 from miniddp.sharding.unit_lanes import recording, summarize, unit_timeline
@@ -395,7 +395,7 @@ def main() -> None:
         bucket's reduce-scatter leaves as soon as the bucket is full, as DDP's all-reduces do
         (chapter 04): over the same link, {zero2:.0%} of its time ran during backward.""")
     if args.plot and env.rank == 0:
-        from miniddp.figures.zero3_timeline import prefetch_timelines
+        from miniddp.instruments.figures.zero3_timeline import prefetch_timelines
 
         steps = {
             f"ZeRO-3, {name}: {run['step_s'] * 1e3:.0f} ms a step": run["timeline"]

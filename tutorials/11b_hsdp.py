@@ -29,10 +29,10 @@ from torch import nn
 from miniddp import MiniDDP, full_state_dict, fully_shard
 from miniddp.collectives import record_messages
 from miniddp.data_parallel.default_hooks import all_reduce_hook
+from miniddp.instruments.link_group import simulated_link
 from miniddp.job.env import init_distributed
 from miniddp.mesh import init_device_mesh
 from miniddp.observe.link import Link, TwoSpeed, wire_bytes
-from miniddp.observe.link_group import simulated_link
 from miniddp.sharding.units import UNIT_NUMBER_BYTES
 
 R, S = 2, 2  # replicas (nodes) x shards (ranks per node)

@@ -21,7 +21,7 @@ rank against its formula:
     5. mixed precision        bf16 compute with fp32 masters under each layout; what a bf16
                               reduction costs in accuracy; 16Ψ or 20Ψ, answered
 
-The library: miniddp/observe/activation_memory.py measures, miniddp/models/gpt_activations.py
+The library: miniddp/instruments/activation_memory.py measures, miniddp/models/gpt_activations.py
 derives the formula term by term, miniddp/sharding/memory.py counts the model's states.
 """
 
@@ -40,7 +40,8 @@ from common import add_plot_option, end_chapter, fmt_bytes, say, say_prose, sect
 from torch.utils.flop_counter import FlopCounterMode
 
 from miniddp import MiniDDP, MixedPrecision, ZeroRedundancyOptimizer, fully_shard
-from miniddp.figures.memory_per_rank import step_memory
+from miniddp.instruments.activation_memory import SavedActivations
+from miniddp.instruments.figures.memory_per_rank import step_memory
 from miniddp.job.env import init_distributed
 from miniddp.models.gpt import GPT, GPTConfig, next_character_loss, parameter_groups
 from miniddp.models.gpt_activations import (
@@ -52,7 +53,6 @@ from miniddp.models.gpt_activations import (
     korthikanti_bytes,
     recompute_flops,
 )
-from miniddp.observe.activation_memory import SavedActivations
 from miniddp.sharding import (
     Formula,
     MixedPrecisionPolicy,
@@ -198,7 +198,7 @@ def section_activations(setup: Setup, runs: dict[str, dict], checks: dict[str, b
     blocks = runs["ddp"]["activations"]
     say_prose(f"""\
         What autograd saves between forward and backward, counted by its saved-tensor hooks
-        (miniddp.observe.activation_memory): each storage once, the parameters a Linear saves
+        (miniddp.instruments.activation_memory): each storage once, the parameters a Linear saves
         left out. Every block keeps the same, {fmt_bytes(blocks["blocks.0"])}: with s·b·h =
         {s * b * h:,} and a·s²·b = {a * s * s * b:,},
 

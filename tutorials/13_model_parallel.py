@@ -33,12 +33,12 @@ from torch import nn
 from torch.nn import functional as F
 
 from miniddp import MiniDDP
-from miniddp.bench.paired import time_interleaved
-from miniddp.bench.workloads import Workload
+from miniddp.instruments.bench.paired import time_interleaved
+from miniddp.instruments.bench.workloads import Workload
+from miniddp.instruments.link_group import simulated_link
 from miniddp.job.env import init_distributed
 from miniddp.mesh import DeviceMesh, init_device_mesh
 from miniddp.observe.link import Link, wire_bytes
-from miniddp.observe.link_group import simulated_link
 from miniddp.sharding import MemoryPerRank, ddp_buckets, measure_memory
 from miniddp.tensor_parallel import (
     TinyGPT,

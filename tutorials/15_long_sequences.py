@@ -46,10 +46,10 @@ from miniddp.context_parallel import (
     stats_for,
     step_blocks,
 )
+from miniddp.instruments.activation_memory import SavedActivations
+from miniddp.instruments.link_group import simulated_link
 from miniddp.job.env import init_distributed
-from miniddp.observe.activation_memory import SavedActivations
 from miniddp.observe.link import Link
-from miniddp.observe.link_group import simulated_link
 from miniddp.tensor_parallel import SequenceParallel, TransformerBlock, parallelize_module, plan_for
 
 HEADS, HEAD_DIM = 4, 32
@@ -64,7 +64,7 @@ FIGURE = "docs/figures/15_ring_attention.png"
 
 def saved_bytes(function, *inputs) -> int:
     """The bytes autograd keeps for backward from `function(*inputs)`, each storage once; a
-    module's weights are the model's, not activations (miniddp/observe/activation_memory.py)."""
+    module's weights are the model's, not activations (miniddp/instruments/activation_memory.py)."""
     model = function if isinstance(function, nn.Module) else nn.Module()
     with SavedActivations(model) as saved:
         function(*inputs)
@@ -279,9 +279,10 @@ def section_link(world: int, link: Link, checks: dict[str, bool]) -> None:
     measured = {name: statistics.median(seconds) for name, seconds in times.items()}
     say_prose(f"""\
         Timed, S = {RING_LENGTH}, non-causal, on the simulated link {link} (every send
-        and collective crosses the link's process group, miniddp/observe/link_group.py), median of
-        {LINK_REPEATS}, the two interleaved; t = {t * 1e3:.1f} ms measured here, m = 2 alpha +
-        block bytes / bandwidth = {m * 1e3:.1f} ms (K and V, two messages):""")
+        and collective crosses the link's process group,
+        miniddp/instruments/link_group.py), median of {LINK_REPEATS}, the two
+        interleaved; t = {t * 1e3:.1f} ms measured here, m = 2 alpha + block bytes /
+        bandwidth = {m * 1e3:.1f} ms (K and V, two messages):""")
     for name in designs:
         times_ms = f"measured {measured[name] * 1e3:7.1f} ms   model {model[name] * 1e3:7.1f} ms"
         say(f"    {name:<10}  {times_ms}")

@@ -51,8 +51,8 @@ from three_d_setup import (
 )
 
 from miniddp import MixedPrecision
-from miniddp.bench.options import whole_number
-from miniddp.figures.three_d import groups_of
+from miniddp.instruments.bench.options import whole_number
+from miniddp.instruments.figures.three_d import groups_of
 from miniddp.models.gpt import GPT, GPTConfig
 from miniddp.parallelize import AXES
 from miniddp.parallelize_formulas import activation_formula, memory_formula, stage_elements

@@ -14,7 +14,8 @@ Chapter 16 counted what each rank holds. Every rank also talks, on three axes at
                                     latency-bound and a bandwidth-bound link; two are timed
     3. one step, drawn              the pipeline in ASCII; docs/figures/16_three_d.png
 
-The figure is drawn by miniddp/figures/three_d.py (`python -m miniddp.figures --only 16`).
+The figure is drawn by miniddp/instruments/figures/three_d.py
+(`python -m miniddp.figures --only 16`).
 tests/test_three_d_audit.py counts the messages of every layout against the same formula.
 
 Any other number of ranks is refused, naming the command. Measured on 2 cores shared with other
@@ -48,11 +49,11 @@ from three_d_setup import (
     train,
 )
 
-from miniddp.bench.options import whole_number
-from miniddp.figures import three_d
+from miniddp.instruments.bench.options import whole_number
+from miniddp.instruments.figures import three_d
+from miniddp.instruments.link_group import link_groups, simulated_link
 from miniddp.models.gpt import GPTConfig
 from miniddp.observe.link import Link
-from miniddp.observe.link_group import link_groups, simulated_link
 from miniddp.parallelize_formulas import (
     every_layout,
     messages,
@@ -216,7 +217,7 @@ def section_measured(
         return None
     say_prose(f"""\
         Measured: the 3-D run and DP alone, {ROUNDS} steps each on the bare machine and {ROUNDS}
-        over the simulated link {link} (miniddp/observe/link_group.py: every collective runs,
+        over the simulated link {link} (miniddp/instruments/link_group.py: every collective runs,
         and completes when such a link would have delivered it), interleaved. The model
         predicts the bare step plus its all-reduces' time on the link (the pipeline's sends
         cross the link too, but the model leaves them out).""")

@@ -308,7 +308,7 @@ def main() -> None:
     loads, losses = section_training(world, rank, args.steps, checks)
     section_checks(world, rank, checks)
     if args.plot and env.is_main:
-        from miniddp.figures.experts import experts
+        from miniddp.instruments.figures.experts import experts
 
         path = experts(every.tolist(), drops, loads, losses, args.plot / "18_experts.png")
         say(f"  drawn: {path}")

@@ -37,7 +37,7 @@ from common import fmt_bytes, say, say_prose, section
 from torch import nn
 
 from miniddp import MiniDDP
-from miniddp.figures.local_sgd import loss_against_time_and_bytes
+from miniddp.instruments.figures.local_sgd import loss_against_time_and_bytes
 from miniddp.job.env import init_distributed
 from miniddp.job.notes import board_of
 from miniddp.local_sgd import DiLoCo

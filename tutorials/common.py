@@ -20,10 +20,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from miniddp.instruments.timeline_views import LINE, ascii_timeline
 from miniddp.job.env import cleanup
 from miniddp.observe.link import ENVIRONMENT_VARIABLE, Link
 from miniddp.observe.timeline import StepTimeline, gather, split_steps
-from miniddp.observe.timeline_views import LINE, ascii_timeline
 from miniddp.steps.__main__ import diff, idea, label
 
 REPO = Path(__file__).resolve().parents[1]
@@ -146,7 +146,7 @@ def add_link_option(parser: argparse.ArgumentParser, default_link: str = "none")
 
 
 def add_plot_option(parser: argparse.ArgumentParser) -> None:
-    """--plot DIR: save this run's figures there as PNGs (miniddp/figures/draw.py)."""
+    """--plot DIR: save this run's figures there as PNGs (miniddp/instruments/figures/draw.py)."""
     parser.add_argument("--plot", type=Path, metavar="DIR", help="save this run's figures here")
 
 

@@ -398,7 +398,7 @@ def exit_abruptly(rank: int, done: int) -> None:
 
 def draw_curves(replicas: dict[str, Replica], folder: Path, world: int) -> Path:
     """The figure of every replica's training and validation curves (a bf16 run its own)."""
-    from miniddp.figures import draw
+    from miniddp.instruments.figures import draw
 
     bf16 = replicas["miniddp"].precision == "bf16"  # its own figure: the fp32 run's stays
     runs = {

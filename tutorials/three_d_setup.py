@@ -20,7 +20,7 @@ from common import end_chapter, say, say_prose, section
 from torch.nn import functional as F
 
 from miniddp import MixedPrecision
-from miniddp.figures.three_d import StepMeasured, measure_step
+from miniddp.instruments.figures.three_d import StepMeasured, measure_step
 from miniddp.job.env import init_distributed
 from miniddp.mesh import DeviceMesh, init_device_mesh
 from miniddp.models.gpt import GPT, GPTConfig

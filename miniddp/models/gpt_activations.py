@@ -1,7 +1,7 @@
 """What the GPT of miniddp/models/gpt.py keeps from its forward for its backward, op by op, and what
 checkpointing trades it for.
 
-Every number here was read off the saved tensors themselves (miniddp.observe.activation_memory
+Every number here was read off the saved tensors themselves (miniddp.instruments.activation_memory
 counts them, by storage, parameters left out), for a model in train() mode on the CPU, torch
 2.13. With s = context, b = batch, h = width, a = heads, e = the model's bytes per element (4
 fp32, 2 bf16), one Block keeps, in the order its forward saves them:

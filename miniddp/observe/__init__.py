@@ -1,9 +1,10 @@
-"""What only observes or simulates training: nothing here changes a gradient.
+"""What the core tells an observer, and the models a measurement is set against: nothing here
+changes a gradient, and nothing here measures (the instruments that do are
+miniddp/instruments/: the simulated link's process group, timeline views, activation memory).
 
-events.py          the events a DDP notes as a step happens (off by default, and then free)
+events.py          the events the core notes at named points as a step happens (no observer:
+                   one attribute check)
 timeline.py        events into steps and their summary: overlap, tail, launches
-timeline_views.py  a step drawn three ways: ASCII, matplotlib, Chrome's trace viewer
-link.py            a simulated slow network link (latency and bandwidth) under the collectives
+link.py            a slow network link's model: latency, bandwidth, each collective's wire bytes
 overlap_model.py   the alpha-beta model of a bucketed step, to set a measurement against
-activation_memory.py  the bytes a forward leaves for its backward, per layer, by storage
 """

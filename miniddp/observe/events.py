@@ -1,7 +1,7 @@
 """What a DDP wrapper notes as a step happens, for the timeline (miniddp/observe/timeline.py)
 to draw.
 
-MiniDDP and the baselines it is compared with (miniddp/bench/baselines.py) note the same
+MiniDDP and the baselines it is compared with (miniddp/instruments/bench/baselines.py) note the same
 events, so every design is drawn and measured the same way.
 """
 

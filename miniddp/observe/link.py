@@ -24,8 +24,11 @@ on the wire queues behind it (`LinkQueue`). Collectives send and receive the sam
 so both directions are busy together and one queue describes both. One rank: no wire.
 
 It completes at the later of its real completion and the link's, by sleeping: one thread keeps
-the deliveries in a heap and sleeps until the earliest is due (`_Deliveries`). The process
-group that applies this model to every operation is miniddp/observe/link_group.py:
+the deliveries in a heap and sleeps until the earliest is due. That simulation is an instrument,
+apart from the library: the process group that applies this model to every operation, with its
+queues (`LinkQueue`) and its delivering thread, is miniddp/instruments/link_group.py. What stays
+here is the model, which the formulas use too (miniddp/parallelize_formulas.py prices a layout
+with it):
 
     with simulated_link(Link.parse("alpha=200us,bandwidth=1gbit")):   # or $MINIDDP_LINK
         model = MiniDDP(net)            # its broadcast and all-reduces cross the link
@@ -38,13 +41,8 @@ its ring, which sets its pace (chapter 11b times HSDP, ZeRO-3 and DDP on one).
 """
 
 import argparse
-import heapq
-import itertools
 import math
 import re
-import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -175,58 +173,3 @@ def wire_bytes(collective: str, nbytes: int, world_size: int) -> float:
     if collective not in per_collective:
         raise ValueError(f"no wire model for {collective!r}; known: {', '.join(per_collective)}")
     return per_collective[collective]
-
-
-class LinkQueue:
-    """One rank's link: transfers go one at a time, in issue order. One issued at `now` starts
-    when the link is free (at once, or when the one before arrives), and takes link.seconds."""
-
-    def __init__(self, link: Link) -> None:
-        self.link, self.free_at = link, -math.inf
-
-    def deliver_at(self, now: float, wire_bytes: float) -> float:
-        """Put a transfer on the wire; return when it arrives."""
-        start = max(now, self.free_at)
-        self.free_at = start + self.link.seconds(wire_bytes)
-        return self.free_at
-
-
-class _Deliveries:
-    """A thread that completes each LinkWork's future at its delivery time, sleeping between."""
-
-    def __init__(self) -> None:
-        self._due: list[tuple[float, int, Callable[[], None]]] = []
-        self._order = itertools.count()  # ties keep issue order
-        self._changed = threading.Condition()
-        self._stopping = False
-        self.thread = threading.Thread(target=self._serve, name="miniddp-link", daemon=True)
-        self.thread.start()
-
-    def at(self, when: float, deliver: Callable[[], None]) -> None:
-        with self._changed:
-            if not self._stopping:
-                heapq.heappush(self._due, (when, next(self._order), deliver))
-                self._changed.notify()
-                return
-        deliver()  # the link is being taken away: nothing is held back any more
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Deliver everything still held, at once, and end. Nothing is left waiting, and the
-        thread is not killed at exit inside torch's C++ (which can abort the process)."""
-        with self._changed:
-            self._stopping = True
-            self._changed.notify()
-        self.thread.join(timeout)
-
-    def _serve(self) -> None:
-        while True:
-            with self._changed:
-                while not self._stopping:
-                    wait = self._due[0][0] - time.perf_counter() if self._due else None
-                    if wait is not None and wait <= 0:
-                        break
-                    self._changed.wait(wait)
-                if not self._due:
-                    return  # stopping, with nothing held
-                _, _, deliver = heapq.heappop(self._due)
-            deliver()

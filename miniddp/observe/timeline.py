@@ -1,6 +1,6 @@
 """Timelines: what happened in each step, drawn, and how much communication hid behind compute.
 
-MiniDDP (and the baselines in `miniddp/bench/baselines.py`) note events while
+MiniDDP (and the baselines in `miniddp/instruments/bench/baselines.py`) note events while
 `record_events()` is on: forward start/end, backward start, a hook per parameter,
 ready/launch/reduced/wait per bucket, backward end and sync end. This module turns those
 instants into spans on two lanes per rank:
@@ -9,7 +9,7 @@ instants into spans on two lanes per rank:
     communication   one span per bucket, from its launch to its all-reduce's completion
 
 and summary numbers, which answer the question this project exists for: how much of the
-communication ran while backward was still computing? miniddp/observe/timeline_views.py shows
+communication ran while backward was still computing? miniddp/instruments/timeline_views.py shows
 the same steps as an ASCII timeline, a Chrome trace (Perfetto, chrome://tracing) and a
 matplotlib figure.
 

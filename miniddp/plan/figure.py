@@ -1,7 +1,8 @@
 """`--plot`: memory and time per term for the best layouts, as two stacked bar charts.
 
-Drawn here with matplotlib alone (miniddp/figures is a floor above the plan, so the plan does
-not import it); the PNG carries no matplotlib version, so the same plan draws the same bytes.
+Drawn here with matplotlib alone (miniddp/instruments/figures is a floor above the plan, so the
+plan does not import it); the PNG carries no matplotlib version, so the same plan draws the same
+bytes.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
                                [--top-k 2] [--capacity-factor 1.25] [--iters 20]
                                [--link none --link alpha=1ms,...]
 
-On the bare machine, then over a simulated link (miniddp/observe/link_group.py: every send
+On the bare machine, then over a simulated link (miniddp/instruments/link_group.py: every send
 waits for the link, alpha + bytes / bandwidth, one at a time per rank), each rank routes its
 own `--tokens` tokens through one MoE layer:
 
@@ -50,14 +50,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from miniddp.bench.options import add_iters_and_json, whole_number
-from miniddp.bench.paired import paired_ratio, paired_ratio_interval, rotated
 from miniddp.collectives import CostModel, all_to_all_time, fit_cost_model
 from miniddp.expert_parallel import ExpertParallel, MoE
 from miniddp.expert_parallel.parallel import AllToAllDispatch
+from miniddp.instruments.bench.options import add_iters_and_json, whole_number
+from miniddp.instruments.bench.paired import paired_ratio, paired_ratio_interval, rotated
+from miniddp.instruments.link_group import link_groups, simulated_link
 from miniddp.job.env import cleanup, init_distributed
 from miniddp.observe.link import Link
-from miniddp.observe.link_group import link_groups, simulated_link
 from miniddp.tensor_parallel import parallelize_module
 
 VARIANTS = ("dispatch + combine", "ep step", "dp step", "deepspeed step")

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from miniddp.figures.draw import plt, save
-from miniddp.figures.record import spawn_and_collect
+from miniddp.instruments.figures.draw import plt, save
+from miniddp.instruments.figures.record import spawn_and_collect
 from miniddp.pipeline import FixedCost, PipelineStage, Schedule1F1B, ScheduleGPipe
 from miniddp.pipeline.bubble import (
     Block,

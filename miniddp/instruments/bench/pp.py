@@ -6,12 +6,12 @@ Every rank is one stage (2 ranks by default: relaunched under torchrun), or for 
 designs two stages of half its layers each (v = 2, stage s on rank s % W). Each iteration runs every
 design once, in an order rotated by one per iteration, a barrier before each step; a step's
 time is the slowest stage's. Reported: the median over iterations of ours / torch's, each pair
-from the same iteration, with its 95% interval (miniddp/bench/paired.py).
+from the same iteration, with its 95% interval (miniddp/instruments/bench/paired.py).
 
     --link none                      the bare machine: gloo over loopback
     --link alpha=1ms,bandwidth=1gbit every activation and gradient crosses a simulated link
 
-The simulated link (`simulated_link`, miniddp/observe/link_group.py) is a process group that
+The simulated link (`simulated_link`, miniddp/instruments/link_group.py) is a process group that
 delays each send, ours and torch's alike, until the link would have carried it:
 alpha + bytes / bandwidth, one transfer at a time per rank.
 """
@@ -26,16 +26,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from miniddp.bench.options import (
+from miniddp.instruments.bench.options import (
     add_iters_and_json,
     add_links_option,
     links_to_run,
     whole_number,
 )
-from miniddp.bench.paired import paired_ratio, paired_ratio_interval, quantile, rotated
+from miniddp.instruments.bench.paired import paired_ratio, paired_ratio_interval, quantile, rotated
+from miniddp.instruments.link_group import simulated_link
 from miniddp.job.env import cleanup, init_distributed
 from miniddp.observe.link import Link
-from miniddp.observe.link_group import simulated_link
 from miniddp.pipeline import (
     PipelineStage,
     Schedule1F1B,

@@ -23,6 +23,8 @@ whichever link a `simulated_link` block inside it names (none outside those).
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 import queue
 import threading
@@ -36,10 +38,65 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch._C._distributed_c10d import _create_work_from_future
 
-from miniddp.observe.link import Link, LinkQueue, TwoSpeed, _Deliveries, wire_bytes
+from miniddp.observe.link import Link, TwoSpeed, wire_bytes
 
 BACKEND = "link"
 now = time.perf_counter  # one clock for the queues and the delivering threads
+
+
+class LinkQueue:
+    """One rank's link: transfers go one at a time, in issue order. One issued at `now` starts
+    when the link is free (at once, or when the one before arrives), and takes link.seconds."""
+
+    def __init__(self, link: Link) -> None:
+        self.link, self.free_at = link, -math.inf
+
+    def deliver_at(self, now: float, wire_bytes: float) -> float:
+        """Put a transfer on the wire; return when it arrives."""
+        start = max(now, self.free_at)
+        self.free_at = start + self.link.seconds(wire_bytes)
+        return self.free_at
+
+
+class Deliveries:
+    """A thread that completes each LinkWork's future at its delivery time, sleeping between."""
+
+    def __init__(self) -> None:
+        self._due: list[tuple[float, int, Callable[[], None]]] = []
+        self._order = itertools.count()  # ties keep issue order
+        self._changed = threading.Condition()
+        self._stopping = False
+        self.thread = threading.Thread(target=self._serve, name="miniddp-link", daemon=True)
+        self.thread.start()
+
+    def at(self, when: float, deliver: Callable[[], None]) -> None:
+        with self._changed:
+            if not self._stopping:
+                heapq.heappush(self._due, (when, next(self._order), deliver))
+                self._changed.notify()
+                return
+        deliver()  # the link is being taken away: nothing is held back any more
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Deliver everything still held, at once, and end. Nothing is left waiting, and the
+        thread is not killed at exit inside torch's C++ (which can abort the process)."""
+        with self._changed:
+            self._stopping = True
+            self._changed.notify()
+        self.thread.join(timeout)
+
+    def _serve(self) -> None:
+        while True:
+            with self._changed:
+                while not self._stopping:
+                    wait = self._due[0][0] - time.perf_counter() if self._due else None
+                    if wait is not None and wait <= 0:
+                        break
+                    self._changed.wait(wait)
+                if not self._due:
+                    return  # stopping, with nothing held
+                _, _, deliver = heapq.heappop(self._due)
+            deliver()
 
 
 class Wire:
@@ -49,7 +106,7 @@ class Wire:
     at once, a send's only out. With no link (None), every operation goes straight to gloo."""
 
     def __init__(self, link: Link | TwoSpeed | None) -> None:
-        self.deliveries = _Deliveries()
+        self.deliveries = Deliveries()
         self.sends: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(2)]
         self.traffic: list[tuple[str, float]] = []  # (operation, wire bytes): what crossed
         for sends in self.sends:  # a thread a speed: one link's sends never wait for the other's
@@ -252,7 +309,7 @@ def _create_link_group(options: Any, _backend_options: Any) -> LinkGroup:
     """Backend "link"'s creator: torch calls it for every group made with that backend."""
     if not _installing:
         raise RuntimeError(
-            'The "link" backend is made by miniddp.observe.link_group.simulated_link(link); '
+            'The "link" backend is made by miniddp.instruments.link_group.simulated_link(link); '
             "create groups with it inside that block, not with init_process_group directly."
         )
     gloo = dist.ProcessGroupGloo(

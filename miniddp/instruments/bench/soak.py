@@ -30,8 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from miniddp import MiniDDP
-from miniddp.bench.options import whole_number
-from miniddp.bench.paired import paired_ratio, paired_ratio_interval
+from miniddp.instruments.bench.options import whole_number
+from miniddp.instruments.bench.paired import paired_ratio, paired_ratio_interval
 from miniddp.job.env import cleanup, init_distributed
 from miniddp.job.faults import CollectiveFailed
 

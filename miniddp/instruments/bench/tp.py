@@ -12,7 +12,7 @@ GPU run says whether it is hidden behind the kernels.
 
 Timed: forward, backward and an SGD step, interleaved (the order rotated each iteration, a
 barrier before each step), the slowest rank's time per step; reported as the median of the
-per-iteration ratios ours / torch's with its 95% interval (miniddp/bench/paired.py).
+per-iteration ratios ours / torch's with its 95% interval (miniddp/instruments/bench/paired.py).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from miniddp.bench.options import add_iters_and_json, whole_number
-from miniddp.bench.paired import paired_ratio, paired_ratio_interval, rotated
+from miniddp.instruments.bench.options import add_iters_and_json, whole_number
+from miniddp.instruments.bench.paired import paired_ratio, paired_ratio_interval, rotated
 from miniddp.job.env import cleanup, init_distributed
 from miniddp.tensor_parallel import ColwiseParallel, TransformerBlock, parallelize_module, plan_for
 

@@ -1,8 +1,8 @@
 """`python -m miniddp.bench step`: a training step under every design, against torch's DDP.
 
-Every variant (miniddp/bench/variants.py) lives in the same pair of processes, on its own copy
-of the same model (miniddp/bench/workloads.py), and is timed interleaved and paired with torch's
-DDP at the same caps (miniddp/bench/paired.py); a step's time is the slowest rank's.
+Every variant (variants.py, beside this file) lives in the same pair of processes, on its own
+copy of the same model (workloads.py), and is timed interleaved and paired with torch's DDP at
+the same caps (paired.py); a step's time is the slowest rank's.
 
 A step is: gradients set to None (what `optimizer.zero_grad()` does), forward, loss, backward,
 `finish_gradient_synchronization()`; it ends with gradients averaged (the naive rung averages in
@@ -29,15 +29,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from miniddp.bench import backend_for
-from miniddp.bench.options import (
+from miniddp.instruments.bench import backend_for
+from miniddp.instruments.bench.options import (
     add_link_option,
     link_or_environment,
     whole_number,
     writable_file,
     writable_folder,
 )
-from miniddp.bench.paired import (
+from miniddp.instruments.bench.paired import (
     SAME_SPEED_AS_TORCH,
     paired_ratio,
     paired_ratio_interval,
@@ -45,12 +45,12 @@ from miniddp.bench.paired import (
     step,
     time_interleaved,
 )
-from miniddp.bench.variants import VARIANT_HELP, VARIANTS
-from miniddp.bench.workloads import Workload, workloads
+from miniddp.instruments.bench.variants import VARIANT_HELP, VARIANTS
+from miniddp.instruments.bench.workloads import Workload, workloads
+from miniddp.instruments.link_group import simulated_link
+from miniddp.instruments.timeline_views import write_chrome_trace
 from miniddp.job.env import cleanup, init_distributed
-from miniddp.observe.link_group import simulated_link
 from miniddp.observe.timeline import gather, recording, split_steps, summarize
-from miniddp.observe.timeline_views import write_chrome_trace
 
 
 def record_overlap(

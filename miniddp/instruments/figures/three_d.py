@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from miniddp.figures.record import spawn_and_collect
+from miniddp.instruments.activation_memory import PeakSavedActivations
+from miniddp.instruments.figures.record import spawn_and_collect
 from miniddp.mesh import DeviceMesh, init_device_mesh
 from miniddp.models.gpt import GPT, GPTConfig
-from miniddp.observe.activation_memory import PeakSavedActivations
 from miniddp.parallelize import ParallelGPT, parallelize
 from miniddp.pipeline.bubble import Block, blocks_of
 from miniddp.sharding import MemoryPerRank, ddp_buckets, ddp_compute_copies, measure_memory
@@ -337,10 +337,7 @@ def _draw_step(axes, steps: list[RankStep]) -> None:
         axes.axhline(border * len(steps) / stages - 0.5, color="0.6", lw=0.8)
     axes.set_yticks(range(len(steps)))
     axes.set_yticklabels(
-        [
-            f"rank {s.rank}\n({s.coordinate[0]},{s.coordinate[1]},{s.coordinate[2]})"
-            for s in steps
-        ],
+        [f"rank {s.rank}\n({s.coordinate[0]},{s.coordinate[1]},{s.coordinate[2]})" for s in steps],
         fontsize=11,
     )
     axes.set_ylim(len(steps) - 0.45, -0.45)
@@ -373,7 +370,7 @@ def mesh_and_step(steps: list[RankStep], path: str | Path, shape: tuple = SHAPE)
     """The figure: the mesh on the left, the recorded step on the right. (matplotlib is
     imported here, not above: the 8 ranks of chapters 16 and 16b import this module to measure
     a step, and only one of them draws.)"""
-    from miniddp.figures.draw import plt, save
+    from miniddp.instruments.figures.draw import plt, save
 
     figure, (left, right) = plt.subplots(
         1, 2, figsize=(14, 7.2), gridspec_kw={"width_ratios": [1, 2.1]}

@@ -34,9 +34,9 @@ import torch.distributed as dist
 from torch import nn
 
 from miniddp import fully_shard
-from miniddp.bench.paired import paired_ratio, paired_ratio_interval, rotated
+from miniddp.instruments.bench.paired import paired_ratio, paired_ratio_interval, rotated
+from miniddp.instruments.link_group import simulated_link
 from miniddp.observe.link import Link
-from miniddp.observe.link_group import simulated_link
 from miniddp.observe.overlap_model import PredictedZero3Step, predict_zero3_step
 from miniddp.sharding.unit_lanes import recording, summarize, unit_timeline
 

@@ -36,8 +36,8 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from miniddp.bench.compose import ours, over, windows
-from miniddp.bench.options import add_gpt_options, add_iters_and_json, whole_number
+from miniddp.instruments.bench.compose import ours, over, windows
+from miniddp.instruments.bench.options import add_gpt_options, add_iters_and_json, whole_number
 from miniddp.job.env import cleanup, init_distributed
 from miniddp.observe.link import Link
 from miniddp.plan import Layout, evaluate

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from miniddp.figures.draw import plt, save
-from miniddp.figures.record import spawn_and_collect
-from miniddp.observe.timeline_views import COMPUTE_COLORS
+from miniddp.instruments.figures.draw import plt, save
+from miniddp.instruments.figures.record import spawn_and_collect
+from miniddp.instruments.timeline_views import COMPUTE_COLORS
 from miniddp.steps import NoSyncDDP
 
 WORLD_SIZE = 2

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from miniddp.figures.draw import save
+from miniddp.instruments.figures.draw import save
 
 
 def experts(

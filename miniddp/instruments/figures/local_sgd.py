@@ -11,7 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from miniddp.figures.draw import save
+from miniddp.instruments.figures.draw import save
 
 
 def loss_against_time_and_bytes(

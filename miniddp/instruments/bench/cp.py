@@ -15,7 +15,7 @@ positions, float32, on the CPU's flash kernel (the one both rings call):
 
 Causal by default, load-balanced (head-tail chunks) in both rings. Timed interleaved (the order
 rotated each iteration, a barrier before each step), the slowest rank's seconds per step; ratios
-are medians of per-iteration ratios with 95% intervals (miniddp/bench/paired.py).
+are medians of per-iteration ratios with 95% intervals (miniddp/instruments/bench/paired.py).
 
 Memory is what a step holds from forward to backward (autograd's saved tensors, each storage
 once, for `one` and `ours`; the tensors torch's backward template is handed, for `torch`):
@@ -37,9 +37,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from miniddp.bench.options import add_iters_and_json, whole_number
-from miniddp.bench.paired import paired_ratio, paired_ratio_interval, rotated
 from miniddp.context_parallel import count_blocks, ring_attention, shard_sequence
+from miniddp.instruments.bench.options import add_iters_and_json, whole_number
+from miniddp.instruments.bench.paired import paired_ratio, paired_ratio_interval, rotated
 from miniddp.job.env import cleanup, init_distributed
 
 aten = torch.ops.aten

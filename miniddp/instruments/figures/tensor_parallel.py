@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
 from matplotlib.patches import FancyBboxPatch, Rectangle
 
-from miniddp.figures.draw import save
+from miniddp.instruments.figures.draw import save
 
 WHOLE = "0.82"  # every rank holds it
 

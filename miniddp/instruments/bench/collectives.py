@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from miniddp import collectives
-from miniddp.bench.options import add_iters_and_json
 from miniddp.collectives import KiB, MiB
+from miniddp.instruments.bench.options import add_iters_and_json
 from miniddp.job.env import cleanup, init_distributed
 
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"

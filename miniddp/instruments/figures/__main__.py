@@ -42,8 +42,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from miniddp.bench.options import whole_number, writable_folder
-from miniddp.figures import (
+from miniddp.instruments.bench.options import whole_number, writable_folder
+from miniddp.instruments.figures import (
     accumulation,
     context_parallel,
     data_parallel,

@@ -18,7 +18,7 @@ took here (the median over every run: only the link differs), plus for each sync
 alpha + 2(W-1)/W n / bandwidth (miniddp/observe/link.py; one alpha a sync, the tensors' all-
 reduces leave together). Bytes are what each replica sends, by the same formula. Each iteration
 runs every way once, in an order rotated each iteration, on its own data; the ratios against
-DDP are medians of per-iteration ratios with 95% intervals (miniddp/bench/paired.py).
+DDP are medians of per-iteration ratios with 95% intervals (miniddp/instruments/bench/paired.py).
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ import torch
 import torch.distributed as dist
 
 from miniddp import MiniDDP
-from miniddp.bench.options import (
+from miniddp.instruments.bench.options import (
     add_iters_and_json,
     add_link_option,
     link_or_environment,
     whole_number,
 )
-from miniddp.bench.paired import paired_ratio, paired_ratio_interval, rotated
+from miniddp.instruments.bench.paired import paired_ratio, paired_ratio_interval, rotated
 from miniddp.job.env import cleanup, init_distributed
 from miniddp.local_sgd import DiLoCo
 from miniddp.models.gpt import GPT, GPTConfig, next_character_loss

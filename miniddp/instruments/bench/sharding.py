@@ -15,7 +15,7 @@ Runs on 4 ranks (relaunched under torchrun) and forms groups of the first 1, 2 a
               off over the simulated link, paired, and each one's time beyond compute against
               the model's (alpha-beta plus the host's time per collective); from the recorded
               steps, the most full parameters alive at once and the overlap fraction
-              (miniddp/bench/sharding_overlap.py)
+              (miniddp/instruments/bench/sharding_overlap.py)
 
 The model is an MLP of fp32 Linear layers, trained with AdamW.
 """
@@ -31,23 +31,27 @@ import torch.distributed as dist
 from torch import nn
 
 from miniddp import MiniDDP, ZeroRedundancyOptimizer, fully_shard
-from miniddp.bench.options import (
+from miniddp.collectives import traffic
+from miniddp.data_parallel.default_hooks import all_reduce_hook
+from miniddp.instruments.bench.options import (
     add_iters_and_json,
     add_link_option,
     link_or_environment,
     whole_number,
 )
-from miniddp.bench.paired import (
+from miniddp.instruments.bench.paired import (
     SAME_SPEED_AS_TORCH,
     paired_ratio,
     paired_ratio_interval,
     rotated,
 )
-from miniddp.bench.sharding_overlap import report_prefetch, shard_bytes_per_unit, time_prefetch
-from miniddp.collectives import traffic
-from miniddp.data_parallel.default_hooks import all_reduce_hook
+from miniddp.instruments.bench.sharding_overlap import (
+    report_prefetch,
+    shard_bytes_per_unit,
+    time_prefetch,
+)
+from miniddp.instruments.link_group import link_groups
 from miniddp.job.env import cleanup, init_distributed
-from miniddp.observe.link_group import link_groups
 from miniddp.sharding import Formula, ddp_buckets, measure_memory, reduce_scatter_hook
 
 STAGES = ("ddp", "zero1", "zero2", "zero3")

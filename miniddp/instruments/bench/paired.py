@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from miniddp.bench.workloads import Workload
+from miniddp.instruments.bench.workloads import Workload
 
 # The project's goal, for every benchmark: as fast as torch's own implementation within noise.
 # At 60 paired iterations the 95% interval of a median ratio is about +-3% on a quiet machine,

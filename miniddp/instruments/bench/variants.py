@@ -9,8 +9,8 @@ from collections.abc import Callable
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from miniddp.bench.baselines import BASELINES, DeferredMiniDDP
 from miniddp.data_parallel.ddp import MiniDDP
+from miniddp.instruments.bench.baselines import BASELINES, DeferredMiniDDP
 
 
 def _torch_ddp(**options) -> Callable[[nn.Module], nn.Module]:

@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt
 
 from miniddp.collectives import Message
 from miniddp.data_parallel.bucket import BucketInfo
-from miniddp.observe import timeline_views
+from miniddp.instruments import timeline_views
 from miniddp.observe.timeline import StepTimeline
 
 DPI = 100

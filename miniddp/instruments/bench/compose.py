@@ -30,12 +30,12 @@ complete (the tie included), no optimizer; interleaved (the order rotated each i
 barrier before each step). A step lasts as long as its slowest rank, and costs the CPU time of
 all ranks together (on a machine with fewer cores than ranks, the two go together). Reported:
 the median of the per-iteration ratios ours / torch's with its 95% interval
-(miniddp/bench/paired.py).
+(miniddp/instruments/bench/paired.py).
 
     --link none                      the bare machine: gloo over loopback
     --link alpha=1ms,bandwidth=1gbit every collective and activation crosses a simulated link:
                                      the process group of
-                                     miniddp.observe.link_group.simulated_link, which torch's
+                                     miniddp.instruments.link_group.simulated_link, which torch's
                                      DDP, DTensor and pipelining call like any other
 """
 
@@ -55,19 +55,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from miniddp.bench.options import (
+from miniddp.instruments.bench.options import (
     add_gpt_options,
     add_iters_and_json,
     add_links_option,
     links_to_run,
     whole_number,
 )
-from miniddp.bench.paired import paired_ratio, paired_ratio_interval, quantile, rotated
+from miniddp.instruments.bench.paired import paired_ratio, paired_ratio_interval, quantile, rotated
+from miniddp.instruments.link_group import simulated_link
 from miniddp.job.env import cleanup, init_distributed, launched_by_torchrun
 from miniddp.mesh import init_device_mesh
 from miniddp.models.gpt import GPT, GPTConfig
 from miniddp.observe.link import Link
-from miniddp.observe.link_group import simulated_link
 from miniddp.parallelize import (
     AXES,
     GPTStage,
@@ -78,7 +78,11 @@ from miniddp.parallelize import (
 from miniddp.tensor_parallel import ColwiseParallel
 
 DESIGNS = ("ours", "torch")
-DEFAULT_MESH = (2, 2, 2)  # (pp, dp, tp): 8 ranks, as miniddp/bench/__main__.py's RANKS starts
+DEFAULT_MESH = (
+    2,
+    2,
+    2,
+)  # (pp, dp, tp): 8 ranks, as miniddp/instruments/bench/__main__.py's RANKS starts
 LOSS_TOLERANCE = 1e-5  # float32: the two sides add in different orders, nothing more
 GRADIENT_TOLERANCE = 1e-5  # relative to the largest gradient entry
 

@@ -24,7 +24,7 @@ from matplotlib.axes import Axes
 from matplotlib.patches import Polygon, Rectangle
 
 from miniddp.context_parallel import chunks_of, step_blocks
-from miniddp.figures.draw import save
+from miniddp.instruments.figures.draw import save
 
 WORLD = 4
 

@@ -8,7 +8,7 @@ import io
 import os
 import sys
 
-from miniddp.bench import relaunch_under_torchrun, should_relaunch
+from miniddp.instruments.bench import relaunch_under_torchrun, should_relaunch
 from miniddp.job.env import launched_by_torchrun
 
 COMMANDS = {
@@ -32,12 +32,13 @@ def check_options(command: str, argv: list[str]) -> None:
     """Parse and check the command's options here, before any relaunch: a bad one (or --help)
     ends this one process at once, with argparse's message, instead of every rank after its
     start-up. Launched by torchrun directly, every rank checks, and only rank 0 says why."""
-    module = importlib.import_module(f"miniddp.bench.{command}")
+    module = importlib.import_module(f"miniddp.instruments.bench.{command}")
     parse_args = getattr(module, "parse_args", None)
     if parse_args is None:
         raise NotImplementedError(
-            f"miniddp.bench.{command} has no parse_args(argv): every command parses and checks "
-            f"its options there, so that the launcher can refuse bad ones before relaunching"
+            f"miniddp.instruments.bench.{command} has no parse_args(argv): every command parses "
+            f"and checks its options there, so that the launcher can refuse bad ones before "
+            f"relaunching"
         )
     quiet = launched_by_torchrun() and os.environ["RANK"] != "0"
     with contextlib.ExitStack() as stack:
@@ -60,7 +61,7 @@ def main(argv: list[str]) -> None:
     check_options(command, options)
     if should_relaunch():
         relaunch_under_torchrun(argv, RANKS.get(command, 2))
-    importlib.import_module(f"miniddp.bench.{command}").main(options)
+    importlib.import_module(f"miniddp.instruments.bench.{command}").main(options)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from miniddp.figures.draw import plt, save
+from miniddp.instruments.figures.draw import plt, save
 from miniddp.observe.timeline import StepTimeline
 from miniddp.sharding.unit_lanes import LANES
 
