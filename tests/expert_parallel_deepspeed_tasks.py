@@ -74,9 +74,11 @@ def compare(spec: Spec) -> dict[str, object]:
             ours.within_capacity = lambda choices: their_kept
             y_comparable = ours(x)
             del ours.within_capacity
-        else:  # their weights renormalised over the kept choices, ours over both chosen
+        else:  # their weights renormalised over the kept choices, ours over both chosen:
+            # a token that kept one choice weighs it by 1 there, by its weight here
             kept_weight = (routing.weights * kept).sum(1, keepdim=True)
-            y_comparable = torch.where(kept_weight > 0, y_ours / kept_weight, 0.0)
+            one_kept = kept.sum(1, keepdim=True) == 1
+            y_comparable = torch.where(one_kept, y_ours / kept_weight, y_ours)
         one_process(x)  # this rank's tokens alone, for DeepSpeed's per-rank aux loss
     probs = routing.probs.mean(0)
     first = torch.bincount(routing.experts[:, 0], minlength=spec.num_experts) / len(x)
