@@ -146,8 +146,14 @@ def refusal(case: str) -> str:
     try:
         if case == "top_k > num_experts":
             MoE(8, 8, 4, 5)
+        elif case == "top_k < 1":
+            MoE(8, 8, 4, 0)
         elif case == "capacity_factor <= 0":
             MoE(8, 8, 4, 1, capacity_factor=0.0)
+        elif case == "capacity_factor < 0":
+            MoE(8, 8, 4, 1, capacity_factor=-1.0)
+        elif case == "capacity_factor nan":
+            MoE(8, 8, 4, 1, capacity_factor=float("nan"))
         elif case == "experts not divisible by ep":
             parallelize_module(MoE(8, 8, 3, 1).experts, dist.group.WORLD, ExpertParallel())
         elif case == "a group without this rank":

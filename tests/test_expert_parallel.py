@@ -35,8 +35,20 @@ def test_dropless_is_one_process_bit_for_bit(rank_pools, world_size, top_k):
 
 @pytest.mark.parametrize(
     "spec",
-    [Spec(empty_rank=1), Spec(one_expert=True, top_k=1)],
-    ids=["a rank with no tokens", "no token for some rank"],
+    [
+        Spec(empty_rank=1),
+        Spec(one_expert=True, top_k=1),
+        Spec(tokens=0),
+        Spec(empty_rank=1, capacity_factor=4.0),  # c k / E = 1: room for all, never binds
+        Spec(one_expert=True, top_k=1, capacity_factor=8.0),
+    ],
+    ids=[
+        "a rank with no tokens",
+        "no token for some rank",
+        "no tokens on any rank",
+        "a rank with no tokens, with a capacity of 0",
+        "no token for some rank, with a capacity",
+    ],
 )
 def test_empty_pieces_work(rank_pools, spec):
     for result in rank_pools(4).run(tasks.dropless, spec):
@@ -63,7 +75,10 @@ def test_beside_data_parallel_it_is_one_process(rank_pools):
     "case, expected",
     [
         ("top_k > num_experts", "choose 5 different experts out of 4"),
+        ("top_k < 1", "choose 0 different experts out of 4"),
         ("capacity_factor <= 0", "capacity_factor must be > 0"),
+        ("capacity_factor < 0", "capacity_factor must be > 0 (1.0: room for an even share)"),
+        ("capacity_factor nan", "capacity_factor must be > 0"),
         ("experts not divisible by ep", "3 experts cannot be split evenly over 2"),
         ("wrong width", "MoE takes (B, T, 8) or (N, 8); got (3, 7)"),
         ("not the experts", "ExpertParallel splits a GroupedExperts (an MoE's .experts)"),

@@ -37,8 +37,9 @@ FIGURES = [
     "15_ring_attention.png",
 ]
 # Drawn only with --only 12: chapter 12's 3-minute training run (its claims: test_train_gpt.py);
-# with --only 19, chapter 19's runs on 4 ranks (its claims: test_local_sgd.py, test_tutorials.py).
-ON_REQUEST = ["12_loss.png", "19_across_the_internet.png"]
+# with --only 18 and --only 19, chapters 18's and 19's runs on 4 ranks (their claims:
+# test_expert_parallel.py, test_local_sgd.py, test_tutorials.py).
+ON_REQUEST = ["12_loss.png", "18_experts.png", "19_across_the_internet.png"]
 TIMEOUT_SECONDS = 300
 
 
@@ -144,5 +145,23 @@ def test_the_three_d_figure_draws_the_mesh_and_a_step(tmp_path: Path) -> None:
         coordinate = [stage, rank // 2 % 2, rank % 2]
         steps.append(three_d.RankStep(rank, coordinate, blocks, [(0.0, 0.01)], wire))
     path = three_d.mesh_and_step(steps, tmp_path / "16_three_d.png")
+    height, width = matplotlib.image.imread(path).shape[:2]
+    assert height > 200 and width > 400
+
+
+def test_the_experts_figure_draws_its_four_panels(tmp_path: Path) -> None:
+    """Chapter 18's figure from numbers made up here (the chapter's own run is `--only 18`):
+    a readable PNG, and the running mean its training curves are drawn with."""
+    from miniddp.instruments.figures import experts
+
+    assert experts.running_mean([1.0, 3.0, 5.0, 7.0], window=2) == [1.0, 2.0, 4.0, 6.0]
+    steps = [0.5 - 0.001 * s for s in range(30)]
+    path = experts.experts(
+        [[3, 1, 0, 4], [0, 2, 5, 1]],
+        {0.5: (0.4, 0.3), 1.0: (0.2, 0.1)},
+        {"aux loss x 0.0": steps, "aux loss x 0.01": [s / 2 for s in steps]},
+        {"aux loss x 0.0": steps, "aux loss x 0.01": steps},
+        tmp_path / "18_experts.png",
+    )
     height, width = matplotlib.image.imread(path).shape[:2]
     assert height > 200 and width > 400

@@ -19,19 +19,16 @@ own `--tokens` tokens through one MoE layer:
                         experts, the tokens travelling
     dp step             the same MoE replicated, every expert on every rank, no all-to-all: what
                         expert parallelism trades memory against
-    deepspeed step      DeepSpeed-MoE's layer (deepspeed.moe.layer.MoE), configured alike: E
-                        SwiGLU experts over the same ranks (ep_size = W), top-k gating, the
-                        same capacity factor applied per rank (DeepSpeed's rule, and ours), no
-                        random token priority (use_rts=False), no minimum capacity;
-                        skipped, saying why, where deepspeed is not installed or k > 2 (its
-                        gates are top-1 and top-2)
+    deepspeed step      DeepSpeed-MoE's layer (deepspeed.moe.layer.MoE) configured alike, with
+                        the same weights (bench/deepspeed_moe.py): E SwiGLU experts over the
+                        same ranks (ep_size = W), top-k gating, the same capacity factor applied
+                        per rank (DeepSpeed's rule, and ours), no random token priority, no
+                        sampled second expert, no minimum capacity; skipped, saying why, where
+                        deepspeed is not installed or k > 2 (its gates are top-1 and top-2)
 
 Timed interleaved (a barrier before each, the order rotated each iteration), the slowest rank's
 seconds per step; ratios are medians of per-iteration ratios with 95% intervals (paired.py).
-DeepSpeed's `init_distributed` JIT-compiles a shared-memory all-reduce on CPU (its
-ShareMemCommBuilder), which had not finished after minutes on the shared 2-core machine this was
-written on; the bench turns that op off, and DeepSpeed's collectives go to gloo as ours do.
-DeepSpeed's gate dispatches with one-hot masks (GShard's einsums) into E x capacity slots, each
+DeepSpeed's collectives go to gloo as ours do. Its gate dispatches into E x capacity slots, each
 slot sent whether filled or not, where ours sends exactly the rows kept. (Its dropless mode,
 drop_tokens=False, aborted gloo here with top-2: a size mismatch in its all-to-all.)
 """
@@ -39,20 +36,18 @@ drop_tokens=False, aborted gloo here with top-2: a size mismatch in its all-to-a
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import os
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from miniddp.collectives import CostModel, all_to_all_time, fit_cost_model
 from miniddp.expert_parallel import ExpertParallel, MoE
 from miniddp.expert_parallel.parallel import AllToAllDispatch
+from miniddp.instruments.bench.deepspeed_moe import deepspeed_like, deepspeed_on_gloo
 from miniddp.instruments.bench.options import add_iters_and_json, whole_number
 from miniddp.instruments.bench.paired import paired_ratio, paired_ratio_interval, rotated
 from miniddp.instruments.link_group import link_groups, simulated_link
@@ -64,45 +59,15 @@ VARIANTS = ("dispatch + combine", "ep step", "dp step", "deepspeed step")
 DEFAULT_LINK = "alpha=1ms,bandwidth=1gbit"
 
 
-class SwiGLU(nn.Module):
-    """One expert as DeepSpeed takes it (a module it copies E/W times): GroupedExperts' maths."""
-
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-def deepspeed_moe(args: argparse.Namespace) -> tuple[nn.Module | None, str]:
-    """DeepSpeed-MoE's layer configured as ours, and its version; or None, and why not."""
-    if args.top_k > 2:
-        return None, f"its gates are top-1 and top-2, not top-{args.top_k}"
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    try:
-        import deepspeed
-    except ImportError:
+def deepspeed_moe(moe: MoE) -> tuple[nn.Module | None, str]:
+    """DeepSpeed-MoE's layer configured as `moe`, with its weights, and its version; or None,
+    and why not."""
+    if moe.top_k > 2:
+        return None, f"its gates are top-1 and top-2, not top-{moe.top_k}"
+    deepspeed = deepspeed_on_gloo()
+    if deepspeed is None:
         return None, "not installed (pip install deepspeed)"
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # see above
-    from deepspeed.moe.layer import MoE as DeepSpeedMoE
-
-    deepspeed.init_distributed(dist_backend="gloo")
-    torch.manual_seed(0)
-    layer = DeepSpeedMoE(
-        hidden_size=args.dim,
-        expert=SwiGLU(args.dim, args.hidden),
-        num_experts=args.experts,
-        ep_size=dist.get_world_size(),
-        k=args.top_k,
-        capacity_factor=args.capacity_factor,
-        eval_capacity_factor=args.capacity_factor,
-        min_capacity=0,
-        use_rts=False,
-    )
-    return layer, f"deepspeed {deepspeed.__version__}"
+    return deepspeed_like(moe, dist.get_world_size()), f"deepspeed {deepspeed.__version__}"
 
 
 class Case:
@@ -127,7 +92,7 @@ class Case:
         self.counts = torch.bincount(choices, minlength=args.experts)
         self.dispatch = self.split.experts.dispatch
         assert isinstance(self.dispatch, AllToAllDispatch)
-        self.deepspeed, self.deepspeed_version = deepspeed_moe(args)
+        self.deepspeed, self.deepspeed_version = deepspeed_moe(self.replicated)
 
     def dispatch_and_combine(self) -> None:
         self.dispatch(lambda rows, counts: rows, self.rows, self.counts)

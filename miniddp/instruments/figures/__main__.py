@@ -28,6 +28,9 @@ Where the data comes from:
   causal, plain and load-balanced (figures/context_parallel.py).
 - 12 (only when asked, `--only 12`: a 3-minute training run): chapter 12 under torchrun on 2
   ranks with `--plot`, its GPT's loss curves on MiniDDP and torch's DDP.
+- 18 (only when asked, `--only 18`: minutes of training): chapter 18 under torchrun on 4 ranks
+  with `--plot`, tokens per expert per rank, drops against the capacity factor, and the MoE
+  GPT's load and loss with and without the auxiliary loss (figures/experts.py).
 - 19 (only when asked, `--only 19`: minutes of training): chapter 19 under torchrun on 4 ranks
   with `--plot`, validation loss against simulated time and bytes sent (figures/local_sgd.py).
 """
@@ -66,12 +69,14 @@ CHAPTER_11C = REPO / "tutorials" / "11c_memory.py"
 CHAPTER_11C_TIMEOUT_S = 300
 CHAPTER_12 = REPO / "tutorials" / "12_train_gpt.py"
 CHAPTER_12_TIMEOUT_S = 900
+CHAPTER_18 = REPO / "tutorials" / "18_experts.py"
+CHAPTER_18_TIMEOUT_S = 1200
 CHAPTER_19 = REPO / "tutorials" / "19_across_the_internet.py"
 CHAPTER_19_TIMEOUT_S = 1800
 # the default set
 FIGURE_SETS = ("00", "01", "02", "03", "04", "05", "06", "11", "11c", "13", "14", "14b")
 FIGURE_SETS += ("15", "16")
-ON_REQUEST = ("12", "19")  # whole training runs: only with --only 12 or --only 19
+ON_REQUEST = ("12", "18", "19")  # whole training runs: only with --only 12, 18 or 19
 
 
 def run_chapter_04(out: Path, iters: int) -> None:
@@ -200,6 +205,9 @@ def main(argv: list[str] | None = None) -> None:
         written += [args.out / name for name in CHAPTER_04_FIGURES]
     if "12" in chosen:
         written.append(run_chapter_12(args.out))
+    if "18" in chosen:  # its experts over 4 ranks, and the MoE GPT trained twice
+        figure = args.out / "18_experts.png"
+        written.append(run_chapter(CHAPTER_18, figure, CHAPTER_18_TIMEOUT_S, ranks=4))
     if "19" in chosen:  # its 4 replicas, DDP and DiLoCo over the simulated link
         figure = args.out / "19_across_the_internet.png"
         written.append(run_chapter(CHAPTER_19, figure, CHAPTER_19_TIMEOUT_S, ranks=4))
