@@ -145,6 +145,18 @@ def test_capacity_keeps_first_choices_first_in_token_order():
     assert kept.tolist() == [[True, True], [True, True], [False, False], [False, False]]
 
 
+@pytest.mark.parametrize(
+    "factor, tokens, top_k, experts, slots",
+    [(1.1, 200, 1, 4, 55), (1.25, 8, 2, 4, 5), (0.3, 10, 1, 3, 1), (1.0, 7, 2, 4, 4)],
+)
+def test_capacity_is_the_ceiling_of_the_exact_product(factor, tokens, top_k, experts, slots):
+    """C = ceil(c N k / E) of the factor as written: 1.1 x 200 / 4 is 55 slots, where the
+    float product (55.000000000000007) would give 56. Every token chooses expert 0 first."""
+    moe = MoE(8, 8, experts, top_k, capacity_factor=factor)
+    choices = torch.arange(top_k).repeat(tokens, 1)
+    assert moe.within_capacity(choices)[:, 0].sum().item() == min(slots, tokens)
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_the_gpt_with_experts_is_one_process(rank_pools, world_size):
     for result in rank_pools(world_size).run(tasks.gpt_with_experts, 0):

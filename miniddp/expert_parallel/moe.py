@@ -38,6 +38,7 @@ rank's: see parallel.py for why, and by how much that differs from a global one.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import torch
 import torch.distributed as dist
@@ -110,7 +111,11 @@ class MoE(nn.Module):
         if self.capacity_factor is None:
             return torch.ones_like(choices, dtype=torch.bool)
         tokens = choices.shape[0]
-        capacity = math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
+        # The factor as written: float(1.1) is 1.1000000000000000888, and c N k / E in floats
+        # rounds some whole numbers up (55.000000000000007 at c = 1.1, N = 200, k = 1, E = 4,
+        # so 56 slots, not 55); the decimal the user wrote, as an exact fraction, does not.
+        factor = Fraction(repr(self.capacity_factor))
+        capacity = math.ceil(factor * tokens * self.top_k / self.num_experts)
         one_hot = nn.functional.one_hot(choices.T.reshape(-1), self.num_experts)
         place = (one_hot.cumsum(0) * one_hot).sum(1) - 1  # 0-based, choice-major
         return (place < capacity).view(self.top_k, tokens).T
