@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from miniddp import MiniDDP
+from miniddp.observe.events import Recorder
 from tests.harness.pool import RankFailure
 
 
@@ -193,9 +194,9 @@ def events_of_second_iteration() -> list[tuple[str, str]]:
     ddp = MiniDDP(nn.Sequential(*layers), bucket_cap_mb=0.005)
     x = torch.randn(16, 32)
     ddp(x).sum().backward()
-    ddp.record_events(True)
+    recorder = ddp.observer = Recorder()
     ddp(x).sum().backward()
-    return [(e.kind, e.name) for e in ddp.events]
+    return [(e.kind, e.name) for e in recorder.events]
 
 
 def test_buckets_launch_while_backward_is_still_running(rank_pools):

@@ -63,7 +63,7 @@ from miniddp.data_parallel.refusals import (
 from miniddp.data_parallel.static_graph import StaticGraph
 from miniddp.job.env import HOW_TO_LAUNCH
 from miniddp.job.faults import wait_for
-from miniddp.observe.events import EventRecorder
+from miniddp.observe.events import NO_OBSERVER, Observer
 from miniddp.same_model import (
     broadcast_from_rank0,
     check_wrappable,
@@ -80,7 +80,7 @@ class Phase(Enum):
     SYNCED = "this forward's gradients are averaged; another backward through it is an error"
 
 
-class MiniDDP(nn.Module, Joinable, EventRecorder):
+class MiniDDP(nn.Module, Joinable):
     """Wrap `module` so that `loss.backward()` leaves gradients averaged over all ranks, used
     exactly like torch's DistributedDataParallel. Where torch is silent about a mistake, MiniDDP
     raises: a parameter that got no gradient (at the end of that backward, not the next forward),
@@ -164,7 +164,7 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
             everything = [*module.parameters(), *buffers_now]
             broadcast_from_rank0(everything, "parameters and buffers", process_group, self._wait)
         self.all_reduce_count = 0
-        self._start_event_log()
+        self.observer: Observer = NO_OBSERVER  # instruments attach theirs (observe/events.py)
         self._comm_hook: tuple[Any, CommHook] | None = None
         self._divide_by = self.world_size  # 1 once a comm hook does the averaging
         self._divide_by_initial_world_size = True  # Join's option: join_hook() sets it
@@ -189,7 +189,7 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         if self._layout.rebuild_due and torch.is_grad_enabled():
             self._rebuild_buckets()
         self._sync_buffers(training=True)
-        self._note("forward", "start")
+        self.observer.note("forward", "start")
         if self._copies is not None:
             inputs, kwargs = self._copies.before_forward(inputs, kwargs)
         output = self.module(*inputs, **kwargs)
@@ -200,15 +200,15 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         synced = torch.is_grad_enabled() and self._require_backward_grad_sync
         self._require_forward_param_sync = synced
         self._phase = Phase.ARMED if synced else Phase.LOCAL
-        if not synced and self._observed and torch.is_grad_enabled():
-            self._note_when_backward_starts(output)
+        if not synced and torch.is_grad_enabled():
+            self.observer.note_when_backward_starts(output)
         if synced and self.find_unused_parameters:
             self._unused_in_forward = parameters_not_reached(output, self._leaves)
         if synced:
             # Queue the end-of-backward callback when backward reaches this output: it then belongs
             # to the outermost backward, even if a checkpointed block runs an inner one first.
             when_backward_reaches(output, self._start_reducing)
-        self._note("forward", "end")
+        self.observer.note("forward", "end")
         return output
 
     def prepare_for_backward(self, output: Any) -> None:
@@ -274,7 +274,7 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         order = torch.tensor(self._layout.ready_order, device=self.params[0].device)
         broadcast_from_rank0([order], "the ready order", self.process_group, self._wait)
         self._layout.rebuild(order.tolist())
-        self._note("rebuild", f"{len(self._layout.buckets)} buckets")
+        self.observer.note("rebuild", f"{len(self._layout.buckets)} buckets")
 
     def _start_reducing(self) -> None:
         """The first sign of a synced backward: queue the wait for its end, and mark the
@@ -282,7 +282,7 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         if self._phase is not Phase.ARMED:
             return
         self._phase = Phase.REDUCING
-        self._note("backward", "start")
+        self.observer.note("backward", "start")
         Variable._execution_engine.queue_callback(self._finish_backward)
         unused = set(self._unused_in_forward)
         if self.skip_all_reduce_unused_params and self.find_unused_parameters:
@@ -309,7 +309,7 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         if self._static_graph is not None and not self._static_graph.last_hook(index):
             return  # static_graph: ready after as many hooks as the first backward had
         self._layout.record_ready(index)
-        self._note("hook", self.param_names[index])
+        self.observer.note("hook", self.param_names[index])
         self._mark_ready(index)
 
     def _mark_ready(self, index: int) -> None:
@@ -320,7 +320,7 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         bucket, position = self._layout.slot[index]
         bucket.add(position, self._divide_by)
         if bucket.is_full:
-            self._note("ready", f"bucket {bucket.index}")
+            self.observer.note("ready", f"bucket {bucket.index}")
             self._launch_full_buckets()
 
     def _launch_full_buckets(self) -> None:
@@ -330,10 +330,10 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         while self._next_bucket < len(buckets) and buckets[self._next_bucket].is_full:
             bucket = buckets[self._next_bucket]
             if not bucket.skipped:
-                self._note("launch", f"bucket {bucket.index}")
+                self.observer.note("launch", f"bucket {bucket.index}")
                 bucket.launch(self._all_reduce)
                 self.all_reduce_count += 1
-                self._note_when_done(bucket.pending, f"bucket {bucket.index}")
+                self.observer.note_when_done(bucket.pending, "reduced", f"bucket {bucket.index}")
             self._next_bucket += 1
 
     def _all_reduce(self, bucket: Bucket) -> dist.Work | torch.futures.Future:
@@ -345,7 +345,7 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
 
     def _finish_backward(self) -> None:
         """Queued on the autograd engine: runs once, when the whole backward pass is done."""
-        self._note("backward", "end")
+        self.observer.note("backward", "end")
         first_static = self._static_graph_first_backward_ends()  # counted hooks, found usage
         missing = [i for i, ready in enumerate(self._marked_ready) if not ready]
         if missing and self._static_graph is not None and not first_static:
@@ -365,14 +365,14 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         for bucket in self._layout.buckets:
             # Each bucket goes back to `.grad` as soon as it arrives, while later ones travel.
             bucket.wait(self._wait)
-            self._note("wait", f"bucket {bucket.index}")
+            self.observer.note("wait", f"bucket {bucket.index}")
             bucket.write_back(used)
             if self._copies is not None:  # each master holds its average now
                 for index, master in zip(bucket.param_indices, bucket.params):
                     if master.grad is not None and (used is None or used[index]):
                         self._copies.gradient_written(master)
         self._reset_backward(Phase.SYNCED)
-        self._note("sync", "end")
+        self.observer.note("sync", "end")
 
     def _wait(self, pending: dist.Work | torch.futures.Future, what: str) -> Any:
         """The one wait seam: like `pending.wait()`, but a rank that died, stalled or stopped
