@@ -12,13 +12,15 @@ gradients, not yet divided by W: the hook averages (scale by 1/W, then all-reduc
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 import miniddp.collectives as collectives
-from miniddp.data_parallel.bucket import Bucket
+
+if TYPE_CHECKING:  # the bucket holds its reducer, which hands hooks this module's GradBucket
+    from miniddp.data_parallel.bucket import Bucket
 
 
 def all_reduce_hook(algorithm: str = "auto"):
