@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-import miniddp.data_parallel.bucket as data_parallel_bucket
+import miniddp.data_parallel.default_hooks as default_hooks
 from miniddp import MiniDDP
 from miniddp.steps import CLAIMS, LADDER
 from miniddp.steps.__main__ import main as steps_main
@@ -91,7 +91,7 @@ PRODUCTION_EXTRAS = {
     ],
     "a process group of its own": ["process_group", "group"],
     # Rung 7 hands a bucket its all-reduce at launch. MiniDDP's all-reduce needs the wrapper's
-    # group and the named faults' wait seam: each bucket holds them in its reducer (bucket.py).
+    # group and the named faults' wait seam: each bucket holds them in its reducer.
     "the reducer that carries the group and the wait seam": ["Reducer", "reducer", "_reducer"],
     # (and rung 7's refusal of a missing gradient moves before the launches, to abandon them)
     "reentrant and second backwards, an unfinished backward": [
@@ -144,7 +144,7 @@ MINIDDP_HOMES = {
 
 # Rung 7's methods that MiniDDP moved out of the wrapper, and where each went: rung 7 hands a
 # full bucket its wrapper's `_all_reduce`; MiniDDP's bucket holds its reducer (bucket.py), which
-# carries the group and the wait seam the production all-reduce needs.
+# carries the group and the wait seam the production all-reduce needs (default_hooks.py).
 MOVED = {"_all_reduce": "Reducer.all_reduce"}
 
 
@@ -155,7 +155,7 @@ def moved_away(lines: list[str]) -> bool:
     if not first or any(line[0] != "-" for line in lines) or first[1] not in MOVED:
         return False
     owner, method = MOVED[first[1]].split(".")
-    return callable(getattr(getattr(data_parallel_bucket, owner), method, None))
+    return callable(getattr(getattr(default_hooks, owner), method, None))
 
 
 def names_an_extra(lines: list[str]) -> bool:

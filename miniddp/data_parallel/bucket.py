@@ -1,10 +1,9 @@
-"""A bucket: the flat tensor a group of gradients travels in, its life in one backward, and the
-reducer it travels through.
+"""A bucket: the flat tensor a group of gradients travels in, and its life in one backward.
 
 Which gradients share a bucket, and in which order buckets launch, is decided in
 miniddp/data_parallel/layout.py; this file is what one bucket does with them. Each bucket holds
-its model's `Reducer`, so a full bucket launches and is waited for by itself: MiniDDP only says
-when, and hands it nothing.
+its model's `Reducer` (default_hooks.py), so a full bucket launches and is waited for by itself:
+MiniDDP only says when, and hands it nothing.
 """
 
 from __future__ import annotations
@@ -16,9 +15,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from miniddp.data_parallel.default_hooks import CommHook, GradBucket
-from miniddp.job.faults import wait_for
-
 
 @dataclass(frozen=True)
 class BucketInfo:
@@ -29,27 +25,6 @@ class BucketInfo:
     numels: tuple[int, ...]
     nbytes: int
     dtype: torch.dtype
-
-
-class Reducer:
-    """What every bucket of one model travels through: an all-reduce over the model's process
-    group, or, once one is registered, torch's comm hook `hook(state, GradBucket) -> Future`;
-    and the one wait seam (miniddp/job/faults.py), which names a rank that died, stalled or
-    stopped early instead of surfacing as a bare gloo timeout."""
-
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
-        self.group = group
-        self.comm_hook: tuple[Any, CommHook] | None = None
-
-    def all_reduce(self, bucket: Bucket) -> dist.Work | torch.futures.Future:
-        if self.comm_hook is None:
-            return dist.all_reduce(bucket.flat, group=self.group, async_op=True)
-        state, hook = self.comm_hook
-        return hook(state, GradBucket(bucket, bucket.is_last))
-
-    def wait(self, pending: dist.Work | torch.futures.Future, what: str) -> Any:
-        """Like `pending.wait()`, naming the rank that never answered (faults.py)."""
-        return wait_for(pending, what, self.group)
 
 
 class Bucket:
@@ -80,7 +55,7 @@ class Bucket:
         params: Sequence[torch.Tensor],
         gradient_as_bucket_view: bool = False,
         reduce_dtype: torch.dtype | None = None,
-        reducer: Reducer | None = None,
+        reducer: Any = None,
         is_last: bool = False,
     ) -> None:
         self.index = index
@@ -88,7 +63,7 @@ class Bucket:
         self.params = [params[i] for i in self.param_indices]
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.reduce_dtype = reduce_dtype  # mixed precision's; None: the parameters' own dtype
-        self.reducer = reducer or Reducer(None)  # the default group's all-reduce, no hook
+        self.reducer = reducer  # its model's Reducer (default_hooks.py): what it travels through
         self.is_last = is_last  # the last of its layout: a comm hook's GradBucket.is_last()
         total = sum(p.numel() for p in self.params)
         dtype = reduce_dtype or self.params[0].dtype

@@ -15,8 +15,8 @@ whole life in one file, the states of each forward/backward pair named by `Phase
                 each one's averages back into `.grad` as soon as it arrives
 So gradients are averaged by the time `loss.backward()` returns, bit for bit as in torch's
 DistributedDataParallel: the layout, the 1/W scaling and the launch order follow torch's rules
-(layout.py, bucket.py). Each bucket travels through the `Reducer` it holds (bucket.py): the
-process group, a comm hook if one is registered, the wait seam.
+(layout.py, bucket.py). Each bucket travels through the `Reducer` it holds (default_hooks.py):
+the process group, a comm hook if one is registered, the wait seam.
 
 What changes that life is an object MiniDDP holds rather than code spread through it: under
 Join, `join_hook()`'s ShadowsTraining (join.py) answers, on a rank out of batches, every
@@ -47,9 +47,9 @@ from miniddp.data_parallel.autograd_graph import (
     parameters_not_reached,
     when_backward_reaches,
 )
-from miniddp.data_parallel.bucket import BucketInfo, Reducer
+from miniddp.data_parallel.bucket import BucketInfo
 from miniddp.data_parallel.compute_copies import ComputeCopies, MixedPrecision
-from miniddp.data_parallel.default_hooks import CommHook
+from miniddp.data_parallel.default_hooks import CommHook, Reducer
 from miniddp.data_parallel.join import ShadowsTraining, any_rank_syncs, highest_rank_where
 from miniddp.data_parallel.layout import BucketLayout
 from miniddp.data_parallel.refusals import (

@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from miniddp.data_parallel.bucket import Bucket, BucketInfo, Reducer
+from miniddp.data_parallel.bucket import Bucket, BucketInfo
+from miniddp.data_parallel.default_hooks import Reducer
 
 MiB = 1024 * 1024
 DEFAULT_BUCKET_CAP_MB = 25.0
@@ -111,7 +112,7 @@ class BucketLayout:
         self.first_cap, self.cap = bucket_caps(bucket_cap_mb)
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.reduce_dtype = reduce_dtype
-        self.reducer = reducer or Reducer(None)  # what every bucket travels through (bucket.py)
+        self.reducer = reducer or Reducer(None)  # what every bucket travels through
         # What the caps weigh: each gradient as it travels. Under mixed precision, a stand-in
         # of its shape in reduce_dtype (on the meta device: a shape and a dtype, no memory).
         self.in_flight = params
