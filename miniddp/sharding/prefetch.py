@@ -192,7 +192,9 @@ class Prefetcher:
     ) -> None:
         """The timeline's hook: `lane` ("forward", "backward", "all-gather", "reduce-scatter")
         starts or ends for `unit`. A collective `issued` ends when it completes, noted on the
-        thread that completes it."""
+        thread that completes it. Nobody watching: one check, nothing allocated."""
+        if self.observer is NO_OBSERVER:
+            return
         self.observer.note(lane, f"{edge} {unit.number}")
         if issued is not None:
             self.observer.note_when_done(issued.work, lane, f"end {unit.number}")
