@@ -233,6 +233,25 @@ def test_no_sync_communicates_once_per_accumulation(pool2, steps):
     assert without == steps * buckets
 
 
+def all_reduces_with_torchs_flag(steps: int) -> tuple[int, int]:
+    """Accumulation as code written for torch's DDP may do it without no_sync() (accelerate
+    does): by setting torch's public attribute require_backward_grad_sync before each forward."""
+    ddp = MiniDDP(small_mlp(), bucket_cap_mb=0.0001)
+    ddp(torch.randn(3, 4)).sum().backward()  # first step: learn the order, rebuild buckets
+    ddp(torch.randn(3, 4)).sum().backward()
+    before = ddp.all_reduce_count
+    for micro in range(steps):
+        ddp.require_backward_grad_sync = micro == steps - 1
+        ddp(torch.randn(3, 4)).sum().backward()
+    return ddp.all_reduce_count - before, len(ddp.buckets)
+
+
+def test_torchs_require_backward_grad_sync_holds_back_like_no_sync(pool2):
+    for count, buckets in pool2.run(all_reduces_with_torchs_flag, 3):
+        assert buckets > 1
+        assert count == buckets
+
+
 def grad_is_bucket_view() -> bool:
     model = small_mlp()
     ddp = MiniDDP(model, gradient_as_bucket_view=True, bucket_cap_mb=0.0001)
