@@ -1,6 +1,7 @@
 """What only observes or simulates training: nothing here changes a gradient.
 
-events.py          the events a DDP notes as a step happens (off by default, and then free)
+events.py          the observer a core class calls as a step happens, and the Recorder
+                   an instrument attaches to it (none attached: one empty call)
 timeline.py        events into steps and their summary: overlap, tail, launches
 timeline_views.py  a step drawn three ways: ASCII, matplotlib, Chrome's trace viewer
 link.py            a simulated slow network link (latency and bandwidth) under the collectives
