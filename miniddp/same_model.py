@@ -24,8 +24,12 @@ from torch import nn
 from miniddp.placement import group_ranks, placement_of
 
 
-def check_wrappable(module: nn.Module, trainable: Sequence[tuple[str, torch.Tensor]]) -> None:
-    """Refuse, at construction, a model that training could only fail on later."""
+def check_wrappable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Refuse, at construction, a model that training could only fail on later; otherwise its
+    (name, parameter) pairs that MiniDDP reduces. Only parameters that require grad are, and a
+    tied weight only once: it is one variable with one gradient. `named_parameters()` walks
+    modules in registration order and skips repeats, as torch's reducer does."""
+    trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     if not trainable:
         raise ValueError(
             "MiniDDP got a module with no parameter that requires grad: there is nothing to "
@@ -45,6 +49,7 @@ def check_wrappable(module: nn.Module, trainable: Sequence[tuple[str, torch.Tens
             "the model first: module.to_empty(device=...) and then initialize its weights (e.g. "
             "reset_parameters(), or load a state dict)."
         )
+    return trainable
 
 
 def verify_same_model_on_every_rank(

@@ -13,6 +13,7 @@ from torch import nn
 
 from miniddp import full_state_dict, fully_shard
 from miniddp.collectives import traffic
+from miniddp.observe.events import NO_OBSERVER
 
 WIDTHS = (6, 9, 7, 8, 5)  # four units: enough for "the next one" to differ from "all the rest"
 
@@ -141,5 +142,5 @@ def record_lanes(prefetch: bool = True) -> dict:
         "numbers": [unit.number for unit in units],
         "full_bytes": [sum(shape.numel() for shape in unit.shapes) * 4 for unit in units],
         "gathered_bytes": [world * sum(s.numel() for s in unit.shards) * 4 for unit in units],
-        "recording_after": model._prefetcher._observed,
+        "recording_after": model._prefetcher.observer is not NO_OBSERVER,
     }

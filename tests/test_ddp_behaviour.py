@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from miniddp import MiniDDP
+from miniddp.observe.events import Recorder
 from tests.harness.pool import RankFailure
 
 
@@ -193,9 +194,9 @@ def events_of_second_iteration() -> list[tuple[str, str]]:
     ddp = MiniDDP(nn.Sequential(*layers), bucket_cap_mb=0.005)
     x = torch.randn(16, 32)
     ddp(x).sum().backward()
-    ddp.record_events(True)
+    recorder = ddp.observer = Recorder()
     ddp(x).sum().backward()
-    return [(e.kind, e.name) for e in ddp.events]
+    return [(e.kind, e.name) for e in recorder.events]
 
 
 def test_buckets_launch_while_backward_is_still_running(rank_pools):
@@ -230,6 +231,25 @@ def test_no_sync_communicates_once_per_accumulation(pool2, steps):
     assert buckets > 1
     assert with_no_sync == buckets
     assert without == steps * buckets
+
+
+def all_reduces_with_torchs_flag(steps: int) -> tuple[int, int]:
+    """Accumulation as code written for torch's DDP may do it without no_sync() (accelerate
+    does): by setting torch's public attribute require_backward_grad_sync before each forward."""
+    ddp = MiniDDP(small_mlp(), bucket_cap_mb=0.0001)
+    ddp(torch.randn(3, 4)).sum().backward()  # first step: learn the order, rebuild buckets
+    ddp(torch.randn(3, 4)).sum().backward()
+    before = ddp.all_reduce_count
+    for micro in range(steps):
+        ddp.require_backward_grad_sync = micro == steps - 1
+        ddp(torch.randn(3, 4)).sum().backward()
+    return ddp.all_reduce_count - before, len(ddp.buckets)
+
+
+def test_torchs_require_backward_grad_sync_holds_back_like_no_sync(pool2):
+    for count, buckets in pool2.run(all_reduces_with_torchs_flag, 3):
+        assert buckets > 1
+        assert count == buckets
 
 
 def grad_is_bucket_view() -> bool:

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from miniddp.observe.events import Recorder
 from miniddp.pipeline import Action, PipelineStage, Schedule1F1B, ScheduleGPipe
 from miniddp.pipeline.bubble import (
     blocks_of,
@@ -140,7 +141,7 @@ def train_stage(spec: PipeSpec, kind: str, with_example: bool = False) -> dict:
     schedule = make_schedule(kind, stage, spec.n_microbatches)
     recording = not kind.startswith("torch-")
     if recording:
-        schedule.record_events()
+        recorder = schedule.observer = Recorder()
     optimizer = torch.optim.SGD(block.parameters(), lr=spec.lr)
     grads, losses, peaks = [], [], []
     for step in range(spec.steps):
@@ -160,9 +161,9 @@ def train_stage(spec: PipeSpec, kind: str, with_example: bool = False) -> dict:
     result = {"grads": grads, "losses": losses, "peaks": peaks}
     result["params"] = [p.detach().clone() for p in block.parameters()]
     if recording:
-        blocks = blocks_of(schedule.events, rank)
+        blocks = blocks_of(recorder.events, rank)
         result["order"] = [(b.kind, b.microbatch) for b in sorted(blocks, key=lambda b: b.start)]
-        result["event_kinds"] = sorted({event.kind for event in schedule.events})
+        result["event_kinds"] = sorted({event.kind for event in recorder.events})
     return result
 
 

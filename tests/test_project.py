@@ -8,8 +8,6 @@ from pathlib import Path
 from torch import nn
 from torch.distributed.algorithms.join import Joinable
 
-from miniddp.observe.events import EventRecorder
-
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -56,14 +54,15 @@ def test_the_ladder_s_chapters_teach_the_rungs_in_order():
     assert taught == sorted(taught) and set(taught) == set(range(1, 8)), taught
 
 
-def test_every_method_miniddp_calls_on_itself_is_in_ddp_py_or_the_event_recorders():
+def test_every_method_miniddp_calls_on_itself_is_in_ddp_py():
     """A reader of ddp.py opens no other file to know what a forward or a backward does: what
-    MiniDDP calls on `self` is defined in its class, or is nn.Module's, Joinable's or the event
-    recorder's (its one mixin). Helpers it owns are called on themselves (`self.layout.x()`)."""
+    MiniDDP calls on `self` is defined in its class, or is nn.Module's or Joinable's (no mixin:
+    the observer is held, not inherited). Helpers it owns are called on themselves
+    (`self.observer.note()`)."""
     tree = ast.parse((ROOT / "miniddp" / "data_parallel" / "ddp.py").read_text())
     (miniddp,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MiniDDP"]
     own = {node.name for node in miniddp.body if isinstance(node, ast.FunctionDef)}
-    inherited = set(dir(nn.Module)) | set(dir(Joinable)) | set(dir(EventRecorder))
+    inherited = set(dir(nn.Module)) | set(dir(Joinable))
     called = {
         node.func.attr
         for node in ast.walk(miniddp)

@@ -54,8 +54,8 @@ def assert_bitwise(ours: list, reference: list, what: str) -> None:
 def test_one_fixed_example_at_w2_is_torchs_bits_its_memory_and_its_traffic(pool2):
     """6 parameters, Ψ = 135 elements; shards of ceil(n/2): 69 elements per rank, 3 padding.
     Per step each rank sends 3(W-1)·69 elements: all-gather, all-gather again, reduce-scatter;
-    and before each all-gather, the 8-byte number of the unit it gathers (the check that every
-    rank gathers the same unit)."""
+    and leading each message of an all-gather, the 8-byte number of the unit it gathers (the
+    check that every rank gathers the same unit)."""
     for rank, result in enumerate(pool2.run(sharding_fsdp_tasks.against_torch_and_ddp, FsdpSpec())):
         params = result["params"]
         assert_bitwise(params["ours"], params["torch"], f"rank {rank}: against FSDP2")

@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from miniddp import MiniDDP
 from miniddp.instruments.bench.baselines import BASELINES, DeferredMiniDDP
 from miniddp.instruments.timeline_views import ascii_timeline, chrome_trace, plot
-from miniddp.observe.events import Event
+from miniddp.observe.events import NO_OBSERVER, Event
 from miniddp.observe.timeline import (
     COMM,
     COMPUTE,
@@ -234,29 +234,29 @@ def recording_off_leaves_no_trace() -> dict:
     """Steps outside `recording()` record nothing, before and after a recorded block."""
     ddp = MiniDDP(deep_model(), bucket_cap_mb=0.005)
     train_step(ddp)
-    before = (ddp.events, list(ddp.event_listeners))
+    before = ddp.observer
     with recording(ddp) as events:
         train_step(ddp)
-        listeners_inside = len(ddp.event_listeners)
+        listeners_inside = len(ddp.observer.listeners)
     recorded = len(events)
     train_step(ddp)
     train_step(ddp)
     return {
-        "before": before,
+        "before": before is NO_OBSERVER,
         "listeners_inside": listeners_inside,
         "recorded": recorded,
-        "after": len(ddp.events),
-        "listeners_after": len(ddp.event_listeners),
+        "after": len(events),
+        "observer_after": ddp.observer is NO_OBSERVER,
     }
 
 
 def test_recording_is_opt_in_and_leaves_nothing_behind(pool2):
     for outcome in pool2.run(recording_off_leaves_no_trace):
-        assert outcome["before"] == (None, [])
+        assert outcome["before"]  # nobody watches until an instrument attaches an observer
         assert outcome["listeners_inside"] == 1  # the profiler spans
         assert outcome["recorded"] > 0
         assert outcome["after"] == outcome["recorded"]  # later steps added nothing
-        assert outcome["listeners_after"] == 0
+        assert outcome["observer_after"]
 
 
 def recorded_steps(cap_mb: float, steps: int = 2) -> dict:
@@ -314,7 +314,7 @@ def every_design() -> dict:
         train_step(model)  # after the rebuild
         grads = [p.grad.clone() for p in model.parameters()]
         events = []
-        if hasattr(model, "record_events"):
+        if hasattr(model, "observer"):
             with recording(model) as events:
                 train_step(model)
         out[name] = {

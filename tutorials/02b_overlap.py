@@ -40,6 +40,7 @@ from common import (
 from torch.nn.parallel import DistributedDataParallel
 
 from miniddp.job.env import init_distributed
+from miniddp.observe.events import NO_OBSERVER, Recorder
 from miniddp.steps import NaiveDDP, OverlapDDP
 
 STEPS = 3
@@ -72,10 +73,10 @@ def main() -> None:
     counts, gradients = {}, {}
     for rung in (NaiveDDP, OverlapDDP):
         model = rung(ladder_model())
-        model.record_events(True)
+        recorder = model.observer = Recorder()  # notes every step's moments, with their times
         gradients[rung] = train_steps(model, batches)
-        model.record_events(False)
-        counts[rung] = say_timeline(rung.__name__, model, travels=TRAVELS[rung])
+        model.observer = NO_OBSERVER
+        counts[rung] = say_timeline(rung.__name__, recorder.events, travels=TRAVELS[rung])
         say()
     parameters = len(model.params)
     say(

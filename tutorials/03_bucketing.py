@@ -46,6 +46,7 @@ from common import (
 from torch.nn.parallel import DistributedDataParallel
 
 from miniddp.job.env import init_distributed
+from miniddp.observe.events import NO_OBSERVER, Recorder
 from miniddp.steps import BucketedDDP, OverlapDDP
 from miniddp.steps.buckets import Bucket, assign_buckets
 
@@ -125,10 +126,10 @@ def main() -> None:
     section("3. The timeline: rung 2, then rung 3")
     counts, gradients = {}, {}
     for rung, model in ((OverlapDDP, OverlapDDP(ladder_model())), (BucketedDDP, bucketed)):
-        model.record_events(True)
+        recorder = model.observer = Recorder()
         gradients[rung] = train_steps(model, batches)
-        model.record_events(False)
-        counts[rung] = say_timeline(rung.__name__, model, travels=TRAVELS[rung])
+        model.observer = NO_OBSERVER
+        counts[rung] = say_timeline(rung.__name__, recorder.events, travels=TRAVELS[rung])
         say()
     parameters, buckets = len(bucketed.params), len(bucketed.buckets)
     say(

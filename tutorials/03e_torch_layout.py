@@ -44,6 +44,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from miniddp.job.env import init_distributed
+from miniddp.observe.events import NO_OBSERVER, Recorder
 from miniddp.steps import TorchLayoutDDP
 
 LEARNING_RATE = 0.1
@@ -119,10 +120,10 @@ def main() -> None:
     )
 
     section("3. Step 0: gradients arrive last layer first")
-    model.record_events(True)
+    recorder = model.observer = Recorder()
     inputs, targets = batches[0]
     all_gradients = [step(model, optimizer, model(inputs), targets)]
-    hooks = [event.name for event in model.events if event.kind == "hook"]
+    hooks = [event.name for event in recorder.events if event.kind == "hook"]
     say_all_ranks("hook order:", ", ".join(hooks))
     say(
         textwrap.dedent("""\
@@ -149,8 +150,8 @@ def main() -> None:
 
     section("5. Step 1: buckets launch while backward is still computing")
     all_gradients.append(step(model, optimizer, output, targets))
-    model.record_events(False)
-    counts = say_timeline("TorchLayoutDDP", model, drawn=(0, 1))
+    model.observer = NO_OBSERVER
+    counts = say_timeline("TorchLayoutDDP", recorder.events, drawn=(0, 1))
     say(
         textwrap.dedent("""\
         Step 0's one bucket (0 in the communication lane) can only start once the last gradient

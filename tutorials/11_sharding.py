@@ -283,7 +283,8 @@ def main() -> None:
         builds it sends more: a whole all-reduce, then the parameters. ZeRO-3 gathers the
         parameters twice (forward, backward) and reduce-scatters the gradients: 3(W-1)/W·Ψ.
         Measured on rank 0 in the last step, every message counted (the excess is padding, and
-        ZeRO-3's 8-byte unit number before each gather: a unit one rank skips is named):""")
+        ZeRO-3's 8-byte unit number leading each message of a gather: a unit one rank skips
+        is named):""")
     )
     theory = {"ddp": 2, "zero1": 3, "zero2": 2, "zero3": 3}
     for stage, run in RUNS.items():

@@ -35,6 +35,7 @@ from torch import nn
 from miniddp import MiniDDP
 from miniddp.job.env import init_distributed
 from miniddp.mesh import init_device_mesh
+from miniddp.observe.events import Recorder
 from miniddp.pipeline import (
     Action,
     FixedCost,
@@ -108,13 +109,13 @@ def measure(schedule_class, stage: PipelineStage, m: int) -> tuple[float, float,
     shapes), the replayed bubble of the last one's orders, its blocks, and the most
     microbatches this stage held."""
     schedule = schedule_class(stage, m, mse)
-    schedule.record_events()
+    recorder = schedule.observer = Recorder()  # notes each block's start and end
     x, y = batch(m, 0, WIDTH, WIDTH)
     fractions = []
     for _ in range(4):
         dist.barrier()
         run_step(schedule, x, y)
-        blocks = gather_blocks(schedule)
+        blocks = gather_blocks(schedule, recorder.events)
         fractions.append(bubble_fraction(blocks))
     return statistics.median(fractions[1:]), replayed_bubble(blocks), blocks, stage.peak_held
 

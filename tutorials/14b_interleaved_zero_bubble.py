@@ -32,6 +32,7 @@ from common import end_chapter, say, say_all_ranks, say_prose, section
 from torch import nn
 
 from miniddp.job.env import init_distributed
+from miniddp.observe.events import Recorder
 from miniddp.pipeline import (
     FixedCost,
     PipelineStage,
@@ -107,7 +108,7 @@ def measure(schedule_class, p: int, v: int, m: int) -> tuple[float, list, int, i
     microbatch-stages this rank held, and the bytes it sent in one step."""
     stages = timed_stages(p, v)
     schedule = schedule_class(stages if v > 1 else stages[0], m, mse)
-    schedule.record_events()
+    recorder = schedule.observer = Recorder()  # notes each block's start and end
     x, y = batch(m, 0, WIDTH, WIDTH)
     fractions, sent = [], 0
     for _ in range(4):
@@ -115,7 +116,7 @@ def measure(schedule_class, p: int, v: int, m: int) -> tuple[float, list, int, i
         before = schedule.mailbox.bytes_sent
         run_step(schedule, x, y)
         sent = schedule.mailbox.bytes_sent - before
-        blocks = gather_blocks(schedule)
+        blocks = gather_blocks(schedule, recorder.events)
         fractions.append(bubble_fraction(blocks))
     return statistics.median(fractions[1:]), blocks, schedule.peak_held, sent
 

@@ -22,6 +22,7 @@ from torch.utils.data import TensorDataset
 
 from miniddp.instruments.timeline_views import LINE, ascii_timeline
 from miniddp.job.env import cleanup
+from miniddp.observe.events import Event
 from miniddp.observe.link import ENVIRONMENT_VARIABLE, Link
 from miniddp.observe.timeline import StepTimeline, gather, split_steps
 from miniddp.steps.__main__ import diff, idea, label
@@ -284,13 +285,13 @@ def launch_counts(step: StepTimeline) -> tuple[int, int]:
 
 
 def say_timeline(
-    name: str, model: nn.Module, drawn: tuple[int, ...] = (-1,), travels: str = "bucket"
+    name: str, events: list[Event], drawn: tuple[int, ...] = (-1,), travels: str = "bucket"
 ) -> list[tuple[int, int]]:
-    """Draw the steps numbered `drawn` (default: the last) that `model` recorded
-    (`record_events()`) on every rank, and say every step's `launch_counts`; returns them, for
-    this rank. Every rank must call it. `travels`: what one all-reduce carries, for the legend
-    (a "gradient" for rungs 1 and 2)."""
-    steps = split_steps(model.events, _rank())
+    """Draw the steps numbered `drawn` (default: the last) of what a model's `Recorder` noted
+    (its `events`) on every rank, and say every step's `launch_counts`; returns them, for this
+    rank. Every rank must call it. `travels`: what one all-reduce carries, for the legend (a
+    "gradient" for rungs 1 and 2)."""
+    steps = split_steps(events, _rank())
     for number in drawn:
         step = steps[number]
         say(f"{name}, step {step.step} on every rank, ms since the first rank's forward began:")

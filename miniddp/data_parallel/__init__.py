@@ -4,7 +4,8 @@
                         buckets -> wait -> no_sync, and Join's hook for uneven inputs
     bucket.py           a bucket's life: add, full, launch, wait, write back, reset
     layout.py           torch's bucket layout rules, and the layout's life (one rebuild)
-    default_hooks.py    register_comm_hook's built-ins: MiniDDP over its own all-reduces
+    default_hooks.py    the Reducer each bucket holds (the group, a comm hook, the wait seam),
+                        and register_comm_hook's built-ins: MiniDDP over its own all-reduces
     compute_copies.py   MixedPrecision: fp32 masters, bf16 copies for forward and backward
     static_graph.py     static_graph's helper: hooks counted once, then trusted
     autograd_graph.py   the hooks, the parameters a backward won't reach, usage on any rank

@@ -28,6 +28,21 @@ class BufferSync:
     at_forward: bool
 
 
+class DeprecatedName:
+    """A class attribute that reads and writes another attribute under torch's old name:
+    `broadcast_buffers = DeprecatedName("forward_sync_buffers")` keeps `ddp.broadcast_buffers`
+    readable and settable, as torch's DDP does."""
+
+    def __init__(self, current: str) -> None:
+        self.current = current
+
+    def __get__(self, owner: Any, kind: type | None = None) -> Any:
+        return self if owner is None else getattr(owner, self.current)
+
+    def __set__(self, owner: Any, value: Any) -> None:
+        setattr(owner, self.current, value)
+
+
 def buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bool | None) -> BufferSync:
     """Torch 2.13's rule for the two buffer keywords, with its FutureWarning for the old one."""
     if broadcast_buffers is not None:

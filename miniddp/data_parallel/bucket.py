@@ -1,12 +1,14 @@
 """A bucket: the flat tensor a group of gradients travels in, and its life in one backward.
 
 Which gradients share a bucket, and in which order buckets launch, is decided in
-miniddp/data_parallel/layout.py; this file is what one bucket does with them.
+miniddp/data_parallel/layout.py; this file is what one bucket does with them. Each bucket holds
+its model's `Reducer` (default_hooks.py), so a full bucket launches and is waited for by itself:
+MiniDDP only says when, and hands it nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,8 +32,8 @@ class Bucket:
 
         add(position)   a gradient is ready: copy it in, scaled by 1/W, into its slice
         is_full         every slice is filled: the bucket can travel
-        launch(reduce)  start its all-reduce without waiting (`pending` holds the handle)
-        wait(wait_for)  block until the sum has arrived
+        launch()        start its all-reduce through its reducer (`pending` holds the handle)
+        wait()          block until the sum has arrived
         write_back()    copy each averaged slice into the `.grad` it came from
         reset()         forget this backward, ready for the next
 
@@ -53,12 +55,16 @@ class Bucket:
         params: Sequence[torch.Tensor],
         gradient_as_bucket_view: bool = False,
         reduce_dtype: torch.dtype | None = None,
+        reducer: Any = None,
+        is_last: bool = False,
     ) -> None:
         self.index = index
         self.param_indices = list(param_indices)
         self.params = [params[i] for i in self.param_indices]
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.reduce_dtype = reduce_dtype  # mixed precision's; None: the parameters' own dtype
+        self.reducer = reducer  # its model's Reducer (default_hooks.py): what it travels through
+        self.is_last = is_last  # the last of its layout: a comm hook's GradBucket.is_last()
         total = sum(p.numel() for p in self.params)
         dtype = reduce_dtype or self.params[0].dtype
         self.flat = torch.zeros(total, dtype=dtype, device=self.params[0].device)
@@ -153,18 +159,17 @@ class Bucket:
     def is_full(self) -> bool:
         return self.filled == len(self.params)
 
-    def launch(self, reduce: Callable[[Bucket], dist.Work | torch.futures.Future]) -> None:
-        """Start summing `flat` across ranks; `reduce` returns at once with a handle."""
-        self.pending = reduce(self)
+    def launch(self) -> None:
+        """Start summing `flat` across ranks through its reducer, which returns at once."""
+        self.pending = self.reducer.all_reduce(self)
 
-    def wait(self, wait_for: Callable[[Any, str], Any]) -> None:
-        """Block until the sum is in `flat`. `wait_for(pending, what)` is the DDP's wait seam:
-        it can name the rank that never joined."""
+    def wait(self) -> None:
+        """Block until the sum is in `flat`, at the reducer's wait seam (it names a rank that
+        never joined the all-reduce)."""
         if self.skipped:
             return
-        result = wait_for(
-            self.pending, f"all-reduce of bucket {self.index} ({self.nbytes:,} bytes)"
-        )
+        what = f"all-reduce of bucket {self.index} ({self.nbytes:,} bytes)"
+        result = self.reducer.wait(self.pending, what)
         result = result[0] if isinstance(result, list) else result
         if isinstance(result, torch.Tensor) and result.data_ptr() != self.flat.data_ptr():
             self.flat.copy_(result)  # a comm hook may answer in a tensor of its own
@@ -200,6 +205,20 @@ class Bucket:
         and a bucket may hold hundreds; `_foreach_copy_` loops in C++, with the same bits."""
         if targets:
             torch._foreach_copy_(targets, sources)
+
+    def shadow(self, params: Sequence[torch.Tensor]) -> Bucket:
+        """A bucket of zeros in this one's place, through the same reducer: what a rank that
+        joined (Join, join.py) all-reduces instead, so that its own gradients, which may live
+        in this bucket (gradient_as_bucket_view), stay as they are. Adding zeros changes no
+        bit of the others' sum."""
+        return Bucket(
+            self.index,
+            self.param_indices,
+            params,
+            reduce_dtype=self.reduce_dtype,
+            reducer=self.reducer,
+            is_last=self.is_last,
+        )
 
     def adopt_gradients(self) -> None:
         """With gradient_as_bucket_view: move existing `.grad`s into this (new) bucket, so that

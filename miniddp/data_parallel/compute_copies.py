@@ -216,6 +216,15 @@ class ComputeCopies:
         for hook in (master._post_accumulate_grad_hooks or {}).values():
             hook(master)
 
+    def averaged(
+        self, indices: Sequence[int], masters: Sequence[torch.Tensor], used: Sequence[bool] | None
+    ) -> None:
+        """MiniDDP wrote these masters' averages (a bucket's `indices` and parameters): each
+        master's gradient is final now, but for one no rank `used`, whose `.grad` stayed."""
+        for index, master in zip(indices, masters):
+            if master.grad is not None and (used is None or used[index]):
+                self.gradient_written(master)
+
     def _put(self, holds: Holds) -> None:
         """Swap masters or copies into the module's slots. setattr, not `_parameters[name]`,
         so that modules that keep their own references (nn.LSTM's flat weights) follow."""

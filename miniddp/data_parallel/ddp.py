@@ -2,8 +2,8 @@
 
 Rung 7 of `miniddp/steps/` (torch's layout, no_sync, unused parameters, comm hooks and
 gradient_as_bucket_view) plus what production needs: every rank checked to hold the same model,
-the named faults of one wait seam, uneven inputs (Join), static_graph and the events the
-timelines draw. Its whole life in one file:
+the named faults of one wait seam, uneven inputs (Join), static_graph, mixed precision. Its
+whole life in one file, the states of each forward/backward pair named by `Phase`:
 
     construct   check every rank has the same model, copy rank 0's weights to everyone,
                 lay gradients out in buckets, put a hook on every parameter
@@ -15,15 +15,15 @@ timelines draw. Its whole life in one file:
                 each one's averages back into `.grad` as soon as it arrives
 So gradients are averaged by the time `loss.backward()` returns, bit for bit as in torch's
 DistributedDataParallel: the layout, the 1/W scaling and the launch order follow torch's rules
-(miniddp/data_parallel/layout.py, miniddp/data_parallel/bucket.py).
+(layout.py, bucket.py). Each bucket travels through the `Reducer` it holds (default_hooks.py):
+the process group, a comm hook if one is registered, the wait seam.
 
-Three options change that life, and each is an object MiniDDP holds rather than code spread
-through it: under Join (uneven inputs), a rank out of batches runs `join_hook()`'s object
-(ShadowsTraining, join.py), which answers every collective a training rank's
-forward and backward issue; with static_graph, a `StaticGraph` (static_graph.py) counts each
-parameter's hooks in the first backward and says when a gradient is ready in the later ones;
-with mixed_precision, `ComputeCopies` (compute_copies.py) puts bf16 copies of the fp32 masters
-in the module for forward and backward, and hands each gradient to its master.
+What changes that life is an object MiniDDP holds rather than code spread through it: under
+Join, `join_hook()`'s ShadowsTraining (join.py) answers, on a rank out of batches, every
+collective the others' forward and backward issue; with static_graph, a `StaticGraph`
+(static_graph.py) says when a gradient is ready; with mixed_precision, `ComputeCopies`
+(compute_copies.py) puts bf16 copies of the fp32 masters in the module and hands each gradient
+to its master; an instrument's `observer` (observe/events.py) hears each step's moments.
 """
 
 from __future__ import annotations
@@ -40,19 +40,20 @@ from torch import nn
 from torch.autograd import Variable
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from miniddp.data_parallel.arguments import buffer_sync, group_of
+from miniddp.data_parallel.arguments import DeprecatedName, buffer_sync, group_of
 from miniddp.data_parallel.autograd_graph import (
     ParameterUsage,
     hook_every_parameter,
     parameters_not_reached,
     when_backward_reaches,
 )
-from miniddp.data_parallel.bucket import Bucket, BucketInfo
+from miniddp.data_parallel.bucket import BucketInfo
 from miniddp.data_parallel.compute_copies import ComputeCopies, MixedPrecision
-from miniddp.data_parallel.default_hooks import CommHook, GradBucket
+from miniddp.data_parallel.default_hooks import CommHook, Reducer
 from miniddp.data_parallel.join import ShadowsTraining, any_rank_syncs, highest_rank_where
-from miniddp.data_parallel.layout import BucketLayout, initial_layout
+from miniddp.data_parallel.layout import BucketLayout
 from miniddp.data_parallel.refusals import (
+    armed_twice,
     gradient_after_sync,
     gradient_twice,
     join_with_skipped_buckets,
@@ -60,10 +61,9 @@ from miniddp.data_parallel.refusals import (
     no_gradient_unlike_the_first,
     not_mixed_precision,
 )
-from miniddp.data_parallel.static_graph import StaticGraph
+from miniddp.data_parallel.static_graph import FINDS_UNUSED_ITSELF, StaticGraph
 from miniddp.job.env import HOW_TO_LAUNCH
-from miniddp.job.faults import wait_for
-from miniddp.observe.events import EventRecorder
+from miniddp.observe.events import NO_OBSERVER, Observer
 from miniddp.same_model import (
     broadcast_from_rank0,
     check_wrappable,
@@ -80,7 +80,7 @@ class Phase(Enum):
     SYNCED = "this forward's gradients are averaged; another backward through it is an error"
 
 
-class MiniDDP(nn.Module, Joinable, EventRecorder):
+class MiniDDP(nn.Module, Joinable):
     """Wrap `module` so that `loss.backward()` leaves gradients averaged over all ranks, used
     exactly like torch's DistributedDataParallel. Where torch is silent about a mistake, MiniDDP
     raises: a parameter that got no gradient (at the end of that backward, not the next forward),
@@ -90,6 +90,7 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         {"batchnorm", "mixed-dtypes", "torch-layout", "no-sync", "find-unused-parameters"}
         | {"comm-hook", "gradient-as-bucket-view"}
     )
+    broadcast_buffers = DeprecatedName("forward_sync_buffers")  # torch 2.13's old name
 
     def __init__(
         self,
@@ -118,17 +119,14 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         self.device_mesh = device_mesh
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
+        self._reducer = Reducer(process_group)  # every bucket's: the group, the wait seam
         buffers = buffer_sync(broadcast_buffers, forward_sync_buffers)
         self.forward_sync_buffers = buffers.at_forward
         self.find_unused_parameters = find_unused_parameters
         # Skip the all-reduce of a bucket no parameter of which this backward reaches (torch's
         # meaning: decided on each rank alone, so every rank must leave the same ones unused).
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
-        # Only parameters that require grad are reduced, and a tied weight only once: it is one
-        # variable with one gradient. `named_parameters()` walks modules in registration order
-        # and skips repeats, as torch's reducer does.
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        check_wrappable(module, named)
+        named = check_wrappable(module)  # the parameters that require grad, a tied one once
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.mixed_precision = mixed_precision
@@ -144,6 +142,7 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
             find_unused_parameters,
             gradient_as_bucket_view,
             reduce_dtype,
+            self._reducer,
         )
         # Settings that shape the sequence of collectives must agree too, or ranks would issue
         # different all-reduces and gloo would abort or hang instead of explaining.
@@ -162,16 +161,17 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
             # Every replica starts from rank 0's weights (and buffers), whatever seed each used.
             buffers_now = self._buffers_to_sync if buffers.at_construction else []
             everything = [*module.parameters(), *buffers_now]
-            broadcast_from_rank0(everything, "parameters and buffers", process_group, self._wait)
+            what = "parameters and buffers"
+            broadcast_from_rank0(everything, what, process_group, self._reducer.wait)
         self.all_reduce_count = 0
-        self._start_event_log()
-        self._comm_hook: tuple[Any, CommHook] | None = None
+        self.observer: Observer = NO_OBSERVER  # instruments attach theirs (observe/events.py)
         self._divide_by = self.world_size  # 1 once a comm hook does the averaging
         self._divide_by_initial_world_size = True  # Join's option: join_hook() sets it
         self._static_graph: StaticGraph | None = None
         self._usage = ParameterUsage(len(self.params))
-        self._require_backward_grad_sync = True  # False inside no_sync()
-        self._require_forward_param_sync = True  # buffers are refreshed after a synced forward
+        # torch's DDP's public names (Join's hook and code written for torch's DDP set them):
+        self.require_backward_grad_sync = True  # False inside no_sync()
+        self.require_forward_param_sync = True  # buffers are refreshed after a synced forward
         self._reset_backward(Phase.LOCAL)
         on_ready = self._on_gradient_ready
         if self._copies is not None:  # each copy's gradient goes to its master, then on_ready
@@ -189,7 +189,7 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         if self._layout.rebuild_due and torch.is_grad_enabled():
             self._rebuild_buckets()
         self._sync_buffers(training=True)
-        self._note("forward", "start")
+        self.observer.note("forward", "start")
         if self._copies is not None:
             inputs, kwargs = self._copies.before_forward(inputs, kwargs)
         output = self.module(*inputs, **kwargs)
@@ -197,60 +197,42 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
             self._copies.after_forward(output)  # the masters back now, or when backward ends
         # Whether this forward's backward synchronizes is decided now, at forward time: that is
         # why the forward must run inside `no_sync()` for accumulation to skip communication.
-        synced = torch.is_grad_enabled() and self._require_backward_grad_sync
-        self._require_forward_param_sync = synced
+        synced = torch.is_grad_enabled() and self.require_backward_grad_sync
+        self.require_forward_param_sync = synced
         self._phase = Phase.ARMED if synced else Phase.LOCAL
-        if not synced and self._observed and torch.is_grad_enabled():
-            self._note_when_backward_starts(output)
+        if not synced and torch.is_grad_enabled():
+            self.observer.note_when_backward_starts(output)
         if synced and self.find_unused_parameters:
             self._unused_in_forward = parameters_not_reached(output, self._leaves)
         if synced:
             # Queue the end-of-backward callback when backward reaches this output: it then belongs
             # to the outermost backward, even if a checkpointed block runs an inner one first.
             when_backward_reaches(output, self._start_reducing)
-        self._note("forward", "end")
+        self.observer.note("forward", "end")
         return output
 
     def prepare_for_backward(self, output: Any) -> None:
         """Arm the reduction for the next backward through `output`, a forward that ran inside
-        `no_sync()`: a pipeline's way to reduce at its last microbatch's backward, whose forward
-        ran long before other microbatches' backwards (miniddp/pipeline/stage.py). Torch's
-        pipelining calls its DDP's `reducer.prepare_for_backward(outputs)` for the same reason.
-        What a synced forward does, less the buffers' broadcast: no forward was synced."""
+        `no_sync()`: a pipeline reduces at its last microbatch's backward, whose forward ran
+        long before (pipeline/stage.py; torch's pipelining calls its DDP's
+        `reducer.prepare_for_backward`). A synced forward's arming, less the buffers' broadcast."""
         if self._phase in (Phase.ARMED, Phase.REDUCING):
-            raise RuntimeError(
-                "prepare_for_backward: a synced forward already armed this wrapper's next "
-                "backward (or it is reducing). Run the forwards inside no_sync() first."
-            )
+            raise armed_twice()
         self._phase = Phase.ARMED
         if self.find_unused_parameters:
             self._unused_in_forward = parameters_not_reached(output, self._leaves)
         when_backward_reaches(output, self._start_reducing)
 
-    @property
-    def broadcast_buffers(self) -> bool:
-        """torch's deprecated name for `forward_sync_buffers`, kept readable (and settable)."""
-        return self.forward_sync_buffers
-
-    @broadcast_buffers.setter
-    def broadcast_buffers(self, value: bool) -> None:
-        self.forward_sync_buffers = value
-
-    @property
-    def require_backward_grad_sync(self) -> bool:
-        """False inside `no_sync()` (torch's attribute, read by pipelines)."""
-        return self._require_backward_grad_sync
-
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally: forwards run inside this block skip the all-reduce;
         the first forward+backward outside it then reduces the whole accumulated `.grad`."""
-        previous = self._require_backward_grad_sync
-        self._require_backward_grad_sync = False
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
         try:
             yield
         finally:
-            self._require_backward_grad_sync = previous
+            self.require_backward_grad_sync = previous
 
     def finish_gradient_synchronization(self) -> None:
         """Nothing to do: the end of backward already waited for every bucket."""
@@ -261,20 +243,19 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         """Replace what happens to a full bucket: `hook(state, bucket) -> Future[Tensor]`, as in
         torch. The bucket holds this rank's own gradients, NOT divided by the world size: the
         hook averages. Register once, before the first backward."""
-        if self._comm_hook is not None:
+        if self._reducer.comm_hook is not None:
             raise RuntimeError("register_comm_hook can only be called once per wrapper.")
         if self._phase is not Phase.LOCAL or self.all_reduce_count:
             raise RuntimeError("Register the comm hook before the first backward pass.")
-        self._comm_hook = (state, hook)
+        self._reducer.comm_hook = (state, hook)
         self._divide_by = 1
 
     def _rebuild_buckets(self) -> None:
-        """Once, before the second synced forward (the third with static_graph): rank 0's order,
-        torch's caps."""
+        """Once, before the second synced forward (third with static_graph): rank 0's order."""
         order = torch.tensor(self._layout.ready_order, device=self.params[0].device)
-        broadcast_from_rank0([order], "the ready order", self.process_group, self._wait)
+        broadcast_from_rank0([order], "the ready order", self.process_group, self._reducer.wait)
         self._layout.rebuild(order.tolist())
-        self._note("rebuild", f"{len(self._layout.buckets)} buckets")
+        self.observer.note("rebuild", f"{len(self._layout.buckets)} buckets")
 
     def _start_reducing(self) -> None:
         """The first sign of a synced backward: queue the wait for its end, and mark the
@@ -282,16 +263,13 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         if self._phase is not Phase.ARMED:
             return
         self._phase = Phase.REDUCING
-        self._note("backward", "start")
+        self.observer.note("backward", "start")
         Variable._execution_engine.queue_callback(self._finish_backward)
         unused = set(self._unused_in_forward)
         if self.skip_all_reduce_unused_params and self.find_unused_parameters:
-            for bucket in self._layout.buckets:
-                if unused.issuperset(bucket.param_indices):
-                    bucket.skip()  # it stays home, and its .grads as they are
-                    unused.difference_update(bucket.param_indices)
-                    for index in bucket.param_indices:
-                        self._marked_ready[index] = True
+            for index in self._layout.skip_buckets_within(unused):  # they stay home
+                unused.discard(index)
+                self._marked_ready[index] = True
         for index in sorted(unused):
             self._mark_ready(index)  # may hold what no_sync accumulated
 
@@ -309,7 +287,7 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         if self._static_graph is not None and not self._static_graph.last_hook(index):
             return  # static_graph: ready after as many hooks as the first backward had
         self._layout.record_ready(index)
-        self._note("hook", self.param_names[index])
+        self.observer.note("hook", self.param_names[index])
         self._mark_ready(index)
 
     def _mark_ready(self, index: int) -> None:
@@ -320,7 +298,7 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         bucket, position = self._layout.slot[index]
         bucket.add(position, self._divide_by)
         if bucket.is_full:
-            self._note("ready", f"bucket {bucket.index}")
+            self.observer.note("ready", f"bucket {bucket.index}")
             self._launch_full_buckets()
 
     def _launch_full_buckets(self) -> None:
@@ -330,22 +308,15 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         while self._next_bucket < len(buckets) and buckets[self._next_bucket].is_full:
             bucket = buckets[self._next_bucket]
             if not bucket.skipped:
-                self._note("launch", f"bucket {bucket.index}")
-                bucket.launch(self._all_reduce)
+                self.observer.note("launch", f"bucket {bucket.index}")
+                bucket.launch()
                 self.all_reduce_count += 1
-                self._note_when_done(bucket.pending, f"bucket {bucket.index}")
+                self.observer.note_when_done(bucket.pending, "reduced", f"bucket {bucket.index}")
             self._next_bucket += 1
-
-    def _all_reduce(self, bucket: Bucket) -> dist.Work | torch.futures.Future:
-        if self._comm_hook is None:
-            return dist.all_reduce(bucket.flat, group=self.process_group, async_op=True)
-        state, hook = self._comm_hook
-        is_last = bucket.index == len(self._layout.buckets) - 1  # a Join shadow is a copy
-        return hook(state, GradBucket(bucket, is_last))
 
     def _finish_backward(self) -> None:
         """Queued on the autograd engine: runs once, when the whole backward pass is done."""
-        self._note("backward", "end")
+        self.observer.note("backward", "end")
         first_static = self._static_graph_first_backward_ends()  # counted hooks, found usage
         missing = [i for i, ready in enumerate(self._marked_ready) if not ready]
         if missing and self._static_graph is not None and not first_static:
@@ -361,29 +332,24 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         # first backward; find_unused_parameters asks every backward.
         used = None if self._static_graph is None else self._static_graph.used_on_any_rank
         if self.find_unused_parameters:
-            used = self._usage.on_any_rank(self.params[0].device, self.process_group, self._wait)
+            used = self._usage.on_any_rank(
+                self.params[0].device, self.process_group, self._reducer.wait
+            )
         for bucket in self._layout.buckets:
             # Each bucket goes back to `.grad` as soon as it arrives, while later ones travel.
-            bucket.wait(self._wait)
-            self._note("wait", f"bucket {bucket.index}")
+            bucket.wait()
+            self.observer.note("wait", f"bucket {bucket.index}")
             bucket.write_back(used)
             if self._copies is not None:  # each master holds its average now
-                for index, master in zip(bucket.param_indices, bucket.params):
-                    if master.grad is not None and (used is None or used[index]):
-                        self._copies.gradient_written(master)
+                self._copies.averaged(bucket.param_indices, bucket.params, used)
         self._reset_backward(Phase.SYNCED)
-        self._note("sync", "end")
-
-    def _wait(self, pending: dist.Work | torch.futures.Future, what: str) -> Any:
-        """The one wait seam: like `pending.wait()`, but a rank that died, stalled or stopped
-        early is named in the error instead of surfacing as a bare gloo timeout (faults.py)."""
-        return wait_for(pending, what, self.process_group)
+        self.observer.note("sync", "end")
 
     def _abandon_unfinished_backward(self) -> None:
         """A backward raised halfway (on every rank, or the collectives would not match): let
         what it launched finish, then start clean, so a fresh forward works again."""
         for bucket in self._layout.buckets[: self._next_bucket]:
-            bucket.wait(self._wait)
+            bucket.wait()
         self._layout.ready_order.clear()
         self._usage.clear()
         self._reset_backward(Phase.LOCAL)
@@ -412,12 +378,8 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
     ) -> Join:
         """`with model.join(): for batch in my_batches: ...` trains on uneven inputs, as torch's
         `DistributedDataParallel.join` does (the arguments are Join's; ShadowsTraining, join.py)."""
-        return Join(
-            [self],
-            enable,
-            throw_on_early_termination,
-            divide_by_initial_world_size=divide_by_initial_world_size,
-        )
+        divisor = {"divide_by_initial_world_size": divide_by_initial_world_size}  # join_hook's
+        return Join([self], enable, throw_on_early_termination, **divisor)
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """What this rank runs once it is out of batches while others train (Joinable)."""
@@ -441,72 +403,55 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         if not self._join_config.enable:
             return
         still_training = Join.notify_join_context(self)  # an all-reduce of 1 (0 from joiners)
-        if self._comm_hook is None:  # (a comm hook averages; the bucket is not divided)
+        if self._reducer.comm_hook is None:  # (a comm hook averages; the bucket is not divided)
             self._divide_by = self.world_size
             if still_training is not None and not self._divide_by_initial_world_size:
                 still_training.wait()
                 self._divide_by = int(still_training.get_future().value()[0].item())
-        this_rank_syncs = torch.is_grad_enabled() and self._require_backward_grad_sync
+        this_rank_syncs = torch.is_grad_enabled() and self.require_backward_grad_sync
         any_rank_syncs(this_rank_syncs, self.join_device, self.process_group)
 
     def _sync_buffers(self, training: bool) -> None:
-        """After a synced forward (and with forward_sync_buffers), copy every buffer from rank 0:
-        replicas compute with the same BatchNorm statistics. Under Join rank 0 may have joined
-        with stale ones, so they come from the highest rank still `training` (a joined rank
-        passes False)."""
-        if not (self.forward_sync_buffers and self._require_forward_param_sync):
+        """After a synced forward (with forward_sync_buffers), every buffer from rank 0: replicas
+        compute with the same BatchNorm statistics. Under Join rank 0 may have joined with stale
+        ones: they come from the highest rank still `training` (a joined rank passes False)."""
+        buffers, group, joining = self._buffers_to_sync, self.process_group, self._join_config
+        if not (self.forward_sync_buffers and self.require_forward_param_sync and buffers):
             return
-        if not self._buffers_to_sync:
-            return
-        enabled = self._join_config.enable
-        source = (
-            highest_rank_where(training, self.join_device, self.process_group) if enabled else 0
-        )
-        broadcast_from_rank0(
-            self._buffers_to_sync, "buffers", self.process_group, self._wait, source
-        )
+        source = highest_rank_where(training, self.join_device, group) if joining.enable else 0
+        broadcast_from_rank0(buffers, "buffers", group, self._reducer.wait, source)
 
     def joined_forward(self, any_rank_syncs: bool) -> None:
-        """Join's side (join.py): what a forward issues, for a rank with no batch left: the one
-        rebuild of the buckets, and the buffers' broadcast from the highest rank still training."""
+        """Join's side (join.py): a forward's collectives, for a rank with no batch left."""
         if self._layout.rebuild_due:
             self._rebuild_buckets()
         self._sync_buffers(training=False)
-        self._require_forward_param_sync = any_rank_syncs
+        self.require_forward_param_sync = any_rank_syncs
 
     def joined_backward(self) -> None:
-        """Join's side: a synced backward's collectives, for a rank with no batch: an all-reduce of
-        zeros per bucket (adding zeros changes no bit), and its part in the usage map's."""
+        """Join's side: a synced backward's collectives, for a rank with no batch left."""
         # static_graph's first synced backward asks which parameters any rank used before its
         # buckets go; a rank that joined before its own first one answers "none" (and learns).
         first_static = self._static_graph_first_backward_ends()
-        # Fresh zero buckets, so that this rank's own gradients (which may live in the real
-        # buckets, with gradient_as_bucket_view) stay as they are.
-        shadows = [
-            Bucket(b.index, b.param_indices, self.params, reduce_dtype=b.reduce_dtype)
-            for b in self._layout.buckets
-        ]
+        shadows = [bucket.shadow(self.params) for bucket in self._layout.buckets]  # zeros
         for shadow in shadows:
-            shadow.launch(self._all_reduce)
+            shadow.launch()
         for shadow in shadows:
-            shadow.wait(self._wait)
+            shadow.wait()
         if self.find_unused_parameters:
-            self._usage.resend_last(self.join_device, self.process_group, self._wait)
-        # Joined before observing any order: it offers registration order to the coming rebuild
-        # (as torch's does); rank 0's order is the one every rank adopts. Under static_graph the
-        # others record theirs in the backward after the counting one, so it waits as long.
+            self._usage.resend_last(self.join_device, self.process_group, self._reducer.wait)
+        # Joined before seeing any order: it offers registration order to the rebuild, as torch's
+        # does (under static_graph, after the counting backward, as the others record theirs).
         layout = self._layout
         if not layout.has_rebuilt and not layout.ready_order and not first_static:
             layout.ready_order = list(range(len(self.params)))
 
     def copy_model_from(self, source: int) -> None:
-        """Join's side: at the end, every rank copies the parameters (and buffers, with
-        forward_sync_buffers) of rank `source`, the last to join: the replicas end equal."""
+        """Join's side: at the end, rank `source`'s parameters (and buffers), on every rank."""
         buffers = self._buffers_to_sync if self.forward_sync_buffers else []
         state = [*self.module.parameters(), *buffers]
-        broadcast_from_rank0(
-            state, "the final model (Join)", self.process_group, self._wait, source
-        )
+        what = "the final model (Join)"
+        broadcast_from_rank0(state, what, self.process_group, self._reducer.wait, source)
 
     @property
     def static_graph(self) -> bool:
@@ -521,27 +466,18 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
         if self.all_reduce_count:
             raise RuntimeError("Set static_graph before the first backward pass, not after.")
         if self.find_unused_parameters:
-            warnings.warn(
-                "static_graph=True finds unused parameters itself (in the first backward); "
-                "find_unused_parameters=True is not needed with it.",
-                stacklevel=2,
-            )
-            # As in torch: the first backward finds them, and buckets start as one, then rebuild.
+            warnings.warn(FINDS_UNUSED_ITSELF, stacklevel=2)
             self.find_unused_parameters = False
-            layout = self._layout
-            layout.has_rebuilt = False
-            layout.build(initial_layout(layout.in_flight, layout.first_cap, layout.cap, False))
+            self._layout.start_over_for_static_graph()
         self._static_graph = StaticGraph(self.param_names)
 
     def _static_graph_first_backward_ends(self) -> bool:
         """At the end of each synced backward: True if it was static_graph's first, which only
-        counted hooks. Its counts become the expectation, and one all-reduce learns which
-        parameters some rank used (the others keep `.grad` as it is, every iteration)."""
-        graph = self._static_graph
-        if graph is None or not graph.counting:
+        counted hooks and learnt which parameters some rank used (static_graph.py)."""
+        graph, group, wait = self._static_graph, self.process_group, self._reducer.wait
+        if graph is None:
             return False
-        graph.remember(self._usage, self.join_device, self.process_group, self._wait)
-        return True
+        return graph.first_backward_ends(self._usage, self.join_device, group, wait)
 
     @property
     def buckets(self) -> list[BucketInfo]:
@@ -558,6 +494,4 @@ class MiniDDP(nn.Module, Joinable, EventRecorder):
 
     def load_bucket_state(self, state: dict[str, Any]) -> None:
         """Adopt a layout saved by `bucket_state()` (the same on every rank)."""
-        self._layout.load_state(state, self.param_names)
-        for bucket in self._layout.buckets:
-            bucket.reset()
+        self._layout.load_state(state, self.param_names)  # fresh, empty buckets

@@ -1,4 +1,5 @@
-"""Communication hooks: what MiniDDP does with a full bucket, as a function you can swap.
+"""Communication hooks: what MiniDDP does with a full bucket, as a function you can swap, and
+the `Reducer` every bucket holds, which runs the hook or, without one, the plain all-reduce.
 
 `ddp.register_comm_hook(state, hook)` replaces the bucket's all-reduce with
 `hook(state, bucket) -> Future[Tensor]`, torch's signature: torch's own hooks
@@ -12,13 +13,16 @@ gradients, not yet divided by W: the hook averages (scale by 1/W, then all-reduc
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 import miniddp.collectives as collectives
-from miniddp.data_parallel.bucket import Bucket
+from miniddp.job.faults import wait_for
+
+if TYPE_CHECKING:
+    from miniddp.data_parallel.bucket import Bucket
 
 
 def all_reduce_hook(algorithm: str = "auto"):
@@ -77,3 +81,24 @@ class GradBucket:
 
     def is_last(self) -> bool:
         return self._is_last
+
+
+class Reducer:
+    """What every bucket of one model travels through: an all-reduce over the model's process
+    group, or, once one is registered, torch's comm hook `hook(state, GradBucket) -> Future`;
+    and the one wait seam (miniddp/job/faults.py), which names a rank that died, stalled or
+    stopped early instead of surfacing as a bare gloo timeout."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.comm_hook: tuple[Any, CommHook] | None = None
+
+    def all_reduce(self, bucket: Bucket) -> dist.Work | torch.futures.Future:
+        if self.comm_hook is None:
+            return dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+        state, hook = self.comm_hook
+        return hook(state, GradBucket(bucket, bucket.is_last))
+
+    def wait(self, pending: dist.Work | torch.futures.Future, what: str) -> Any:
+        """Like `pending.wait()`, naming the rank that never answered (faults.py)."""
+        return wait_for(pending, what, self.group)

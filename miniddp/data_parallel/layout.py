@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from miniddp.data_parallel.bucket import Bucket, BucketInfo
+from miniddp.data_parallel.default_hooks import Reducer
 
 MiB = 1024 * 1024
 DEFAULT_BUCKET_CAP_MB = 25.0
@@ -98,6 +99,7 @@ class BucketLayout:
         find_unused_parameters: bool,
         gradient_as_bucket_view: bool,
         reduce_dtype: torch.dtype | None = None,
+        reducer: Reducer | None = None,
     ) -> None:
         if gradient_as_bucket_view and any(p.dtype != (reduce_dtype or p.dtype) for p in params):
             raise ValueError(
@@ -110,6 +112,7 @@ class BucketLayout:
         self.first_cap, self.cap = bucket_caps(bucket_cap_mb)
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.reduce_dtype = reduce_dtype
+        self.reducer = reducer or Reducer(None)  # what every bucket travels through
         # What the caps weigh: each gradient as it travels. Under mixed precision, a stand-in
         # of its shape in reduce_dtype (on the meta device: a shape and a dtype, no memory).
         self.in_flight = params
@@ -124,7 +127,15 @@ class BucketLayout:
 
     def build(self, groups: list[list[int]]) -> None:
         self.buckets = [
-            Bucket(i, indices, self.params, self.gradient_as_bucket_view, self.reduce_dtype)
+            Bucket(
+                i,
+                indices,
+                self.params,
+                self.gradient_as_bucket_view,
+                self.reduce_dtype,
+                self.reducer,
+                is_last=i == len(groups) - 1,
+            )
             for i, indices in enumerate(groups)
         ]
         # Where each parameter's gradient goes: (its bucket, its position in it).
@@ -148,6 +159,20 @@ class BucketLayout:
         self.build(assign_buckets(self.in_flight, ready_order, self.first_cap, self.cap))
         self.has_rebuilt = True
         self.ready_order = []
+
+    def start_over_for_static_graph(self) -> None:
+        """static_graph takes over from find_unused_parameters (ddp.py): as in torch, buckets
+        start as one per dtype, and are rebuilt once the order has been seen."""
+        self.has_rebuilt = False
+        self.build(initial_layout(self.in_flight, self.first_cap, self.cap, False))
+
+    def skip_buckets_within(self, unused: set[int]) -> list[int]:
+        """skip_all_reduce_unused_params: skip each bucket whose parameters are all `unused` by
+        this backward (it stays home, its `.grad`s as they are); their indices."""
+        skipped = [b for b in self.buckets if unused.issuperset(b.param_indices)]
+        for bucket in skipped:
+            bucket.skip()
+        return [index for bucket in skipped for index in bucket.param_indices]
 
     def describe(self, names: Sequence[str]) -> list[BucketInfo]:
         return [bucket.describe(names) for bucket in self.buckets]

@@ -20,6 +20,13 @@ def not_mixed_precision(value: object) -> TypeError:
     )
 
 
+def armed_twice() -> RuntimeError:
+    return RuntimeError(
+        "prepare_for_backward: a synced forward already armed this wrapper's next backward (or "
+        "it is reducing). Run the forwards inside no_sync() first."
+    )
+
+
 def gradient_after_sync(name: str) -> RuntimeError:
     return RuntimeError(
         f"Gradient of '{name}' arrived after this forward's gradients were already "

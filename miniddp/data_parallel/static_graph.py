@@ -29,6 +29,10 @@ GRAPH_CHANGED = (
     "used, and how often, the same every iteration, or construct MiniDDP without static_graph "
     "(with find_unused_parameters=True if some parameters go unused in some iterations)."
 )
+FINDS_UNUSED_ITSELF = (
+    "static_graph=True finds unused parameters itself (in the first backward); "
+    "find_unused_parameters=True is not needed with it."
+)
 
 
 class StaticGraph:
@@ -64,14 +68,17 @@ class StaticGraph:
             )
         return self._fired[index] == self.expected[index]
 
-    def remember(
+    def first_backward_ends(
         self, usage: ParameterUsage, device: torch.device, group: Any, wait: Callable
-    ) -> None:
-        """The first synced backward is over: its counts become the expectation, and one
-        all-reduce of `usage` learns which parameters some rank used (the others keep `.grad`
-        as it is, every iteration)."""
+    ) -> bool:
+        """At the end of each synced backward: True if it was the first, which only counted
+        hooks. Its counts become the expectation, and one all-reduce of `usage` learns which
+        parameters some rank used (the others keep `.grad` as it is, every iteration)."""
+        if not self.counting:
+            return False
         self.expected = list(self._fired)
         for index, fired in enumerate(self.expected):
             if fired:
                 usage.note(index)
         self.used_on_any_rank = usage.on_any_rank(device, group, wait)
+        return True

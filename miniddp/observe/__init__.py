@@ -2,8 +2,8 @@
 changes a gradient, and nothing here measures (the instruments that do are
 miniddp/instruments/: the simulated link's process group, timeline views, activation memory).
 
-events.py          the events the core notes at named points as a step happens (no observer:
-                   one attribute check)
+events.py          the observer a core class calls as a step happens, and the Recorder
+                   an instrument attaches to it (none attached: one empty call)
 timeline.py        events into steps and their summary: overlap, tail, launches
 link.py            a slow network link's model: latency, bandwidth, each collective's wire bytes
 overlap_model.py   the alpha-beta model of a bucketed step, to set a measurement against

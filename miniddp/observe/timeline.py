@@ -1,9 +1,9 @@
 """Timelines: what happened in each step, drawn, and how much communication hid behind compute.
 
-MiniDDP (and the baselines in `miniddp/instruments/bench/baselines.py`) note events while
-`record_events()` is on: forward start/end, backward start, a hook per parameter,
-ready/launch/reduced/wait per bucket, backward end and sync end. This module turns those
-instants into spans on two lanes per rank:
+MiniDDP (and the baselines in `miniddp/instruments/bench/baselines.py`) note events to the
+observer an instrument attaches (miniddp/observe/events.py): forward start/end, backward start,
+a hook per parameter, ready/launch/reduced/wait per bucket, backward end and sync end. This
+module turns those instants into spans on two lanes per rank:
 
     compute         forward, backward, then the wait for the last all-reduces (and copy-back)
     communication   one span per bucket, from its launch to its all-reduce's completion
@@ -13,9 +13,9 @@ communication ran while backward was still computing? miniddp/instruments/timeli
 the same steps as an ASCII timeline, a Chrome trace (Perfetto, chrome://tracing) and a
 matplotlib figure.
 
-    with recording(ddp):                      # opt in; off by default and free when off
+    with recording(ddp) as events:            # opt in; off by default and free when off
         ddp(x).sum().backward()
-    steps = gather(split_steps(ddp.events, rank))   # every rank's steps, on every rank
+    steps = gather(split_steps(events, rank)) # every rank's steps, on every rank
     print(summarize(steps[0]))                # and timeline_views.ascii_timeline(steps)
 
 While recording, the same spans also go through `torch.profiler.record_function`, so a
@@ -33,20 +33,18 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from miniddp.observe.events import Event
+from miniddp.observe.events import Event, Observer, Recorder
 
 COMPUTE = "compute"
 COMM = "communication"
 PROFILER_PREFIX = "miniddp: "
 
 
-class Recordable(Protocol):
-    """What `recording()` needs: MiniDDP has it, and so do the baselines."""
+class Observed(Protocol):
+    """What `recording()` needs: an `observer` to swap (MiniDDP, the rungs and the baselines,
+    fully_shard's prefetcher, a pipeline schedule)."""
 
-    events: list[Event] | None
-    event_listeners: list
-
-    def record_events(self, enabled: bool = True) -> None: ...
+    observer: Observer
 
 
 @dataclass(frozen=True)
@@ -225,25 +223,22 @@ def gather(steps: list[StepTimeline]) -> list[StepTimeline]:
 
 
 @contextmanager
-def recording(model: Recordable, profiler_spans: bool = True) -> Iterator[list[Event]]:
+def recording(model: Observed, profiler_spans: bool = True) -> Iterator[list[Event]]:
     """Record `model`'s events inside the block; yields the (growing) list of events.
 
-    With `profiler_spans`, every span also becomes a `torch.profiler.record_function` range.
-    Afterwards recording is off and `event_listeners` is as it was: the hot path is back to
-    one `if` per event.
+    A `Recorder` is `model.observer` inside the block; afterwards the observer it had is back
+    (NO_OBSERVER: the hot path is back to one empty call per point). With `profiler_spans`,
+    every span also becomes a `torch.profiler.record_function` range.
     """
     spans = ProfilerSpans() if profiler_spans else None
-    model.record_events(True)
-    if spans is not None:
-        model.event_listeners.append(spans)
+    recorder = Recorder() if spans is None else Recorder(spans)
+    previous, model.observer = model.observer, recorder
     try:
-        assert model.events is not None
-        yield model.events
+        yield recorder.events
     finally:
+        model.observer = previous
         if spans is not None:
-            model.event_listeners.remove(spans)
             spans.close_all()
-        model.record_events(False)
 
 
 class ProfilerSpans:

@@ -1,6 +1,7 @@
 """A pipeline step as blocks: ranks down, time across, one block per forward or backward.
 
-    blocks = gather_blocks(schedule)          # every stage's last recorded step, on every rank
+    recorder = schedule.observer = Recorder() # before step() (miniddp/observe/events.py)
+    blocks = gather_blocks(schedule, recorder.events)  # every stage's last step, on every rank
     print(ascii_chart(blocks))                # the classic picture, in text
     bubble_fraction(blocks)                   # the idle share of the step, measured
 
@@ -75,7 +76,10 @@ def blocks_of(events: Sequence[Event], rank: int) -> list[Block]:
     """The blocks of the LAST step in `events` (a schedule's `events`)."""
     starts = [i for i, e in enumerate(events) if (e.kind, e.name) == ("step", "start")]
     if not starts:
-        raise ValueError("no step was recorded: call schedule.record_events() before step()")
+        raise ValueError(
+            "no step was recorded: attach a Recorder before step(), "
+            "schedule.observer = Recorder() (miniddp/observe/events.py)"
+        )
     opened: dict[tuple[str, int, int], float] = {}
     blocks = []
     for event in events[starts[-1] :]:
@@ -91,11 +95,11 @@ def blocks_of(events: Sequence[Event], rank: int) -> list[Block]:
     return blocks
 
 
-def gather_blocks(schedule) -> list[list[Block]]:
-    """Every rank's blocks of its last recorded step, on every rank (one all_gather_object
-    over the pipeline's group; every rank must call it)."""
+def gather_blocks(schedule, events: Sequence[Event]) -> list[list[Block]]:
+    """Every rank's blocks of the last step in `events` (what its `schedule` noted), on every
+    rank (one all_gather_object over the pipeline's group; every rank must call it)."""
     stage = schedule.stage
-    mine = blocks_of(schedule.events or [], stage.rank)
+    mine = blocks_of(events, stage.rank)
     everyone: list = [None] * stage.group_size
     dist.all_gather_object(everyone, mine, group=stage.group)
     return everyone

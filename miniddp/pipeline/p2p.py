@@ -146,8 +146,9 @@ class Mailbox:
     """One stage's sends and receives. `post(sends, receives)` launches them as one batch and
     returns the receives' works; `finish_sends()` waits for every send still in flight.
 
-    `note(kind, name)` is the schedule's event recorder: it hears "send" when a send goes out,
-    "idle" start/end around each wait for receives, and "recv" when the data is here.
+    `note(kind, name)` tells the schedule's observer (observe/events.py): it hears "send" when
+    a send goes out, "idle" start/end around each wait for receives, and "recv" when the data
+    is here.
     """
 
     def __init__(self, group: dist.ProcessGroup | None, note: Callable[[str, str], None]) -> None:

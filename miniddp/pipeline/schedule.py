@@ -43,7 +43,7 @@ Accumulating over several steps (a batch too big for one step): give each step t
 want divided by the number of steps too, loss_fn = lambda out, y: mse(out, y) / steps; nothing
 else changes, since every step only adds to `.grad`.
 
-Events (`record_events()`, as MiniDDP's; miniddp/pipeline/bubble.py draws them): step
+Events (heard by the `observer`, as MiniDDP's; miniddp/pipeline/bubble.py draws them): step
 start/end, forward, backward, input and weight "start i s"/"end i s" (microbatch i at stage
 s), send and recv of each transfer, and idle start/end around every wait for a receive.
 
@@ -87,7 +87,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from miniddp.observe.events import EventRecorder
+from miniddp.observe.events import NO_OBSERVER, Observer
 from miniddp.pipeline.actions import (
     BACKWARD,
     FORWARD,
@@ -127,7 +127,7 @@ def _the_loss(returned: object, trains: bool) -> torch.Tensor:
     )
 
 
-class PipelineSchedule(EventRecorder):
+class PipelineSchedule:
     """Runs this rank's part of each step in the order `order()` gives. Subclasses define only
     the order; `loss_fn(output, target)` is called on the last stage, once per microbatch;
     without one (None, torch's), the schedule runs forward only, as eval() does.
@@ -158,7 +158,8 @@ class PipelineSchedule(EventRecorder):
         self.has_last_stage = any(stage.is_last for stage in self.stages)
         self.n_microbatches = n_microbatches
         self.loss_fn = loss_fn
-        self.mailbox = Mailbox(self.stage.group, self._note)
+        self.observer: Observer = NO_OBSERVER  # instruments attach theirs (observe/events.py)
+        self.mailbox = Mailbox(self.stage.group, lambda kind, name: self.observer.note(kind, name))
         self.borders = Borders(self.stages, n_microbatches, self.mailbox)
         self._by_index = {stage.stage_index: stage for stage in self.stages}
         # Refused at the first step, on every rank.
@@ -169,7 +170,6 @@ class PipelineSchedule(EventRecorder):
         self._border_shapes: tuple[tuple[int, ...], ...] | None = None  # the borders learnt
         self._orders_checked: set[bool] = set()  # a training and a forward-only order, once each
         self.peak_held = 0  # the most microbatch-stages this rank held at once, last step
-        self._start_event_log()
 
     @property
     def input_shape(self) -> tuple[int, ...] | tuple[tuple[int, ...], ...] | None:
@@ -238,7 +238,7 @@ class PipelineSchedule(EventRecorder):
         for each in self.stages:
             each.start_step()
         self.peak_held = 0
-        self._note("step", "start")
+        self.observer.note("step", "start")
         sends: list[Transfer] = []
         last_backward = {a.stage: a for a in order if a.kind in (BACKWARD, WEIGHT_GRAD)}
         with contextlib.nullcontext() if backward else torch.no_grad():
@@ -249,7 +249,7 @@ class PipelineSchedule(EventRecorder):
                 self.peak_held = max(self.peak_held, sum(len(s.held) for s in self.stages))
         self.mailbox.post(sends)
         self.mailbox.finish_sends()
-        self._note("step", "end")
+        self.observer.note("step", "end")
         if self.has_last_stage and losses is not None:
             losses.clear()
             losses.extend(data.losses)
@@ -262,7 +262,7 @@ class PipelineSchedule(EventRecorder):
         upstream), for the next action's batch."""
         stage, i, s = self._by_index[action.stage], action.microbatch, action.stage
         name = f"{i} {s}"
-        self._note(EVENT_KIND[action.kind], f"start {name}")
+        self.observer.note(EVENT_KIND[action.kind], f"start {name}")
         sends = []
         if action.kind == FORWARD:
             inputs = data.inputs[i] if stage.is_first else received
@@ -284,7 +284,7 @@ class PipelineSchedule(EventRecorder):
             else:
                 input_grads = stage.backward_input(i, received)
             sends += self.borders.gradient_sends(input_grads, s, i)
-        self._note(EVENT_KIND[action.kind], f"end {name}")
+        self.observer.note(EVENT_KIND[action.kind], f"end {name}")
         return sends
 
     def _inspect(

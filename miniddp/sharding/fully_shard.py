@@ -43,9 +43,10 @@ prefetch.py says what runs beside what. How a unit is cut into shards, and its c
 sharded_parameters.py.
 
 Communication per step, per rank: 3(W-1)/W·Ψ (two all-gathers and a reduce-scatter), 1.5 times
-DDP's all-reduce; and inside each all-gather's own messages, 8 bytes more a piece, the unit's
-number (units.py): a unit skipped on one rank (a branch in the forward) would pair two units'
-gathers, which gloo answers by aborting the process, or, when the sizes match, by mixing their
+DDP's all-reduce; and the unit's number, riding in each all-gather's own messages: each of the
+W-1 a rank sends is led by it, 8 bytes (units.py; no collective of its own, no round trip
+more). A unit skipped on one rank (a branch in the forward) would pair two units' gathers,
+which gloo answers by aborting the process, or, when the sizes match, by mixing their
 parameters; with the numbers every rank names both units instead.
 
 Bitwise torch's fully_shard at W = 2, where every sum is a + b = b + a. With more ranks, the

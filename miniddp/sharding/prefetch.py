@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
-from miniddp.observe.events import EventRecorder
+from miniddp.observe.events import NO_OBSERVER, Observer
 from miniddp.sharding.sharded_parameters import InFlight, ShardedParameters
 
 
@@ -51,17 +51,18 @@ class TrainingState(Enum):
     BACKWARD = "backward"  # from the first unit's backward to autograd's end of backward
 
 
-class Prefetcher(EventRecorder):
+class Prefetcher:
     """One per root (the unit whose forward encloses the others'), shared by all its units.
 
     `enabled=False` (the benchmark's switch): every collective is waited for as soon as it is
     issued, as fully_shard did before prefetching; the same bits, none of the overlap.
 
-    `record_events()` (as MiniDDP's) notes each unit's compute and collectives for
-    miniddp/sharding/unit_lanes.py to draw: `_note_unit` is the one place, one check when off."""
+    Its `observer` (NO_OBSERVER until an instrument attaches one, as MiniDDP's) hears each
+    unit's compute and collectives, for miniddp/sharding/unit_lanes.py to draw: `_note_unit`
+    is the one place."""
 
     def __init__(self, root: nn.Module, enabled: bool = True) -> None:
-        self._start_event_log()
+        self.observer: Observer = NO_OBSERVER
         self.root = root
         self.enabled = enabled
         self.state = TrainingState.IDLE
@@ -191,13 +192,12 @@ class Prefetcher(EventRecorder):
     ) -> None:
         """The timeline's hook: `lane` ("forward", "backward", "all-gather", "reduce-scatter")
         starts or ends for `unit`. A collective `issued` ends when it completes, noted on the
-        thread that completes it. Not recording: one check, nothing allocated."""
-        if not self._observed:
+        thread that completes it. Nobody watching: one check, nothing allocated."""
+        if self.observer is NO_OBSERVER:
             return
-        self._note(lane, f"{edge} {unit.number}")
+        self.observer.note(lane, f"{edge} {unit.number}")
         if issued is not None:
-            end = f"end {unit.number}"
-            issued.work.get_future().add_done_callback(lambda _: self._note(lane, end))
+            self.observer.note_when_done(issued.work, lane, f"end {unit.number}")
 
     def _drop_unused(self) -> None:
         """Wait for gathers nobody used (every rank issued them: every rank waits), and drop."""

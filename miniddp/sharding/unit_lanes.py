@@ -65,11 +65,8 @@ def recording(root: nn.Module) -> Iterator[Recorded]:
 
     with _recording(prefetcher, profiler_spans=False) as events:
         recorded = Recorded(events)
-        prefetcher.event_listeners.append(measure)
-        try:
-            yield recorded
-        finally:
-            prefetcher.event_listeners.remove(measure)
+        prefetcher.observer.listeners.append(measure)  # the Recorder `_recording` attached
+        yield recorded
 
 
 def unit_timeline(events: Sequence[Event], rank: int = 0) -> StepTimeline:

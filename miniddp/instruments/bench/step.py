@@ -57,7 +57,7 @@ def record_overlap(
     models: dict[str, nn.Module], workload: Workload, iters: int, trace_dir: str | None
 ) -> dict[str, list[dict[str, float]]]:
     """Recorded steps of every variant that notes events; summaries from every rank."""
-    recordable = {n: m for n, m in models.items() if hasattr(m, "record_events")}
+    recordable = {n: m for n, m in models.items() if hasattr(m, "observer")}
     summaries: dict[str, list[dict[str, float]]] = {name: [] for name in recordable}
     for name, model in recordable.items():
         params = [p for p in model.parameters() if p.requires_grad]

@@ -2,9 +2,10 @@
 
 Two gloo ranks (spawned, with a deadline) train rung 5 of the ladder (miniddp/steps/no_sync.py)
 for one optimizer step of k micro-steps, the first k-1 inside `no_sync()`. Each rank times its
-own forwards and backwards, and the wrapper's events (`record_events()`) give each bucket's
-all-reduce, from its launch to its completion. The picture then shows what chapter 05 counts:
-the accumulating micro-steps are compute only, and every bucket travels in the last backward.
+own forwards and backwards, and the wrapper's events (a `Recorder` as its observer) give each
+bucket's all-reduce, from its launch to its completion. The picture then shows what chapter 05
+counts: the accumulating micro-steps are compute only, and every bucket travels in the last
+backward.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 from miniddp.instruments.figures.draw import plt, save
 from miniddp.instruments.figures.record import spawn_and_collect
 from miniddp.instruments.timeline_views import COMPUTE_COLORS
+from miniddp.observe.events import NO_OBSERVER, Recorder
 from miniddp.steps import NoSyncDDP
 
 WORLD_SIZE = 2
@@ -53,7 +55,7 @@ def train_on_rank(rank: int, store_path: str, out_path: str) -> None:
         nn.functional.mse_loss(model(inputs), targets).backward()
     model.zero_grad()
     dist.barrier()
-    model.record_events(True)
+    recorder = model.observer = Recorder()
     compute: list[Span] = []
     for micro, (inputs, targets) in enumerate(batches):
         synced = micro == MICRO_STEPS - 1
@@ -63,14 +65,15 @@ def train_on_rank(rank: int, store_path: str, out_path: str) -> None:
             forwarded = time.perf_counter()
             loss.backward()  # the synced one returns once every bucket is averaged
         compute += [("forward", started, forwarded), ("backward", forwarded, time.perf_counter())]
-    model.record_events(False)
-    launched = {e.name: e.time for e in model.events if e.kind == "launch"}
+    model.observer = NO_OBSERVER
+    events = recorder.events
+    launched = {e.name: e.time for e in events if e.kind == "launch"}
     done = {}
-    for event in model.events:  # completion: the first of "reduced" and the wait that saw it
+    for event in events:  # completion: the first of "reduced" and the wait that saw it
         if event.kind in ("reduced", "wait") and event.name in launched:
             done[event.name] = min(done.get(event.name, event.time), event.time)
     # The synced backward's last part is the wait for the buckets still in flight: split it off.
-    ended = next(e.time for e in model.events if (e.kind, e.name) == ("backward", "end"))
+    ended = next(e.time for e in events if (e.kind, e.name) == ("backward", "end"))
     _, forwarded, returned = compute.pop()
     compute += [("backward", forwarded, ended), ("wait", ended, returned)]
     comm = [(name, launched[name], done[name]) for name in launched]

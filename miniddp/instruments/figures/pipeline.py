@@ -19,6 +19,7 @@ from torch import nn
 
 from miniddp.instruments.figures.draw import plt, save
 from miniddp.instruments.figures.record import spawn_and_collect
+from miniddp.observe.events import Recorder
 from miniddp.pipeline import FixedCost, PipelineStage, Schedule1F1B, ScheduleGPipe
 from miniddp.pipeline.bubble import (
     Block,
@@ -53,7 +54,7 @@ def record_on_ranks(rank: int, store_path: str, out_path: str) -> None:
     drawn = {}
     for name, schedule_class in SCHEDULES.items():
         schedule = schedule_class(stage, MICROBATCHES, mse)
-        schedule.record_events()
+        recorder = schedule.observer = Recorder()
         for _ in range(2):
             dist.barrier()
             if stage.is_first:
@@ -62,7 +63,7 @@ def record_on_ranks(rank: int, store_path: str, out_path: str) -> None:
                 schedule.step(target=y)
             else:
                 schedule.step()
-        drawn[name] = gather_blocks(schedule)
+        drawn[name] = gather_blocks(schedule, recorder.events)
     if rank == 0:
         Path(out_path).write_bytes(pickle.dumps(drawn))
     dist.destroy_process_group()

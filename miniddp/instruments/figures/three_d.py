@@ -33,6 +33,7 @@ from miniddp.instruments.activation_memory import PeakSavedActivations
 from miniddp.instruments.figures.record import spawn_and_collect
 from miniddp.mesh import DeviceMesh, init_device_mesh
 from miniddp.models.gpt import GPT, GPTConfig
+from miniddp.observe.events import NO_OBSERVER, Recorder
 from miniddp.parallelize import ParallelGPT, parallelize
 from miniddp.pipeline.bubble import Block, blocks_of
 from miniddp.sharding import MemoryPerRank, ddp_buckets, ddp_compute_copies, measure_memory
@@ -140,16 +141,16 @@ def record_step(parts: ParallelGPT, windows: torch.Tensor) -> tuple[torch.Tensor
     mesh, schedule = parts.mesh, parts.schedule
     step = RankStep(dist.get_rank(), mesh.get_coordinate())
     if schedule is not None:
-        schedule.record_events()
+        recorder = schedule.observer = Recorder()
     with recording_the_wire(mesh, None if parts.tied is None else parts.tied.pair) as wire:
         loss = parts.train_step(windows)
     step.wire = wire
     if schedule is not None:
-        events = schedule.events or []
+        events = recorder.events
         step.blocks = blocks_of(events, schedule.stage.stage_index)
         idle = [e.time for e in events if e.kind == "idle"]
         step.waits = list(zip(idle[::2], idle[1::2]))  # start, end, start, end...
-        schedule.record_events(False)
+        schedule.observer = NO_OBSERVER
     return loss, step
 
 
