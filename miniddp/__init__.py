@@ -10,8 +10,9 @@ an import that runs up):
     floor 4  steps/: the ladder, DDP built up one idea a rung, ending with MiniDDP; plan/: a
              layout's memory and time at any scale, from the formulas below (issue 46)
     floor 3  checkpoint/ (every parallelism's state, to disk and back), parallelize.py (the
-             GPT over a (pp, dp, tp) mesh: TP, the pipeline split, then DP or FSDP) and
-             parallelize_formulas.py (what each of its ranks holds and sends, as formulas)
+             GPT over a (pp, dp, tp) mesh: TP, the pipeline split, then DP or FSDP; with
+             parallelize_experts.py, an ep axis for its experts) and parallelize_formulas.py
+             (what each of its ranks holds and sends, as formulas)
     floor 2  the parallelisms, side by side, none importing another: data_parallel/ (MiniDDP,
              its buckets, layout, comm hooks, static graph, sampler), sharding/ (ZeRO-1/2/3,
              clipping), tensor_parallel/, pipeline/, context_parallel/ (the sequence split,

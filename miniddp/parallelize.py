@@ -58,8 +58,8 @@ the same param_dtype and reduce_dtype). The masters stay fp32, and every step ca
 bf16 for forward and backward, so:
 
     outside forward/backward   fp32 masters: what the optimizer steps, clip_grad_norm_ reads,
-                               TiedAcrossStages sums (after backward, each master's .grad is
-                               fp32) and a checkpoint saves
+                               the tie sums (GradientsSummedAfterBackward: after backward,
+                               each master's .grad is fp32) and a checkpoint saves
     inside                     bf16 parameters, activations, and what crosses between stages
                                (a stage's output is bf16; the borders send what they are given,
                                their header names its dtype, and the gradient coming back is
@@ -93,7 +93,7 @@ process does with the same mixed precision, under MiniDDP and fully_shard alike.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -106,9 +106,17 @@ from torch.nn import functional as F
 from miniddp.context_parallel import ContextParallel
 from miniddp.data_parallel.compute_copies import ComputeInCopies, MixedPrecision
 from miniddp.data_parallel.ddp import MiniDDP
+from miniddp.expert_parallel import MoE
 from miniddp.job.faults import wait_for
 from miniddp.mesh import DeviceMesh
 from miniddp.models.gpt import GPT, refuse_a_window_longer_than_the_context
+from miniddp.parallelize_experts import (
+    EP_AXES,
+    add_aux_losses_in_backward,
+    expert_parameter_names,
+    refuse_experts_it_cannot_split,
+    split_experts,
+)
 from miniddp.pipeline import PipelineStage, Schedule1F1B
 from miniddp.pipeline.schedule import PipelineSchedule
 from miniddp.placement import Stage, carry_over, mark
@@ -129,14 +137,14 @@ CP_AXES = ("pp", "dp", "cp", "tp")  # 4-D: the sequence split too (the docstring
 def tensor_parallel_plan(model: GPT) -> dict[str, ParallelStyle]:
     """Megatron's plan for the GPT, by the names one process gives its modules."""
     plan: dict[str, ParallelStyle] = {"token": RowwiseParallel(), "head": ColwiseParallel()}
-    for index in range(len(model.blocks)):
+    for index, block in enumerate(model.blocks):
         at = f"blocks.{index}"
         plan |= {
             f"{at}.attention.qkv": ColwiseParallel(),
             f"{at}.attention.proj": RowwiseParallel(),
-            f"{at}.mlp.up": ColwiseParallel(),
-            f"{at}.mlp.down": RowwiseParallel(),
         }
+        if not isinstance(block.mlp, MoE):  # experts stay whole over tp (parallelize_experts)
+            plan |= {f"{at}.mlp.up": ColwiseParallel(), f"{at}.mlp.down": RowwiseParallel()}
     return plan
 
 
@@ -187,8 +195,11 @@ class ParallelGPT:
     module: nn.Module
     mesh: DeviceMesh
     schedule: PipelineSchedule | None
-    tied: TiedAcrossStages | None
+    tied: GradientsSummedAfterBackward | None
     context: ContextParallel | None = None  # with cp > 1: how the sequence is cut
+    experts: GradientsSummedAfterBackward | None = None  # under MiniDDP with an ep axis
+    replica: int = 0  # which of the replicas this rank is: whose windows it trains on
+    replicas: int = 1  # dp (HSDP: dp_replicate x dp_shard; with an ep axis: dp x ep)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.model.parameters()
@@ -207,13 +218,14 @@ class ParallelGPT:
             inputs, targets = windows[:, :-1], windows[:, 1:]
         else:
             inputs, targets = self.context.cut(windows)
+        summed = [s for s in (self.tied, self.experts) if s is not None]
+        for gradients in summed:
+            gradients.set_aside()
         if self.schedule is None:
             loss = self.loss_fn(self.module(inputs), targets)
             loss.backward()
         else:
             stage, losses = self.schedule.stage, []
-            if self.tied is not None:
-                self.tied.set_aside()
             if stage.is_first:
                 self.schedule.step(inputs)
             elif stage.is_last:
@@ -221,8 +233,8 @@ class ParallelGPT:
             else:
                 self.schedule.step()
             loss = torch.stack(losses).mean() if losses else None
-        if self.tied is not None:
-            self.tied.sum_gradients()
+        for gradients in summed:
+            gradients.sum_gradients()
         if loss is not None and self.context is not None:
             loss = self.context.mean(loss)  # the whole sequence's, from the cp ranks' parts
         return None if loss is None else loss.detach()
@@ -241,39 +253,48 @@ def next_character_loss(
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-class TiedAcrossStages:
-    """The token embedding on the first stage and its copy in the last stage's head: after
-    backward, each gets the sum of both gradients, over the pair of ranks that hold them.
+class GradientsSummedAfterBackward:
+    """Gradients that a step's backward leaves partial on this rank, summed over `group` (then
+    divided by `divide_by`) once it ends: the tied embedding over its first and last stage, the
+    experts over dp under MiniDDP.
 
-    Only this step's part is summed. Two steps before the optimizer's: after the first, both
-    copies hold S1 = a1 + b1 (a from the embedding, b from the head); summing what the second
-    leaves, S1 + a2 and S1 + b2, would give 2 S1 + a2 + b2. So the earlier sum is set aside
-    before the step (.grad zeroed in place: a MiniDDP bucket view stays one), the step leaves a2
-    and b2 alone, their sum goes over the pair, and S1 comes back: S1 + (a2 + b2), as one process
-    accumulates the two steps."""
+    Only this step's part is summed. Two steps before the optimizer's: after the first, each
+    rank holds S1 (summed); summing what the second leaves, S1 + a2 on one rank and S1 + b2 on
+    another, would give 2 S1 + a2 + b2. So the earlier sum is set aside before the step (.grad
+    zeroed in place: a MiniDDP bucket view stays one), the step leaves a2 and b2 alone, their
+    sum goes over the group, and S1 comes back: S1 + (a2 + b2), as one process accumulates.
+    `grads` looks the gradients up each time (fully_shard's shards are found anew)."""
 
-    def __init__(self, owner: nn.Module, attribute: str, pair: dist.ProcessGroup) -> None:
-        self.owner, self.attribute, self.pair = owner, attribute, pair
-        self.earlier: torch.Tensor | None = None  # earlier steps' sum, while a step runs
+    def __init__(
+        self,
+        grads: Callable[[], list[torch.Tensor | None]],
+        group: dist.ProcessGroup,
+        what: str,
+        divide_by: float = 1.0,
+    ) -> None:
+        self.grads, self.group, self.what, self.divide_by = grads, group, what, divide_by
+        self.earlier: list[torch.Tensor | None] = []  # earlier steps' sums, while a step runs
 
     def set_aside(self) -> None:
-        grad = self._grad()
-        if grad is not None:
-            self.earlier = grad.clone()
-            grad.zero_()
+        self.earlier = [None if g is None else g.clone() for g in self.grads()]
+        for grad in self.grads():
+            if grad is not None:
+                grad.zero_()
 
     def sum_gradients(self) -> None:
-        grad = self._grad()
-        work = dist.all_reduce(grad, group=self.pair, async_op=True)
-        wait_for(
-            work, "all-reduce of the tied embedding's gradient (first + last stage)", self.pair
-        )
-        if self.earlier is not None:
-            grad.add_(self.earlier)
-            self.earlier = None
-
-    def _grad(self) -> torch.Tensor | None:
-        return getattr(self.owner, self.attribute).grad  # fully_shard: the shard's, looked up now
+        earlier = self.earlier or [None] * len(self.grads())
+        for grad, before in zip(self.grads(), earlier):
+            if grad is None:
+                continue
+            if dist.get_world_size(self.group) > 1:
+                wait_for(
+                    dist.all_reduce(grad, group=self.group, async_op=True), self.what, self.group
+                )
+            if self.divide_by != 1:
+                grad.div_(self.divide_by)
+            if before is not None:
+                grad.add_(before)
+        self.earlier = []
 
 
 def parallelize(
@@ -300,12 +321,13 @@ def parallelize(
             "small gradients would underflow unseen. Use MixedPrecision(torch.bfloat16), "
             "which needs none"
         )
-    hsdp = sorted(mesh.mesh_dim_names) == sorted(HSDP_AXES)
-    four_d = sorted(mesh.mesh_dim_names) == sorted(CP_AXES)
-    if sorted(mesh.mesh_dim_names) != sorted(AXES) and not hsdp and not four_d:
+    names = sorted(mesh.mesh_dim_names)
+    hsdp, four_d, five_d = (names == sorted(axes) for axes in (HSDP_AXES, CP_AXES, EP_AXES))
+    if names != sorted(AXES) and not (hsdp or four_d or five_d):
         raise ValueError(
             f"parallelize needs a mesh with the axes {AXES} (any may have size 1), {CP_AXES} "
-            f"with context parallelism, or {HSDP_AXES} for HSDP, got {mesh.mesh_dim_names}: "
+            f"with context parallelism, {EP_AXES} with expert parallelism, or {HSDP_AXES} for "
+            f"HSDP, got {mesh.mesh_dim_names}: "
             "init_device_mesh(..., mesh_dim_names=('pp', 'dp', 'tp'))"
         )
     if data_parallel not in ("ddp", "fsdp"):
@@ -322,10 +344,14 @@ def parallelize(
             f"attention dropout, but this GPT's dropout is {model.config.dropout}: build it "
             "with GPTConfig(..., dropout=0.0)"
         )
+    ep = mesh["ep"].size() if five_d else 1
+    refuse_experts_it_cannot_split(model, ep, data_parallel, mixed_precision)
     if hsdp:
         dp_mesh = mesh[("dp_replicate", "dp_shard")]
     elif cp > 1:  # one average over dp x cp (the module docstring); collective, on every rank
         dp_mesh = mesh["dp", "cp"]._flatten("dp_cp")
+    elif five_d:  # every (dp, ep) coordinate a replica (parallelize_experts.py)
+        dp_mesh = mesh["dp", "ep"]._flatten("dp_ep")
     else:
         dp_mesh = mesh["dp"]
     pp, dp, tp = mesh["pp"].size(), dp_mesh.size(), mesh["tp"].size()  # dp: dp x cp, with cp
@@ -343,10 +369,16 @@ def parallelize(
         replica = mesh["pp", "cp", "tp"]._flatten("pp_cp_tp").get_group()
         context = ContextParallel(mesh["cp"].get_group(), replica)
 
-    # 1. Tensor parallelism, by the whole model's names; under TP the tie is one shard.
+    # 1. Tensor parallelism, by the whole model's names; under TP the tie is one shard. Then the
+    # experts over ep, and each MoE's statistics over the ranks that route other tokens.
     if tp > 1:
         parallelize_module(model, mesh["tp"], tensor_parallel_plan(model))
         model.head.weight = model.token.weight
+    if five_d:
+        split_experts(model, mesh["ep"])
+    if any(isinstance(m, MoE) for m in model.modules()):
+        routing = None if dp == 1 else flat_group(dp_mesh)
+        add_aux_losses_in_backward(model, routing, dp, n_microbatches if pp > 1 else 1)
 
     # 2. The pipeline split: contiguous blocks, stage s gets [s L / p, (s + 1) L / p) (with
     # one stage, all of them: the same module, its names one process's).
@@ -354,15 +386,28 @@ def parallelize(
     blocks = range(index * layers // pp, (index + 1) * layers // pp)
     part = GPTStage(model, blocks, first=index == 0, last=index == pp - 1, context=context)
 
-    # 3. Data parallelism over "dp" (HSDP: its two axes; with cp, dp x cp), around exactly what
-    # this rank holds; it casts for mixed precision, and without it (dp = 1) ComputeInCopies
-    # does what MiniDDP would.
+    # 3. Data parallelism over "dp" (HSDP: its two axes; with cp, dp x cp; with ep, dp x ep but
+    # the experts over dp), around exactly what this rank holds; it casts for mixed precision,
+    # and without it (dp = 1) ComputeInCopies does what MiniDDP would.
     module: nn.Module = part
+    experts, expert_names = None, expert_parameter_names(part) if five_d else []
     if dp > 1 and data_parallel == "ddp":
+        if expert_names:
+            MiniDDP._set_params_and_buffers_to_ignore_for_model(part, expert_names)
+            params = [part.get_parameter(name) for name in expert_names]
+            experts = GradientsSummedAfterBackward(
+                lambda: [p.grad for p in params],
+                mesh["dp"].get_group(),
+                "all-reduce of the experts' gradients over dp",
+                divide_by=dp,
+            )
         module = MiniDDP(part, process_group=dp_mesh.get_group(), mixed_precision=mixed_precision)
     elif dp > 1:
         policy = None if mixed_precision is None else as_policy(mixed_precision)
         for block in part.blocks.values():
+            if expert_names and isinstance(block.mlp, MoE):
+                fully_shard(block.mlp.experts, mesh=mesh["dp"], mp_policy=policy)
+                block.mlp.experts.set_gradient_divide_factor(dp)
             fully_shard(block, mesh=dp_mesh, mp_policy=policy)
         module = fully_shard(part, mesh=dp_mesh, mp_policy=policy)
     elif mixed_precision is not None:
@@ -374,7 +419,25 @@ def parallelize(
         stage = PipelineStage(module, index, pp, device, group=mesh["pp"].get_group())
         schedule = Schedule1F1B(stage, n_microbatches, partial(next_character_loss, mesh=mesh))
         tied = _tie_first_and_last_stage(part, mesh)
-    return ParallelGPT(part, module, mesh, schedule, tied, context)
+    replica, replicas = _replica(mesh, hsdp, five_d)
+    return ParallelGPT(part, module, mesh, schedule, tied, context, experts, replica, replicas)
+
+
+def _replica(mesh: DeviceMesh, hsdp: bool, five_d: bool) -> tuple[int, int]:
+    """This rank's replica and how many there are: the ranks with other windows."""
+    axes = ("dp_replicate", "dp_shard") if hsdp else ("dp", "ep") if five_d else ("dp",)
+    replica, replicas = 0, 1
+    for axis in axes:
+        replica = replica * mesh[axis].size() + mesh[axis].get_local_rank()
+        replicas *= mesh[axis].size()
+    return replica, replicas
+
+
+def flat_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """The process group of all of `mesh`'s ranks, one dimension or two (HSDP's)."""
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    return mesh._flatten("_".join(mesh.mesh_dim_names)).get_group()
 
 
 def as_policy(mixed_precision: MixedPrecision) -> MixedPrecisionPolicy:
@@ -399,13 +462,16 @@ def first_and_last_stage_group(
     return mine
 
 
-def _tie_first_and_last_stage(part: nn.Module, mesh: DeviceMesh) -> TiedAcrossStages | None:
+def _tie_first_and_last_stage(
+    part: nn.Module, mesh: DeviceMesh
+) -> GradientsSummedAfterBackward | None:
     pp_axis = mesh.mesh_dim_names.index("pp")
     pair = first_and_last_stage_group(mesh.mesh, pp_axis, mesh["pp"].get_group())
-    if part.first:
-        return TiedAcrossStages(part.token, "weight", pair)
+    what = "all-reduce of the tied embedding's gradient (first + last stage)"
+    if part.first:  # fully_shard's shard is looked up at each step
+        return GradientsSummedAfterBackward(lambda: [part.token.weight.grad], pair, what)
     if part.last:
         copy = part.head.weight
         mark(copy, stage=Stage(mesh["pp"].get_group(), 0, mesh["pp"].size()))  # stage 0's
-        return TiedAcrossStages(part.head, "weight", pair)
+        return GradientsSummedAfterBackward(lambda: [part.head.weight.grad], pair, what)
     return None

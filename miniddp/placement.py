@@ -11,7 +11,8 @@ They read this mark, never a parallelism's internals, so no parallelism imports 
 parallelism adds its own field when it takes a parameter:
 
     TensorShard(group, dim)        tensor parallelism: this rank holds chunk(full, W, dim)[rank]
-                                   of the full tensor, W = the size of `group`
+                                   of the full tensor, W = the size of `group`; expert
+                                   parallelism's experts too, along their own axis ("expert")
     DataShard(group, owner)        ZeRO / fully_shard: the gradient is held by `owner` alone
                                    (ZeRO-1/2), or each rank of `group` holds a flat piece
                                    (fully_shard: owner None)
@@ -33,10 +34,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 @dataclass(frozen=True)
 class TensorShard:
-    """chunk(full, W, dim)[rank of group]: a tensor-parallel shard."""
+    """chunk(full, W, dim)[rank of group]: a tensor-parallel shard; with axis "expert", this
+    expert-parallel rank's experts (chunk(E, ep, 0)), cut alike along another axis of the mesh."""
 
     group: dist.ProcessGroup | None
     dim: int
+    axis: str = "tensor"
 
 
 @dataclass(frozen=True)

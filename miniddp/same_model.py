@@ -14,7 +14,7 @@ overlap of two ranks or more is refused, on every rank, before anything is copie
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -24,12 +24,17 @@ from torch import nn
 from miniddp.placement import group_ranks, placement_of
 
 
-def check_wrappable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+def check_wrappable(
+    module: nn.Module, ignored: Collection[str] = ()
+) -> list[tuple[str, nn.Parameter]]:
     """Refuse, at construction, a model that training could only fail on later; otherwise its
     (name, parameter) pairs that MiniDDP reduces. Only parameters that require grad are, and a
     tied weight only once: it is one variable with one gradient. `named_parameters()` walks
-    modules in registration order and skips repeats, as torch's reducer does."""
-    trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    modules in registration order and skips repeats, as torch's reducer does. The names in
+    `ignored` are someone else's to reduce (torch's params-to-ignore)."""
+    trainable = [
+        (n, p) for n, p in module.named_parameters() if p.requires_grad and n not in ignored
+    ]
     if not trainable:
         raise ValueError(
             "MiniDDP got a module with no parameter that requires grad: there is nothing to "

@@ -6,6 +6,9 @@
 - `init_sync=False`: no check and no copy at construction, each rank keeps its own weights;
 - `device_mesh`: a 1-D mesh (torch's or miniddp's) names the group; with process_group too, or
   with two axes, it is refused;
+- torch's params-to-ignore (`_set_params_and_buffers_to_ignore_for_model`, which expert
+  parallelism uses to sum the experts over another group): those parameters and buffers are
+  neither broadcast nor averaged, each rank keeps its own;
 - `skip_all_reduce_unused_params`: with find_unused_parameters, a bucket that no parameter of
   this backward reaches is not all-reduced, and its `.grad`s stay as they are (what no_sync
   accumulated there too, as torch leaves it).
@@ -41,9 +44,11 @@ def rank_local_model() -> nn.Module:
     return model
 
 
-def states_under(wrapper: str, keywords: dict) -> dict:
+def states_under(wrapper: str, keywords: dict, ignore: tuple[str, ...] = ()) -> dict:
     """The state after construction and after two training steps, and the warnings raised."""
     model = rank_local_model()
+    if ignore:
+        WRAPPERS[wrapper]._set_params_and_buffers_to_ignore_for_model(model, list(ignore))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ddp = WRAPPERS[wrapper](model, **keywords)
@@ -93,6 +98,20 @@ def test_buffer_and_init_sync_keywords_do_what_torchs_do(pool2, keywords):
     assert results[0]["miniddp"]["warned"] == (
         ["FutureWarning"] if "broadcast_buffers" in keywords else []
     )
+
+
+def test_parameters_and_buffers_to_ignore_stay_each_ranks_own_as_in_torch(pool2):
+    ignored = ("0.weight", "1.running_mean")
+    results = pool2.run(both, states_under, {}, ignored)
+    for rank, result in enumerate(results):
+        for mine, reference in zip(result["miniddp"]["states"], result["torch"]["states"]):
+            for name in reference:
+                assert torch.equal(mine[name], reference[name]), f"rank {rank}: {name}"
+    built = [result["miniddp"]["states"][0] for result in results]
+    for name in built[0]:  # rank 0's copied everywhere but the ignored ones
+        assert torch.equal(built[0][name], built[1][name]) == (name not in ignored), name
+    trained = [result["miniddp"]["states"][1]["2.weight"] for result in results]
+    assert torch.equal(*trained)  # averaged, where 0.weight's gradient was not
 
 
 def trained_over_a_mesh(wrapper: str, mesh_kind: str) -> list[torch.Tensor]:

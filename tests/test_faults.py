@@ -21,18 +21,7 @@ import pytest
 
 from tests.faulty_ranks import PROCESS_GROUP_TIMEOUT_S, record_detection, run_ranks
 
-
-def miniddp_waits_are_watched() -> bool:
-    import miniddp.data_parallel.ddp
-
-    return hasattr(miniddp.data_parallel.ddp, "wait_for")
-
-
-NEEDS_WIRING = pytest.mark.skipif(
-    not miniddp_waits_are_watched(),
-    reason="miniddp/data_parallel/ddp.py does not yet wait through miniddp.faults.wait_for",
-)
-LAYERS = ["wait_for", pytest.param("miniddp", marks=NEEDS_WIRING)]
+LAYERS = ["wait_for", "miniddp"]
 
 
 @dataclass(frozen=True)
@@ -80,10 +69,7 @@ IN_TRAINING = (
     "takes one step fewer, then exits",
 )
 ROWS = [pytest.param(name, "wait_for", id=f"{name} [wait_for]") for name in FAULTS]
-ROWS += [
-    pytest.param(name, "miniddp", id=f"{name} [MiniDDP]", marks=NEEDS_WIRING)
-    for name in IN_TRAINING
-]
+ROWS += [pytest.param(name, "miniddp", id=f"{name} [MiniDDP]") for name in IN_TRAINING]
 
 
 @pytest.mark.parametrize(("name", "layer"), ROWS)

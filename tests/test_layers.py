@@ -34,6 +34,7 @@ FLOORS = {
     "checkpoint": 3,
     "parallelize": 3,
     "parallelize_formulas": 3,
+    "parallelize_experts": 3,
     "steps": 4,
     "plan": 4,
     "instruments": 5,

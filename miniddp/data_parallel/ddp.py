@@ -126,7 +126,10 @@ class MiniDDP(nn.Module, Joinable):
         # Skip the all-reduce of a bucket no parameter of which this backward reaches (torch's
         # meaning: decided on each rank alone, so every rank must leave the same ones unused).
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
-        named = check_wrappable(module)  # the parameters that require grad, a tied one once
+        # Names another wrapper reduces (torch's params-to-ignore; expert parallelism's experts,
+        # summed over their own group): not bucketed, not broadcast, not compared.
+        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        named = check_wrappable(module, self.parameters_to_ignore)  # a tied parameter once
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.mixed_precision = mixed_precision
@@ -155,12 +158,14 @@ class MiniDDP(nn.Module, Joinable):
             "static_graph": static_graph,
             "mixed_precision": mixed_precision,
         }
-        self._buffers_to_sync = list(module.buffers())
+        self._buffers_to_sync = [
+            b for n, b in module.named_buffers() if n not in self.parameters_to_ignore
+        ]
         if init_sync:  # False: the caller vouches that every rank already holds the same model
             verify_same_model_on_every_rank(named, settings, process_group)
             # Every replica starts from rank 0's weights (and buffers), whatever seed each used.
             buffers_now = self._buffers_to_sync if buffers.at_construction else []
-            everything = [*module.parameters(), *buffers_now]
+            everything = [*self._parameters_to_sync(), *buffers_now]
             what = "parameters and buffers"
             broadcast_from_rank0(everything, what, process_group, self._reducer.wait)
         self.all_reduce_count = 0
@@ -449,9 +454,22 @@ class MiniDDP(nn.Module, Joinable):
     def copy_model_from(self, source: int) -> None:
         """Join's side: at the end, rank `source`'s parameters (and buffers), on every rank."""
         buffers = self._buffers_to_sync if self.forward_sync_buffers else []
-        state = [*self.module.parameters(), *buffers]
+        state = [*self._parameters_to_sync(), *buffers]
         what = "the final model (Join)"
         broadcast_from_rank0(state, what, self.process_group, self._reducer.wait, source)
+
+    def _parameters_to_sync(self) -> list[nn.Parameter]:
+        """Every parameter, frozen ones too, but those to ignore: what makes replicas equal."""
+        named = self.module.named_parameters()
+        return [p for n, p in named if n not in self.parameters_to_ignore]
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(
+        module: nn.Module, params_and_buffers_to_ignore: Iterator[str] | list[str]
+    ) -> None:
+        """torch's name: leave these parameters and buffers (by their names in `module`) out of
+        what a MiniDDP built around `module` later broadcasts and averages."""
+        module._ddp_params_and_buffers_to_ignore = list(params_and_buffers_to_ignore)
 
     @property
     def static_graph(self) -> bool:

@@ -102,8 +102,10 @@ class ExpertParallel:
         for role in ("w1", "w2", "w3"):
             full = getattr(module, role)
             shard = nn.Parameter(torch.chunk(full.detach(), size, 0)[rank].clone())
-            mark(shard, tensor=TensorShard(group, 0))  # chunk(full, ep, 0)[rank]: for
-            setattr(module, role, shard)  # checkpoints and clipping, as a TP shard is
+            # chunk(full, ep, 0)[rank], for checkpoints and clipping, as a TP shard is, but
+            # along the expert axis: the experts are replicated over tp
+            mark(shard, tensor=TensorShard(group, 0, axis="expert"))
+            setattr(module, role, shard)
         module.dispatch = AllToAllDispatch(group, module.num_experts // size)
         return module
 

@@ -28,16 +28,19 @@ marks:
               HSDP the mark names the shard group, and the replicas along the other mesh dim,
               which hold the same piece, are no axis here: each piece counts once
     "tensor"  a TensorShard mark: each TP rank holds another chunk
+    "expert"  a TensorShard mark on the "expert" axis: each EP rank holds other experts (the
+              experts are replicated over TP, so they are distinct along ep, not tp)
     "stage"   a Stage mark: counted only on the rank of the stage group that runs the stage,
               index % W (W ranks; one stage a rank: the index itself; a V schedule's second
               stage, on rank 2W - 1 - index, its mark names), so a replica another stage holds
               (a GPT's tied embedding on the last stage, marked as stage 0's) is counted once,
               by stage 0's rank; interleaved, a rank's v stages all count there
 
-Each rank adds ||x||_p^p per category into a vector v of 7 partial sums (one per non-empty
-subset of the three axes). Along each axis k that some parameter has, in the fixed order data,
-tensor, stage, one all-reduce SUM over k's group adds the ranks' vectors, after every rank whose
-place in that group is not 0 has zeroed the entries of the categories that do not contain k:
+Each rank adds ||x||_p^p per category into a vector v of 15 partial sums (one per non-empty
+subset of the four axes). Along each axis k that some parameter has, in the fixed order data,
+tensor, expert, stage, one all-reduce SUM over k's group adds the ranks' vectors, after every
+rank whose place in that group is not 0 has zeroed the entries of the categories that do not
+contain k:
 
     v_C  <-  sum over the ranks r of the group of  v_C(r)   if k in C   (distinct pieces)
     v_C  <-  v_C(rank 0 of the group)                        otherwise   (replicas: one copy)
@@ -60,11 +63,11 @@ the ranks of its group one result, so after the one along k the vector is the sa
 A later all-reduce along another axis keeps that: the two groups through two ranks that differ
 only along k get the same bits at the same places in the group, zero the same entries, and add
 them by the same algorithm over the same size. So after the last axis every rank holds the same
-vector, and each adds the same 8 entries (the local one last) in the same order and takes the
+vector, and each adds the same 16 entries (the local one last) in the same order and takes the
 same root. The unmarked parameters' part is the same on every rank as long as their gradients
 are (DDP's are: its all-reduce hands every rank one result).
 
-The cost: one all-reduce of 7 numbers per axis some parameter is split along, in float64 (the
+The cost: one all-reduce of 15 numbers per axis some parameter is split along, in float64 (the
 ranks need one dtype without asking one another, and under a pipeline they hold different
 parameters; the total is then cast back to the gradients' dtype, as torch returns it). A model
 no parallelism touched costs no communication, and the result is torch's `clip_grad_norm_` bit
@@ -86,9 +89,9 @@ import torch
 import torch.distributed as dist
 
 from miniddp.job.faults import wait_for
-from miniddp.placement import Placement, group_ranks, placement_of
+from miniddp.placement import DataShard, Placement, group_ranks, placement_of
 
-KINDS = ("data", "tensor", "stage")  # the axes, in the order their all-reduces run
+KINDS = ("data", "tensor", "expert", "stage")  # the axes, in the order their all-reduces run
 CATEGORIES = range(1, 1 << len(KINDS))  # the non-empty subsets of KINDS, as bit masks
 
 
@@ -105,6 +108,7 @@ def clip_grad_norm_(
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     norm_type = float(norm_type)
     marked = [(p, placement_of(p)) for p in params if not placement_of(p).replicated]
+    marked = _experts_sharded_over_the_rest_of_data(marked)
     replicated = [p.grad for p in params if placement_of(p).replicated and p.grad is not None]
     if not marked:
         total = torch.nn.utils.get_total_norm(replicated, norm_type, error_if_nonfinite, foreach)
@@ -164,24 +168,53 @@ def _total_over_ranks(
     return total.to(dtype)
 
 
+def _experts_sharded_over_the_rest_of_data(
+    marked: list[tuple[torch.Tensor, Placement]],
+) -> list[tuple[torch.Tensor, Placement]]:
+    """fully_shard with expert parallelism (parallelize_experts.py): most parameters are
+    sharded over dp x ep, the experts over dp (and cut over ep). An expert's piece is then
+    distinct along dp and along ep, which together are the others' data axis: it is counted
+    along that one axis, as a piece of dp x ep, so that the data axis has one group."""
+    data = {tuple(group_ranks(pl.data.group)): pl.data.group for _, pl in marked if pl.data}
+    if len(data) < 2:
+        return marked
+    widest, group = max(data.items(), key=lambda item: len(item[0]))
+    recast = []
+    for param, placement in marked:
+        expert, shard = placement.tensor, placement.data
+        if expert is not None and expert.axis == "expert" and shard is not None:
+            across = set(group_ranks(shard.group)) | set(group_ranks(expert.group))
+            together = len(group_ranks(shard.group)) * len(group_ranks(expert.group))
+            if across <= set(widest) and together == len(widest):
+                placement = Placement(data=DataShard(group), stage=placement.stage)
+        recast.append((param, placement))
+    return recast
+
+
 def _category_counted_here(placement: Placement) -> int | None:
     """The bit mask of the axes `placement` is distinct along, or None where another rank
     counts this copy (a ZeRO gradient's non-owner, a replica of another stage's parameter)."""
-    data, tensor, stage = placement.data, placement.tensor, placement.stage
+    data, stage = placement.data, placement.stage
     if data is not None and not data.counted_here():
         return None
     if stage is not None and dist.get_rank(stage.group) != stage.runs_on():
         return None
-    return sum(1 << bit for bit, mark in enumerate((data, tensor, stage)) if mark is not None)
+    return sum(1 << KINDS.index(kind) for kind in _marks(placement))
+
+
+def _marks(placement: Placement) -> dict[str, object]:
+    """The axes a parameter is split along, each with its mark (a TensorShard names its own)."""
+    tensor = placement.tensor
+    along = {"data": placement.data, "stage": placement.stage}
+    along |= {tensor.axis: tensor} if tensor is not None else {}
+    return {kind: mark for kind, mark in along.items() if mark is not None}
 
 
 def _one_group_per_kind(placements: list[Placement]) -> dict[str, dist.ProcessGroup | None]:
     """The one group each axis runs over; refused if the marks are not the axes of one mesh."""
     groups: dict[str, tuple[tuple[int, ...], dist.ProcessGroup | None]] = {}
     for placement in placements:
-        for kind, mark in zip(KINDS, (placement.data, placement.tensor, placement.stage)):
-            if mark is None:
-                continue
+        for kind, mark in _marks(placement).items():
             ranks = tuple(group_ranks(mark.group))
             seen = groups.setdefault(kind, (ranks, mark.group))[0]
             if seen != ranks:

@@ -130,6 +130,12 @@ class FullyShardedModule:
             if getattr(module, "_sharded", None) is not None:
                 module._sharded.requires_gradient_sync = requires
 
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """torch's: this unit's gradients are summed over the ranks (replicas too, under HSDP)
+        and divided by `factor`, not averaged. Expert parallelism's experts need it: their
+        gradient holds the tokens of a whole ep group already (parallelize_experts.py)."""
+        self._own_unit("backward").gradient_divide_factor = float(factor)
+
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
         """torch's: once this unit has its parameters in forward, issue these units' gathers,
         in this order, instead of the next unit's in the previous forward's order."""

@@ -75,6 +75,7 @@ class ShardedParameters:
     accumulated: list[torch.Tensor] | None = None  # full gradients held back by no sync
     forward_prefetch: list[ShardedParameters] | None = None  # explicit lists (prefetch.py)
     backward_prefetch: list[ShardedParameters] | None = None
+    gradient_divide_factor: float | None = None  # None: the average over the ranks
 
     @property
     def world_size(self) -> int:
@@ -130,7 +131,8 @@ class ShardedParameters:
         in fp32 and bf16): (sum over S of g) / S, then (sum over R of that) / R. Dividing by
         a power of two is exact, so at 2 x 2 that is the sum over all four divided by 4. In
         float16 both are sums instead, with torch's factors over all S x R ranks: each
-        gradient divided by `pre` first, the result by `post` once it arrives."""
+        gradient divided by `pre` first, the result by `post` once it arrives. With a
+        gradient_divide_factor, both are sums, and the result is divided by the factor."""
         world, length = self.world_size, sum(s.numel() for s in self.shards)
         pieces = torch.zeros(world, length, dtype=grads[0].dtype, device=grads[0].device)
         offset = 0
@@ -142,7 +144,9 @@ class ShardedParameters:
         mine = pieces.new_empty(length)
         what = f"reduce-scatter of {self.name}'s gradients ({pieces.nbytes:,} bytes)"
         op, post = dist.ReduceOp.AVG, 1.0
-        if pieces.dtype == torch.float16:  # divided on both sides of the sums: see below
+        if self.gradient_divide_factor is not None:  # torch's set_gradient_divide_factor:
+            op, post = dist.ReduceOp.SUM, self.gradient_divide_factor  # sums, then one division
+        elif pieces.dtype == torch.float16:  # divided on both sides of the sums: see below
             replicas = 1 if self.replicas is None else dist.get_world_size(self.replicas)
             pre, post = float16_divide_factors(world * replicas)
             pieces.div_(pre)

@@ -142,7 +142,7 @@ def record_step(parts: ParallelGPT, windows: torch.Tensor) -> tuple[torch.Tensor
     step = RankStep(dist.get_rank(), mesh.get_coordinate())
     if schedule is not None:
         recorder = schedule.observer = Recorder()
-    with recording_the_wire(mesh, None if parts.tied is None else parts.tied.pair) as wire:
+    with recording_the_wire(mesh, None if parts.tied is None else parts.tied.group) as wire:
         loss = parts.train_step(windows)
     step.wire = wire
     if schedule is not None:
