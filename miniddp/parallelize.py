@@ -1,4 +1,4 @@
-"""`parallelize(gpt, mesh)`: chapter 12's GPT over a (pp, dp, [cp,] tp) mesh, in one function.
+"""`parallelize(gpt, mesh)`: chapter 12's GPT over a (pp, dp, [cp | ep,] tp) mesh, in one function.
 
 In the spirit of torchtitan's `parallelize_llama`, each parallelism is applied once, in a fixed
 order, to what the previous one left:
@@ -51,6 +51,13 @@ over cp of theirs, and with dp replicas the average over dp x cp: MiniDDP or ful
 over mesh["dp", "cp"]._flatten("dp_cp"), torchtitan's "dp_shard_cp". A parameter replicated
 over cp then holds the same gradient on every cp rank, so clip_grad_norm_ counts it once, as a
 dp replica (no mark needed). Ring attention has no dropout: cp > 1 needs dropout 0.0.
+
+With an "ep" axis, ("pp", "dp", "ep", "tp"), a GPT with experts (GPTConfig's moe) has them cut
+over ep, and every (dp, ep) coordinate is a replica with windows of its own: the experts'
+gradients are summed over dp and divided by dp x ep, the rest averaged over dp x ep, and each
+MoE's aux loss, global over the replicas, trains the router from inside the backward
+(parallelize_experts.py says why each). A GPT with experts on the other meshes keeps them whole,
+averaged as any parameter, with the same aux loss.
 
 Mixed precision, `parallelize(..., mixed_precision=MixedPrecision(torch.bfloat16))`: one policy
 for both data parallelisms (MiniDDP's `mixed_precision`; fully_shard's MixedPrecisionPolicy with
@@ -307,10 +314,12 @@ def parallelize(
     mixed_precision: MixedPrecision | None = None,
 ) -> ParallelGPT:
     """Split `model` (built alike on every rank) over `mesh`, whose axes are named from
-    ("pp", "dp", "tp"), any of them of size 1, from CP_AXES to cut the sequence too, or for HSDP
-    from HSDP_AXES; `data_parallel` is "ddp" (MiniDDP) or "fsdp"; `mixed_precision` computes in
-    its param_dtype on fp32 masters (the module docstring); `device`, where the pipeline's
-    messages land, is the model's own unless given."""
+    ("pp", "dp", "tp"), any of them of size 1, from CP_AXES to cut the sequence too, from
+    EP_AXES to cut a GPT's experts, or for HSDP from HSDP_AXES; `data_parallel` is "ddp"
+    (MiniDDP) or "fsdp"; `mixed_precision` computes in its param_dtype on fp32 masters (the
+    module docstring); `device`, where the pipeline's messages land, is the model's own unless
+    given. The replicas, each with windows of its own, are dp (HSDP: dp_replicate x dp_shard;
+    with ep: dp x ep): `ParallelGPT.replica` of `.replicas`."""
     if mixed_precision is not None and torch.float16 in (
         mixed_precision.param_dtype,
         mixed_precision.reduce_dtype,

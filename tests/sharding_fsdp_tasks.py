@@ -14,6 +14,7 @@ from torch import nn
 from miniddp import MiniDDP, full_state_dict, fully_shard
 from miniddp.collectives import record_messages, traffic
 from miniddp.sharding import measure_memory
+from miniddp.sharding.sharded_parameters import cut
 
 
 @dataclass(frozen=True)
@@ -272,3 +273,21 @@ def optimizer_in_backward(kind: str, spec: FsdpSpec) -> dict:
             whole.step()
             whole.zero_grad()
     return {"params": full_parameters(library, model), "calls": calls}
+
+
+def divided_by_a_factor(factor: float) -> bool:
+    """fully_shard with set_gradient_divide_factor(factor) against the same sum by hand: the
+    ranks' full gradients all-reduced (summed), divided by `factor`, cut as the shards are."""
+    torch.manual_seed(0)
+    model, reference = nn.Linear(5, 3), nn.Linear(5, 3)
+    reference.load_state_dict(model.state_dict())
+    fully_shard(model).set_gradient_divide_factor(factor)
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(dist.get_rank()))
+    model(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    same = []
+    for shard, full in zip(model.parameters(), reference.parameters()):
+        dist.all_reduce(full.grad)
+        expected = cut(full.grad / factor, dist.get_rank(), dist.get_world_size())
+        same.append(torch.equal(shard.grad.reshape(-1), expected))
+    return all(same) and len(same) == 2

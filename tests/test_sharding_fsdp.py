@@ -223,3 +223,9 @@ def test_post_accumulate_grad_hooks_run_on_the_shards_as_torchs_fully_shard_runs
         assert ours["calls"] == torchs["calls"]
         for a, b, c in zip(ours["params"], plain["params"], torchs["params"]):
             assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_a_gradient_divide_factor_sums_and_divides_once(pool2):
+    """torch's set_gradient_divide_factor (its own runs PREMUL_SUM, which gloo refuses, so the
+    reference is the sum by hand): what expert parallelism's experts use (parallelize_experts)."""
+    assert pool2.run(sharding_fsdp_tasks.divided_by_a_factor, 6.0, timeout=60) == [True, True]
