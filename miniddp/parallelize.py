@@ -354,7 +354,7 @@ def parallelize(
             "with GPTConfig(..., dropout=0.0)"
         )
     ep = mesh["ep"].size() if five_d else 1
-    refuse_experts_it_cannot_split(model, ep, data_parallel, mixed_precision)
+    refuse_experts_it_cannot_split(model, ep)
     if hsdp:
         dp_mesh = mesh[("dp_replicate", "dp_shard")]
     elif cp > 1:  # one average over dp x cp (the module docstring); collective, on every rank

@@ -60,9 +60,7 @@ def split_experts(model: nn.Module, ep_mesh: Any) -> None:
             parallelize_module(module.experts, ep_mesh, ExpertParallel())
 
 
-def refuse_experts_it_cannot_split(
-    model: nn.Module, ep: int, data_parallel: str, mixed_precision: object
-) -> None:
+def refuse_experts_it_cannot_split(model: nn.Module, ep: int) -> None:
     """What parallelize cannot do with experts, said on every rank before any collective."""
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     if ep > 1 and not moes:
@@ -76,13 +74,6 @@ def refuse_experts_it_cannot_split(
                 f"{moe.num_experts} experts cannot be split evenly over ep = {ep}: choose a "
                 f"number of experts that {ep} divides, or an ep that divides {moe.num_experts}"
             )
-    if ep > 1 and data_parallel == "ddp" and mixed_precision is not None:
-        raise ValueError(
-            "parallelize does not yet run experts under MiniDDP with mixed precision: MiniDDP "
-            "leaves the experts out (they are summed over dp, not dp x ep), and so would not "
-            'fold their compute copies\' gradients. Use data_parallel="fsdp", whose expert '
-            "units cast and reduce on their own"
-        )
 
 
 def expert_parameter_names(model: nn.Module) -> list[str]:

@@ -12,7 +12,7 @@ gradients are summed over dp and divided by dp x ep, everything else is averaged
 - ep alone, dp x ep (MiniDDP with two train_step calls a step, and fully_shard), ep x tp, pp x
   ep (1F1B: each microbatch's aux loss in the backward through the stages), and a checkpoint
   saved at ep = 2, resumed at ep = 1;
-- bf16 on fp32 masters under fully_shard: fp32 masters, within bf16's tolerances;
+- bf16 on fp32 masters, under MiniDDP and fully_shard: fp32 masters, within bf16's tolerances;
 - what it refuses, on every rank.
 
 A planted bug fails these: the experts averaged over dp alone (ep times one process's), or
@@ -40,6 +40,7 @@ FOUR_RANKS = [  # the first saves a checkpoint at ep = 2 and resumes at (1, 4, 1
     Scenario((1, 1, 2, 2)),
     Scenario((2, 1, 2, 1)),
     Scenario((1, 2, 2, 1), "fsdp", precision="bf16"),
+    Scenario((1, 2, 2, 1), precision="bf16"),
 ]
 SCENARIOS = TWO_RANKS + FOUR_RANKS
 RESUME_AT = (1, 4, 1, 1)
@@ -109,7 +110,6 @@ def test_a_checkpoint_saved_at_ep_2_resumes_at_ep_1(runs):
     [
         ("experts", "3 experts cannot be split evenly over ep = 2"),
         ("dense", "has no experts to split"),
-        ("bf16", 'Use data_parallel="fsdp"'),
     ],
 )
 def test_what_it_cannot_split_is_refused_on_every_rank(pool2, what, expected):

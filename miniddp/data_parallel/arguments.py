@@ -1,4 +1,5 @@
-"""Torch 2.13's DDP arguments that only say *which* group and *when* buffers travel.
+"""Torch 2.13's DDP arguments that only say *which* group, *when* buffers travel, and *what* to
+leave out.
 
 MiniDDP takes torch's keywords with torch's meaning, so code moves between the two unchanged.
 Two pairs need a rule before construction can start:
@@ -9,15 +10,20 @@ Two pairs need a rule before construction can start:
   buffers are copied from rank 0 at each synced forward, but `broadcast_buffers=False` also
   keeps them out of the copy at construction (rank-local buffers stay local), while
   `forward_sync_buffers=False` still copies them once, there. Given both, the new one wins.
+
+And one set before construction, on the module: torch's params-to-ignore, the names a DDP built
+around it leaves to someone else.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -80,3 +86,29 @@ def group_of(process_group: dist.ProcessGroup | None, device_mesh: Any) -> Any:
             f"{device_mesh} with {device_mesh.ndim} axes. Pass one axis: device_mesh=mesh['dp']."
         )
     return device_mesh.get_group(0)
+
+
+@dataclass(frozen=True)
+class ParamsToIgnore:
+    """torch's params-to-ignore: names in a module that a DDP built around it leaves out of what
+    it broadcasts, compares and averages, because someone else reduces them (expert
+    parallelism's experts, summed over the ranks that hold the same experts: miniddp/
+    parallelize_experts.py). `trainable`: those of them that train (mixed precision still casts
+    them, and folds their gradients into their masters); `others`: every other parameter,
+    frozen ones included."""
+
+    names: set[str]
+    trainable: list[nn.Parameter]
+    others: list[nn.Parameter]
+
+    @staticmethod
+    def set_for_model(module: nn.Module, names: Iterable[str]) -> None:
+        """torch's `DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`."""
+        module._ddp_params_and_buffers_to_ignore = list(names)
+
+    @classmethod
+    def of(cls, module: nn.Module) -> ParamsToIgnore:
+        names = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        named = list(module.named_parameters())
+        trainable = [p for n, p in named if n in names and p.requires_grad]
+        return cls(names, trainable, [p for n, p in named if n not in names])

@@ -65,7 +65,7 @@ restores the fp32 masters, never the copies (which the next forward would overwr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from functools import partial
@@ -204,6 +204,21 @@ class ComputeCopies:
 
         return hook
 
+    def copies_of(self, masters: Sequence[nn.Parameter]) -> list[nn.Parameter]:
+        """The copies of these trainable masters, in their order."""
+        copy = {id(m): c for m, c in zip(self.trainable, self.trainable_copies)}
+        return [copy[id(master)] for master in masters]
+
+    def fold_alone(self, indices: Iterable[int]) -> list:
+        """Hooks on copies `indices` that fold each gradient into its master and run the
+        master's own hooks, with no reduction: every parameter of ComputeInCopies, and those
+        MiniDDP leaves to someone else to reduce (torch's params-to-ignore)."""
+        fold = self.fold_then(lambda index, master: self.gradient_written(master))
+        return [
+            self.trainable_copies[index].register_post_accumulate_grad_hook(partial(fold, index))
+            for index in indices
+        ]
+
     @staticmethod
     def gradient_written(master: torch.Tensor) -> None:
         """Run the post-accumulate-grad hooks registered on `master`, now that its `.grad` holds
@@ -251,11 +266,7 @@ class ComputeInCopies(nn.Module):
         self.module = module
         trainable = [p for p in module.parameters() if p.requires_grad]
         self._copies = ComputeCopies(module, policy, trainable)  # as MiniDDP names it
-        fold = self._copies.fold_then(lambda index, master: ComputeCopies.gradient_written(master))
-        self._hooks = [
-            copy.register_post_accumulate_grad_hook(partial(fold, index))
-            for index, copy in enumerate(self._copies.trainable_copies)
-        ]
+        self._hooks = self._copies.fold_alone(range(len(trainable)))
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         inputs, kwargs = self._copies.before_forward(inputs, kwargs)

@@ -40,7 +40,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from miniddp.data_parallel.arguments import DeprecatedName, buffer_sync, group_of
+from miniddp.data_parallel.arguments import DeprecatedName, ParamsToIgnore, buffer_sync, group_of
 from miniddp.data_parallel.autograd_graph import (
     ParameterUsage,
     hook_every_parameter,
@@ -126,18 +126,16 @@ class MiniDDP(nn.Module, Joinable):
         # Skip the all-reduce of a bucket no parameter of which this backward reaches (torch's
         # meaning: decided on each rank alone, so every rank must leave the same ones unused).
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
-        # Names another wrapper reduces (torch's params-to-ignore; expert parallelism's experts,
-        # summed over their own group): not bucketed, not broadcast, not compared.
-        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-        named = check_wrappable(module, self.parameters_to_ignore)  # a tied parameter once
-        self.param_names = [n for n, _ in named]
-        self.params = [p for _, p in named]
+        ignored = ParamsToIgnore.of(module)  # torch's: someone else reduces them
+        self.parameters_to_ignore = ignored.names
+        named = check_wrappable(module, ignored.names)  # a tied parameter once
+        self.param_names, self.params = [n for n, _ in named], [p for _, p in named]
         self.mixed_precision = mixed_precision
-        self._copies = (
-            ComputeCopies(module, mixed_precision, self.params) if mixed_precision else None
-        )
+        self._params_to_sync = ignored.others  # frozen ones too: what makes replicas equal
+        cast = self.params + ignored.trainable  # mixed precision casts the ignored ones too
+        self._copies = ComputeCopies(module, mixed_precision, cast) if mixed_precision else None
         # The autograd graph's leaves: the parameters, or under mixed precision their copies.
-        self._leaves = self._copies.trainable_copies if self._copies else self.params
+        self._leaves = self._copies.copies_of(self.params) if self._copies else self.params
         reduce_dtype = mixed_precision.reduce_dtype if mixed_precision else None  # the buckets'
         self._layout = BucketLayout(
             self.params,
@@ -158,14 +156,12 @@ class MiniDDP(nn.Module, Joinable):
             "static_graph": static_graph,
             "mixed_precision": mixed_precision,
         }
-        self._buffers_to_sync = [
-            b for n, b in module.named_buffers() if n not in self.parameters_to_ignore
-        ]
+        self._buffers_to_sync = [b for n, b in module.named_buffers() if n not in ignored.names]
         if init_sync:  # False: the caller vouches that every rank already holds the same model
             verify_same_model_on_every_rank(named, settings, process_group)
             # Every replica starts from rank 0's weights (and buffers), whatever seed each used.
             buffers_now = self._buffers_to_sync if buffers.at_construction else []
-            everything = [*self._parameters_to_sync(), *buffers_now]
+            everything = [*self._params_to_sync, *buffers_now]
             what = "parameters and buffers"
             broadcast_from_rank0(everything, what, process_group, self._reducer.wait)
         self.all_reduce_count = 0
@@ -182,6 +178,8 @@ class MiniDDP(nn.Module, Joinable):
         if self._copies is not None:  # each copy's gradient goes to its master, then on_ready
             on_ready = self._copies.fold_then(on_ready)
         self._hooks = hook_every_parameter(module, self._leaves, on_ready)
+        if self._copies is not None:  # the ignored: folded into their masters, not reduced
+            self._hooks += self._copies.fold_alone(range(len(self.params), len(cast)))
         if static_graph:
             self._set_static_graph()
 
@@ -217,10 +215,9 @@ class MiniDDP(nn.Module, Joinable):
         return output
 
     def prepare_for_backward(self, output: Any) -> None:
-        """Arm the reduction for the next backward through `output`, a forward that ran inside
-        `no_sync()`: a pipeline reduces at its last microbatch's backward, whose forward ran
-        long before (pipeline/stage.py; torch's pipelining calls its DDP's
-        `reducer.prepare_for_backward`). A synced forward's arming, less the buffers' broadcast."""
+        """Arm the reduction for the next backward through `output`, run inside `no_sync()`: a
+        pipeline reduces at its last microbatch's backward (pipeline/stage.py; torch's calls its
+        DDP's `reducer.prepare_for_backward`). A synced forward's arming, less the buffers'."""
         if self._phase in (Phase.ARMED, Phase.REDUCING):
             raise armed_twice()
         self._phase = Phase.ARMED
@@ -333,8 +330,8 @@ class MiniDDP(nn.Module, Joinable):
         for index in missing:  # reachable from the output, yet no gradient came: unused too
             self._mark_ready(index)
         self._launch_full_buckets()  # nothing left to launch, unless a subclass held launches
-        # Parameters no rank used keep .grad (None stays None): static_graph learnt which in its
-        # first backward; find_unused_parameters asks every backward.
+        # Parameters no rank used keep .grad (None stays None): static_graph's first backward
+        # learnt which; find_unused_parameters asks every backward.
         used = None if self._static_graph is None else self._static_graph.used_on_any_rank
         if self.find_unused_parameters:
             used = self._usage.on_any_rank(
@@ -361,9 +358,8 @@ class MiniDDP(nn.Module, Joinable):
 
     def _reset_backward(self, phase: Phase) -> None:
         self._phase = phase  # and every bucket empty, no parameter marked ready
-        # What the next backward won't reach: static_graph knows it from its first backward;
-        # find_unused_parameters finds it in each forward. They fire no hook, so they go last in
-        # the order the buckets are rebuilt from, in index order (as in torch).
+        # What the next backward won't reach (static_graph's first backward found it; unused
+        # parameters are found in each forward) fires no hook: last in the rebuild, by index.
         self._unused_in_forward: list[int] = []
         if self._static_graph is not None:
             self._unused_in_forward = self._static_graph.start_over()
@@ -454,22 +450,11 @@ class MiniDDP(nn.Module, Joinable):
     def copy_model_from(self, source: int) -> None:
         """Join's side: at the end, rank `source`'s parameters (and buffers), on every rank."""
         buffers = self._buffers_to_sync if self.forward_sync_buffers else []
-        state = [*self._parameters_to_sync(), *buffers]
+        state = [*self._params_to_sync, *buffers]
         what = "the final model (Join)"
         broadcast_from_rank0(state, what, self.process_group, self._reducer.wait, source)
 
-    def _parameters_to_sync(self) -> list[nn.Parameter]:
-        """Every parameter, frozen ones too, but those to ignore: what makes replicas equal."""
-        named = self.module.named_parameters()
-        return [p for n, p in named if n not in self.parameters_to_ignore]
-
-    @staticmethod
-    def _set_params_and_buffers_to_ignore_for_model(
-        module: nn.Module, params_and_buffers_to_ignore: Iterator[str] | list[str]
-    ) -> None:
-        """torch's name: leave these parameters and buffers (by their names in `module`) out of
-        what a MiniDDP built around `module` later broadcasts and averages."""
-        module._ddp_params_and_buffers_to_ignore = list(params_and_buffers_to_ignore)
+    _set_params_and_buffers_to_ignore_for_model = staticmethod(ParamsToIgnore.set_for_model)
 
     @property
     def static_graph(self) -> bool:
