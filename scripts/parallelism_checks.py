@@ -40,7 +40,7 @@ class Measured:
 @dataclass(frozen=True)
 class Check:
     name: str
-    parallelism: str  # DDP, ZeRO, FSDP, HSDP, TP, PP, CP, EP, 3-D, 4-D, collectives
+    parallelism: str  # DDP, ZeRO, FSDP, HSDP, TP, PP, CP, EP, 3-D, 4-D, 5-D, collectives
     run: Callable[[torch.device], Measured]
     sends: bool  # sends device tensors by send/recv: gloo's take host memory only
 
@@ -373,6 +373,41 @@ def against_one_process(device: torch.device, axes: tuple, sizes: dict, dp: str)
         name = "token.weight" if name == "head.weight" else name  # the last stage's tied copy
         difference = max(difference, scaled_error(tensor, expected[name].detach()))
     return Measured(difference, 1e-10, f"({', '.join(axes)}) = {shape}")
+
+
+@check("5-D", {"parallelize(GPT) with ep vs one process, MiniDDP": {}}, sends=True)
+def five_d(device: torch.device) -> Measured:
+    """Chapter 12's GPT with 4 experts in its second block (tests/parallelize_ep_tasks.py),
+    float64, its experts cut over an "ep" axis of 2, the rest laid out as the 3-D check lays
+    them: every batch's loss (the replicas' mean) and every full parameter after AdamW steps,
+    within rounding of one process running the same microbatches, aux loss included."""
+    from miniddp.mesh import init_device_mesh
+    from miniddp.parallelize import parallelize
+    from miniddp.parallelize_experts import EP_AXES
+    from tests import parallelize_ep_tasks as tasks
+
+    pp, dp, tp = mesh_shape(dist.get_world_size() // 2)
+    scenario = tasks.Scenario((pp, dp, 2, tp))
+    reference = tasks.one_process(scenario)  # on the CPU, float64
+    mesh = init_device_mesh(device.type, scenario.shape, mesh_dim_names=EP_AXES)
+    gpt = tasks.build_gpt("fp64").to(device)
+    parts = parallelize(gpt, mesh, n_microbatches=tasks.MICROBATCHES)
+    optimizer = torch.optim.AdamW(parts.parameters(), lr=tasks.LR)
+    difference = 0.0
+    for step in range(tasks.STEPS):
+        windows = tasks.batches(step, 1, parts.replicas)[0].to(device)
+        mine = parts.train_step(windows.tensor_split(parts.replicas)[parts.replica])
+        optimizer.step()
+        optimizer.zero_grad()
+        if mine is not None:  # the last stage's loss: the replicas' mean (tp ranks alike)
+            group = mesh["dp", "ep"]._flatten("dp_ep").get_group()
+            dist.all_reduce(mine, group=group)
+            mine = mine.item() / parts.replicas
+            difference = max(difference, abs(mine - reference["losses"][step]))
+    for name, tensor in tasks.full_parameters(parts, sharded=False).items():
+        name = "token.weight" if name == "head.weight" else name  # the last stage's tied copy
+        difference = max(difference, scaled_error(tensor.cpu(), reference["params"][name]))
+    return Measured(difference, 1e-10, f"({', '.join(EP_AXES)}) = {scenario.shape}")
 
 
 @check("HSDP", {"fully_shard over (replicate, shard) vs torch's": {}}, sends=True)

@@ -15,7 +15,10 @@ import pytest
 from tests.harness.processes import child_env, run_in_own_session, tail
 
 REPO = Path(__file__).resolve().parents[1]
-PARALLELISMS = ("DDP", "ZeRO", "FSDP", "HSDP", "TP", "PP", "CP", "EP", "3-D", "4-D", "collectives")
+PARALLELISMS = (
+    *("DDP", "ZeRO", "FSDP", "HSDP", "TP", "PP", "CP", "EP"),
+    *("3-D", "4-D", "5-D", "collectives"),
+)
 
 sys.path.insert(0, str(REPO / "scripts"))
 import gpu_check  # noqa: E402
