@@ -13,6 +13,7 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
+from miniddp.instruments.figures import __main__ as command
 from miniddp.instruments.figures.__main__ import FIGURE_SETS
 from miniddp.instruments.figures.__main__ import main as figures
 from tests.harness.processes import child_env, run_in_own_session, tail
@@ -61,6 +62,14 @@ def test_the_figures_command_draws_every_figure(tmp_path: Path) -> None:
 def test_the_committed_figures_are_the_ones_the_command_draws() -> None:
     committed = sorted(path.name for path in (REPO / "docs" / "figures").glob("*.png"))
     assert committed == sorted(FIGURES + ON_REQUEST)
+
+
+def test_every_chapter_the_command_runs_is_found() -> None:
+    """The chapters it runs under torchrun are named from the repository's root: when the
+    module moved one folder down, --only 18 looked for miniddp/tutorials/18_experts.py."""
+    chapters = [value for name, value in vars(command).items() if name.startswith("CHAPTER_")]
+    paths = [path for path in chapters if isinstance(path, Path)]
+    assert len(paths) == 6 and all(path.is_file() for path in paths), paths
 
 
 def refusal(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:

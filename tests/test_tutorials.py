@@ -101,9 +101,9 @@ def torchrun(chapter: Path, nproc: int) -> list[str]:
 # Run with `pytest -m slow`, each a long run whose checks the default suite makes elsewhere:
 # 04's claims are timings over the simulated link (its gradients against torch's DDP:
 # tests/test_link.py); 07's ranks on emulated nodes (tests/test_multinode.py); 14's, 14b's and
-# 14c's orders on the logical clock and their bits (tests/test_pipeline*.py); 17's layer against
-# one process and its all-to-all (tests/test_expert_parallel.py, tests/test_all_to_all.py): it
-# trains for 2 x 200 steps.
+# 14c's orders on the logical clock and their bits (tests/test_pipeline*.py); 18's layer against
+# one process and its all-to-all (tests/test_expert_parallel.py, tests/test_all_to_all.py), and
+# its GPT through parallelize (tests/test_parallelize_ep.py): it trains for 2 x 200 steps.
 SLOW_CHAPTERS = {
     "04_overlap.py",
     "07_multinode.py",

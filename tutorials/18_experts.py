@@ -13,7 +13,8 @@ all-to-all out (the dispatch), the experts, an all-to-all back (the combine).
     2. the all-to-all's bytes       counted, against the pairwise exchange's formula
     3. capacity                     drops against the capacity factor, per rank and global
     4. memory per rank              the experts' bytes, EP against DP
-    5. training the MoE GPT         with and without the auxiliary loss: load and loss
+    5. training the MoE GPT         through parallelize with an ep axis, with and without the
+                                    auxiliary loss: load and loss
     6. checks                       the layer against one process, bit for bit
 
 The library is miniddp/expert_parallel/ (moe.py, parallel.py have the maths) and the all-to-all
@@ -26,14 +27,16 @@ import argparse
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from char_corpus import Windows, load_corpus
 from common import add_plot_option, end_chapter, fmt_bytes, say, say_prose, section
 
 from miniddp.collectives import all_gather_into_tensor, all_reduce, traffic
-from miniddp.expert_parallel import ExpertParallel, MoE, all_reduce_gradients
+from miniddp.expert_parallel import ExpertParallel, MoE
 from miniddp.job.env import init_distributed
-from miniddp.models import GPT, GPTConfig, MoEConfig, moe_aux_loss
+from miniddp.mesh import init_device_mesh
+from miniddp.models import GPT, GPTConfig, MoEConfig
+from miniddp.parallelize import parallelize
+from miniddp.parallelize_experts import EP_AXES
 from miniddp.tensor_parallel import parallelize_module
 
 DIM, HIDDEN, EXPERTS, TOP_K = 64, 128, 8, 2  # the layer of sections 1 to 4 and 6
@@ -183,31 +186,23 @@ def section_memory(world: int, checks: dict) -> None:
     checks["EP holds 1/W of the experts"] = held * world == experts
 
 
-def train(windows: torch.Tensor, vocabulary: int, coef: float, world: int, rank: int) -> tuple:
-    """Steps of the MoE GPT, its experts split over the ranks, each rank BATCH/W windows;
-    returns the loss of the whole batch and the busiest expert's share, step by step."""
+def train(windows: torch.Tensor, vocabulary: int, coef: float, mesh) -> tuple:
+    """Steps of the MoE GPT through parallelize on `mesh` (pp, dp, ep, tp), each replica its
+    BATCH/(dp ep) windows; the loss of the whole batch and the busiest expert's share, step by
+    step."""
     torch.manual_seed(0)
     moe = MoEConfig(EXPERTS, TOP_K, aux_loss_coef=coef)
     config = GPTConfig(vocabulary, CONTEXT, WIDTH, LAYERS, HEADS, dropout=0.0, moe=moe)
-    model = GPT(config)
-    layers = [m for m in model.modules() if isinstance(m, MoE)]
-    for m in layers:
-        split(m)
-    alone = [dist.new_group([r]) for r in range(world)][rank]  # no copy of our experts
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    parts = parallelize(GPT(config), mesh)
+    layers = [m for m in parts.model.modules() if isinstance(m, MoE)]
+    optimizer = torch.optim.AdamW(parts.parameters(), lr=LR)
     losses, shares = [], []
     for step_windows in windows:
-        mine = step_windows.chunk(world)[rank]
-        logits = model(mine[:, :-1])
-        total = F.cross_entropy(logits.flatten(0, 1), mine[:, 1:].flatten(), reduction="sum")
-        tokens = step_windows[:, 1:].numel()
-        (total / tokens + moe_aux_loss(model)).backward()  # this rank's share of the loss
-        all_reduce_gradients(model, data_parallel_group=None, expert_data_parallel_group=alone)
+        loss = parts.train_step(step_windows.chunk(parts.replicas)[parts.replica])
         optimizer.step()
         optimizer.zero_grad()
-        total = total.detach()
-        all_reduce(total)
-        losses.append(total.item() / tokens)
+        all_reduce(loss)  # the replicas' means: tp = pp = 1, so every rank is one
+        losses.append(loss.item() / parts.replicas)
         counts = layers[0].tokens_per_expert
         shares.append((counts.max() / counts.sum()).item())
     return losses, shares
@@ -215,25 +210,33 @@ def train(windows: torch.Tensor, vocabulary: int, coef: float, world: int, rank:
 
 def section_training(world: int, rank: int, steps: int, checks: dict) -> tuple[dict, dict]:
     section("5. Training the MoE GPT, with and without the auxiliary loss")
+    ep = 2 if world > 1 else 1  # the experts over 2 ranks, copied over the rest (dp)
+    mesh = init_device_mesh("cpu", (1, world // ep, ep, 1), mesh_dim_names=EP_AXES)
     corpus = load_corpus(max_characters=200_000)
     windows = Windows(corpus.train, CONTEXT)
     g = torch.Generator().manual_seed(1)
     picks = torch.randint(0, len(windows), (steps, BATCH), generator=g)
     batches = torch.stack([windows[p.tolist()] for p in picks])
     runs = {
-        f"aux loss x {coef}": train(batches, len(corpus.vocabulary), coef, world, rank)
+        f"aux loss x {coef}": train(batches, len(corpus.vocabulary), coef, mesh)
         for coef in (0.0, AUX_LOSS_COEF)
     }
     say_prose(f"""\
         Chapter 12's GPT ({LAYERS} blocks, width {WIDTH}) with {EXPERTS} experts, top {TOP_K},
-        in its second block; {steps} steps of {BATCH} windows, {BATCH // world} a rank. A
-        router left alone feeds the experts that already answer best, which then learn most,
-        and get fed more. The Switch loss, E sum_i f_i P_i, is 1 at an even load and grows
-        as it concentrates; added times {AUX_LOSS_COEF}, it pushes back. It is computed from
-        the whole batch's statistics (one all-reduce), so it is the loss one process would
-        have, and each rank's share of its gradient adds up to one process's. The busiest
-        expert's share of the choices ({1 / EXPERTS:.3f} when even), and the loss, averaged
-        over the steps:""")
+        in its second block, through parallelize on a (pp, dp, ep, tp) = (1, {world // ep},
+        {ep}, 1) mesh: the experts cut over ep, copied over dp, every rank a replica with
+        {BATCH // world} of each step's {BATCH} windows. After backward an expert's gradient
+        holds its ep group's tokens already (the combine brought them home), so it is summed
+        over dp, the ranks with the same experts, and divided by the {world} replicas;
+        everything else is averaged over them (miniddp/parallelize_experts.py).
+
+        A router left alone feeds the experts that already answer best, which then learn
+        most, and get fed more. The Switch loss, E sum_i f_i P_i, is 1 at an even load and
+        grows as it concentrates; times {AUX_LOSS_COEF}, it pushes back. It is computed from
+        the whole batch's statistics (one all-reduce), so it is one process's loss, and its
+        gradient enters in the backward, scaled so that the replicas' average is one
+        process's. The busiest expert's share of the choices ({1 / EXPERTS:.3f} when even),
+        and the loss, averaged over the steps:""")
     tail = max(1, steps // 5)
     say(f"  {'run':<18} {'first fifth':>12} {'last fifth':>11} {'loss at the end':>16}")
     ends = {}

@@ -59,7 +59,7 @@ from miniddp.instruments.figures import (
     three_d,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]  # figures, instruments, miniddp, the repository
 CHAPTER_04 = REPO / "tutorials" / "04_overlap.py"
 CHAPTER_04_TIMEOUT_S = 300
 CHAPTER_04_FIGURES = ("04_timelines.png", "04_sweep.png")
