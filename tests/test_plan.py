@@ -14,7 +14,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from miniddp.collectives.cost_model import CostModel
 from miniddp.models.gpt import GPT, GPTConfig
 from miniddp.models.gpt_activations import korthikanti_bytes, megatron_layer_bytes
 from miniddp.observe.link import wire_bytes
@@ -143,16 +142,36 @@ def tp_errors() -> list[str]:
     return errors
 
 
+def test_alpha_once_pays_one_alpha_a_collective_where_a_ring_pays_one_a_step():
+    """The simulated link charges alpha once a collective (observe/link.py); NCCL's ring, once a
+    step: 2(t-1) for an all-reduce."""
+    cluster = replace(H100, nvlink_bandwidth=1e30, tp_overlap=False)
+    layout = Layout(4, 1, 1, 1, microbatch=1)
+    for once, steps in ((False, 2 * (4 - 1)), (True, 1)):
+        plan = evaluate(SMALL, replace(cluster, alpha_once=once), layout, 1024, 4, 4)
+        collectives = 4 * 4 * SMALL.layers  # 4 a layer, 4 microbatches
+        alpha = cluster.nvlink_latency
+        assert terms(plan, "time")["tp"].value == pytest.approx(collectives * steps * alpha)
+
+
+def test_a_layers_host_time_is_paid_per_layer_and_microbatch():
+    layout = Layout(1, 2, 1, 4, microbatch=1)
+    base = terms(evaluate(SMALL, H100, layout, 1024, 16, 8), "time")["compute"].value
+    slow = replace(H100, layer_overhead=1e-3)
+    compute = terms(evaluate(SMALL, slow, layout, 1024, 16, 8), "time")["compute"].value
+    microbatches, layers = 16 // 4, SMALL.layers // 2
+    assert compute - base == pytest.approx(microbatches * layers * 1e-3)
+
+
 def test_tp_sends_the_rings_two_t_minus_one_over_t():
     assert tp_errors() == []
 
 
 def test_tp_bytes_without_two_t_minus_one_over_t_are_caught(monkeypatch):
-    class Planted(CostModel):
-        def predict(self, collective, algorithm, nbytes, world_size):
-            return self.alpha + nbytes * self.beta  # the whole tensor once: no ring
+    def planted(collective, algorithm, nbytes, world_size):
+        return 1, nbytes  # the whole tensor once: no ring
 
-    monkeypatch.setattr(time_module, "CostModel", Planted)
+    monkeypatch.setattr(time_module, "schedule", planted)
     assert tp_errors()
 
 

@@ -24,6 +24,13 @@ running Megatron-Core in 2024. Every number below is an assumption, written down
                      hides (observe.overlap_model's overhead_s; chapter 11 measures it on the
                      link). 0 for the GPUs: microseconds there, carried by the fitted constants;
                      `bench plan` measures it on this machine
+    alpha_once       False: alpha is paid at every step of a ring (NCCL's); True: once a
+                     collective, as the simulated link charges it (miniddp/observe/link.py)
+    layer_overhead   the host's seconds a layer and microbatch, forward and backward, that no
+                     FLOP count sees: Python and torch's dispatch of a block's few dozen ops.
+                     0 for the GPUs (the host runs ahead of the kernels it launches); on this
+                     machine's toy shapes it is most of a layer's time, and `bench plan`
+                     measures it (one block at a tiny shape)
     reserved_gib     memory the training never gets: CUDA's context, cuBLAS's and NCCL's
                      workspaces, the allocator's fragmentation, 3 GiB in all
 
@@ -92,6 +99,8 @@ class Cluster:
     network_latency: float = 5e-6
     reserved_gib: float = 3.0
     collective_overhead: float = 0.0
+    alpha_once: bool = False
+    layer_overhead: float = 0.0
     causal_half: bool = True
     overlap: bool = True
     tp_overlap: bool = True

@@ -24,7 +24,7 @@ fill and drain.
 
 from __future__ import annotations
 
-from miniddp.collectives.cost_model import CostModel, schedule
+from miniddp.collectives.cost_model import schedule
 from miniddp.context_parallel.attention import ring_bytes, ring_seconds
 from miniddp.observe.overlap_model import predict_step, predict_zero3_step, uniform_buckets
 from miniddp.pipeline.bubble import bubble_formula
@@ -58,14 +58,16 @@ def time_terms(
     passes = cluster.memory_passes * (4 / 3 if layout.recompute == "full" else 1)
     kept = layer_activations(model, cluster, layout, seq, "none")
     memory_bound = passes * layers * kept / cluster.hbm_bandwidth
-    per_microbatch = flops / rate + memory_bound
+    host = layers * cluster.layer_overhead
+    per_microbatch = flops / rate + memory_bound + host
     compute = m * per_microbatch
     terms = [
         Term(
             "compute",
             compute,
             f"{m} microbatches x {layers:g} layers: {flops / 1e12:.3g} TFLOP at "
-            f"{cluster.matmul_efficiency:.0%} of peak + {memory_bound * 1e3:.3g} ms memory-bound",
+            f"{cluster.matmul_efficiency:.0%} of peak + {memory_bound * 1e3:.3g} ms memory-bound"
+            + (f" + {host * 1e3:.3g} ms the host's" if host else ""),
             f"{UNVERIFIED} on a GPU: FLOPs by Megatron's count (shapes.py), the two constants "
             "fitted in calibrate.py",
             compute,
@@ -85,10 +87,8 @@ def time_terms(
     )
 
     token_bytes = ELEMENT * b * seq // cp * model.hidden
-    tp_alpha, tp_bandwidth = cluster.link(tp, 1)
-    tp_cost = CostModel(tp_alpha, 1 / tp_bandwidth)
     per_layer = 6 if layout.recompute == "full" else 4
-    one = tp_cost.predict("all_reduce", "ring", token_bytes, tp) + cluster.collective_overhead
+    one = collective_seconds(cluster, "all_reduce", token_bytes, tp, 1)
     tp_time = m * layers * per_layer * one
     tp_time = tp_time if tp > 1 else 0.0
     tp_exposed = tp_time / tp + max(0.0, tp_time - compute) if cluster.tp_overlap else tp_time
@@ -171,15 +171,16 @@ def _data_parallel(model, cluster, layout, m, per_microbatch, layers) -> Term:
     if replicas == 1:
         return Term("dp", 0.0, "one replica: nothing to reduce", "-", 0.0)
     alpha, bandwidth = cluster.link(replicas, layout.tp)
-    cost = CostModel(alpha, 1 / bandwidth)
     elements = stage_elements(model, layout)
     grads = cluster.grad_bytes * elements
     backward = 2 / 3 * per_microbatch  # the last microbatch's backward hides the reduction
     source = "collectives.cost_model.CostModel; the overlap observe.overlap_model (chapter 04)"
     if layout.zero == 3:
         unit = model.layer_parameters / layout.tp
-        gather = cost.predict("all_gather", "ring", ELEMENT * unit, replicas)
-        reduce = cost.predict("reduce_scatter", "ring", cluster.grad_bytes * unit, replicas)
+        gather = collective_seconds(cluster, "all_gather", ELEMENT * unit, replicas, layout.tp)
+        reduce = collective_seconds(
+            cluster, "reduce_scatter", cluster.grad_bytes * unit, replicas, layout.tp
+        )
         forward_unit, backward_unit = per_microbatch / 3 / layers, backward / layers
         one = predict_zero3_step(
             round(layers), forward_unit, backward_unit, gather, reduce, prefetch=cluster.overlap
@@ -193,10 +194,10 @@ def _data_parallel(model, cluster, layout, m, per_microbatch, layers) -> Term:
             m * one.exposed_s,
         )
     collective = "all_reduce" if layout.zero == 0 else "reduce_scatter"
-    reduce_time = cost.predict(collective, "ring", grads, replicas) + cluster.collective_overhead
+    reduce_time = collective_seconds(cluster, collective, grads, replicas, layout.tp)
     params = ELEMENT * elements  # ZeRO-1/2: the updated bf16 parameters, all-gathered
     gather_time = (
-        cost.predict("all_gather", "ring", params, replicas) + cluster.collective_overhead
+        collective_seconds(cluster, "all_gather", params, replicas, layout.tp)
         if layout.zero
         else 0.0
     )
@@ -216,7 +217,8 @@ def _data_parallel(model, cluster, layout, m, per_microbatch, layers) -> Term:
         wire bytes per bucket, as chapter 04's model takes them)."""
         steps, wire = schedule(kind, "ring", int(nbytes), replicas)
         buckets = uniform_buckets(int(nbytes), max(bucket, nbytes / MAX_BUCKETS))
-        return predict_step(buckets, compute_s, steps * alpha, wire / nbytes / bandwidth)
+        latency = (1 if cluster.alpha_once else steps) * alpha
+        return predict_step(buckets, compute_s, latency, wire / nbytes / bandwidth)
 
     buckets = min(MAX_BUCKETS, max(1, round(grads / (BUCKET_ELEMENTS * cluster.grad_bytes))))
     reduced = overlapped(collective, grads, BUCKET_ELEMENTS * cluster.grad_bytes, backward)
@@ -233,3 +235,15 @@ def _data_parallel(model, cluster, layout, m, per_microbatch, layers) -> Term:
         source,
         exposed,
     )
+
+
+def collective_seconds(
+    cluster: Cluster, kind: str, nbytes: float, group: int, stride: int
+) -> float:
+    """One ring collective of `nbytes` over `group` GPUs `stride` ranks apart: its steps'
+    alphas (one alpha with `alpha_once`), its wire bytes, 2(W-1)/W n for an all-reduce, over the
+    link's bandwidth (collectives.cost_model.schedule, chapter 01's ring), and the host's o."""
+    alpha, bandwidth = cluster.link(group, stride)
+    steps, wire = schedule(kind, "ring", int(nbytes), group)
+    latency = (1 if cluster.alpha_once else steps) * alpha
+    return latency + wire / bandwidth + cluster.collective_overhead
