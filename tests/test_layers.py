@@ -142,3 +142,33 @@ def test_a_planted_upward_import_is_named(tmp_path, planted):
     graph["miniddp.data_parallel.ddp"] = [*imports_of(ddp), (planted.split()[1], 999)]
     (problem,) = upward_imports(graph)
     assert problem.startswith("miniddp/data_parallel/ddp.py:999 imports")
+
+
+def assignments_to_dist(source: str) -> list[str]:
+    """Every `dist.NAME = ...` (or `torch.distributed.NAME = ...`) in `source`: the library
+    changes no part of torch.distributed; the simulated link is a process group instead."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        targets += [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            for leaf in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if isinstance(leaf, ast.Attribute) and ast.unparse(leaf.value) in DIST_NAMES:
+                    found.append(f"line {leaf.lineno}: {ast.unparse(leaf)}")
+    return found
+
+
+DIST_NAMES = ("dist", "torch.distributed")
+
+
+def test_the_library_assigns_nothing_in_torch_distributed():
+    found = {
+        str(path.relative_to(ROOT)): assignments_to_dist(path.read_text())
+        for path in PACKAGE.rglob("*.py")
+    }
+    assert {path: lines for path, lines in found.items() if lines} == {}
+
+
+def test_a_planted_monkey_patch_is_named():
+    planted = "import torch.distributed as dist\ndist.all_reduce, dist.send = mine, theirs\n"
+    assert assignments_to_dist(planted) == ["line 2: dist.all_reduce", "line 2: dist.send"]

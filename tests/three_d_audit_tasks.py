@@ -11,6 +11,7 @@ import torch
 
 from miniddp import MixedPrecision
 from miniddp.instruments.figures.three_d import CONFIG, measure_step, messages_sent
+from miniddp.instruments.link_group import link_groups
 from miniddp.mesh import init_device_mesh
 from miniddp.models.gpt import GPT
 from miniddp.parallelize import AXES, parallelize
@@ -30,33 +31,36 @@ def audit(shapes: list[tuple[int, int, int]], precision: str = "fp32") -> dict[t
     what it sent, and the dtypes of its masters and of its compute copies."""
     mixed_precision = MixedPrecision(param_dtype=torch.bfloat16) if precision == "bf16" else None
     torch.set_num_threads(1)
-    results = {}
-    for shape in shapes:
-        layout = MeshLayout.of(*shape, windows=WINDOWS, context=CONFIG.context)
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=AXES)
-        torch.manual_seed(0)
-        model = GPT(CONFIG)  # the same weights on every rank: parallelize keeps this rank's
-        parts = parallelize(
-            model, mesh, n_microbatches=layout.microbatches, mixed_precision=mixed_precision
-        )
-        optimizer = torch.optim.AdamW(parts.parameters(), lr=1e-2)
-        replica = mesh["dp"].get_local_rank()
-        for number in range(2):
-            batch = windows_of(number).tensor_split(layout.dp)[replica]
-            if number == 0:
-                parts.train_step(batch)
-            else:
-                measured = measure_step(parts, optimizer, batch)
-            optimizer.step()
-            optimizer.zero_grad()
-        results[shape] = {
-            "stage": mesh["pp"].get_local_rank(),
-            "elements": sum(p.numel() for p in parts.parameters()),
-            "memory": measured.memory,
-            "activations": measured.activations,
-            "held": measured.held,
-            "sent": messages_sent(measured.step),
-            "masters": {p.dtype for p in parts.parameters()},
-            "copies": {t.dtype for t in ddp_compute_copies(parts.module)},
-        }
-    return results
+    with link_groups():  # groups that log what crosses them (recording_the_wire reads it)
+        return {shape: audit_one(shape, mixed_precision) for shape in shapes}
+
+
+def audit_one(shape: tuple[int, int, int], mixed_precision: MixedPrecision | None) -> Any:
+    """One layout: two AdamW steps, the second measured on this rank."""
+    layout = MeshLayout.of(*shape, windows=WINDOWS, context=CONFIG.context)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=AXES)
+    torch.manual_seed(0)
+    model = GPT(CONFIG)  # the same weights on every rank: parallelize keeps this rank's
+    parts = parallelize(
+        model, mesh, n_microbatches=layout.microbatches, mixed_precision=mixed_precision
+    )
+    optimizer = torch.optim.AdamW(parts.parameters(), lr=1e-2)
+    replica = mesh["dp"].get_local_rank()
+    for number in range(2):
+        batch = windows_of(number).tensor_split(layout.dp)[replica]
+        if number == 0:
+            parts.train_step(batch)
+        else:
+            measured = measure_step(parts, optimizer, batch)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {
+        "stage": mesh["pp"].get_local_rank(),
+        "elements": sum(p.numel() for p in parts.parameters()),
+        "memory": measured.memory,
+        "activations": measured.activations,
+        "held": measured.held,
+        "sent": messages_sent(measured.step),
+        "masters": {p.dtype for p in parts.parameters()},
+        "copies": {t.dtype for t in ddp_compute_copies(parts.module)},
+    }

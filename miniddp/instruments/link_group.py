@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -99,6 +100,20 @@ class Deliveries:
             deliver()
 
 
+@dataclass
+class Crossing:
+    """One operation this rank put on a LinkGroup while `Wire.recording` was a list: an
+    all-reduce (`end`: when it completed, the link's delivery included) or a send (`end`:
+    None, only its issue is seen). `group`: the LinkGroup's name."""
+
+    kind: str
+    group: str
+    elements: int
+    nbytes: int
+    start: float
+    end: float | None = None
+
+
 class Wire:
     """One rank's simulated network while a `simulated_link` block lasts: per speed (two for a
     TwoSpeed), a queue for collectives and one for sends, and the threads that deliver on time.
@@ -109,6 +124,7 @@ class Wire:
         self.deliveries = Deliveries()
         self.sends: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(2)]
         self.traffic: list[tuple[str, float]] = []  # (operation, wire bytes): what crossed
+        self.recording: list[Crossing] | None = None  # an instrument's log, while it is a list
         for sends in self.sends:  # a thread a speed: one link's sends never wait for the other's
             threading.Thread(target=_issue_sends, args=(sends,), daemon=True).start()
         self.use(link)
@@ -125,6 +141,15 @@ class Wire:
         if isinstance(self.link, TwoSpeed):
             return len({rank // self.link.ranks_per_node for rank in global_ranks}) > 1
         return 0
+
+    def record(self, kind: str, group: str, tensors: list[torch.Tensor]) -> Crossing | None:
+        """Log one all-reduce or send while `recording`; None otherwise."""
+        if self.recording is None:
+            return None
+        elements = sum(tensor.numel() for tensor in tensors)
+        crossing = Crossing(kind, group, elements, sum(map(_nbytes, tensors)), now())
+        self.recording.append(crossing)
+        return crossing
 
     def collective(self, name: str, nbytes: int, global_ranks: list[int], run: Callable):
         """Run gloo's `run()` now; its Work completes no sooner than the link delivers."""
@@ -227,7 +252,11 @@ class LinkGroup(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         opts = opts or dist.AllreduceOptions()
         run = lambda: self.gloo.allreduce(tensors, opts)  # noqa: E731
-        return self._collective("all_reduce", sum(map(_nbytes, tensors)), run)
+        crossing = self.wire.record("all_reduce", self.group_name, tensors)
+        work = self._collective("all_reduce", sum(map(_nbytes, tensors)), run)
+        if crossing is not None:  # done when its future is, the link's delay included
+            work.get_future().add_done_callback(lambda _: setattr(crossing, "end", now()))
+        return work
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         opts = opts or dist.AllreduceCoalescedOptions()
@@ -288,6 +317,7 @@ class LinkGroup(dist.ProcessGroup):
         return self.gloo.barrier(opts or dist.BarrierOptions())
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work:
+        self.wire.record("send", self.group_name, tensors)
         pair = [self.global_ranks[self.rank()], self.global_ranks[dst]]
         run = lambda: self.gloo.send(tensors, dst, tag)  # noqa: E731
         return self.wire.send(sum(map(_nbytes, tensors)), pair, run)

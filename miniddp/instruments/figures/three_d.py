@@ -15,10 +15,8 @@ the second (`record_step`); chapter 16b records its own step the same way and dr
 
 from __future__ import annotations
 
-import inspect
 import os
 import pickle
-import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,6 +29,7 @@ import torch.distributed as dist
 
 from miniddp.instruments.activation_memory import PeakSavedActivations
 from miniddp.instruments.figures.record import spawn_and_collect
+from miniddp.instruments.link_group import Crossing, active_wire, link_groups
 from miniddp.mesh import DeviceMesh, init_device_mesh
 from miniddp.models.gpt import GPT, GPTConfig
 from miniddp.observe.events import NO_OBSERVER, Recorder
@@ -59,11 +58,12 @@ def groups_of(shape: tuple[int, ...], names: tuple[str, ...] = AXES) -> dict[str
 
 @dataclass
 class WireEvent:
-    """One thing a rank put on the wire: an all-reduce (`end`: when it completed) or a send or
-    receive of a pipeline's point-to-point batch (`end`: None, only its issue is seen)."""
+    """One thing a rank put on the wire: an all-reduce (`end`: when it completed) or a send of a
+    pipeline's (`end`: None, only its issue is seen). Times on time.perf_counter, the clock of
+    the link's groups and of the schedule's events."""
 
     axis: str  # the mesh axis whose group carried it: "tp", "dp" or "pp" ("other" if none)
-    kind: str  # "all_reduce", "send" or "recv"
+    kind: str  # "all_reduce" or "send"
     elements: int
     nbytes: int
     start: float
@@ -74,53 +74,33 @@ class WireEvent:
 def recording_the_wire(
     mesh: DeviceMesh, tie: dist.ProcessGroup | None = None
 ) -> Iterator[list[WireEvent]]:
-    """Inside the block, every `dist.all_reduce` and `dist.batch_isend_irecv` this rank issues
-    is logged with the axis of its group (MiniDDP, tensor parallelism, the pipeline and the
-    tied embedding all call them by attribute). Nothing else changes. `tie`: the group of a
+    """Inside the block, every all-reduce and send this rank puts on the mesh's groups is
+    logged with the axis of its group: MiniDDP's, tensor parallelism's, the pipeline's and the
+    tied embedding's alike. The groups must be LinkGroups (the mesh made inside
+    `link_groups()`), which log what crosses them; nothing else changes. `tie`: the group of a
     pipeline's first and last stage, the pipeline's own with two stages, a pair of its ranks
     with more: logged as "pp" too."""
-    axis_of = {id(mesh[name].get_group()): name for name in mesh.mesh_dim_names}
-    if tie is not None:
-        axis_of[id(tie)] = "pp"
-    log: list[WireEvent] = []
-    all_reduce, batch = dist.all_reduce, dist.batch_isend_irecv
-    signature = inspect.signature(all_reduce)
-
-    def logged_all_reduce(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        tensor, group = bound.arguments["tensor"], bound.arguments["group"]
-        axis = axis_of.get(id(group or dist.group.WORLD), "other")
-        event = WireEvent(
-            axis, "all_reduce", tensor.numel(), tensor.numel() * tensor.element_size(), now()
+    wire = active_wire()
+    if wire is None:
+        raise RuntimeError(
+            "recording_the_wire sees what crosses LinkGroups: make the mesh inside "
+            "miniddp.instruments.link_group.link_groups() (on the bare machine unless a "
+            "simulated_link block says otherwise)"
         )
-        log.append(event)
-        work = all_reduce(*args, **kwargs)
-        if work is None:  # it returned done
-            event.end = now()
-        else:  # async: done when its future is
-            work.get_future().add_done_callback(lambda _: setattr(event, "end", now()))
-        return work
-
-    def logged_batch(ops):
-        for op in ops:
-            axis = axis_of.get(id(op.group or dist.group.WORLD), "other")
-            kind = "send" if op.op is dist.isend else "recv"
-            tensor = op.tensor
-            log.append(
-                WireEvent(axis, kind, tensor.numel(), tensor.numel() * tensor.element_size(), now())
-            )
-        return batch(ops)
-
-    dist.all_reduce, dist.batch_isend_irecv = logged_all_reduce, logged_batch
+    axis_of = {mesh[name].get_group().group_name: name for name in mesh.mesh_dim_names}
+    if tie is not None:
+        axis_of[tie.group_name] = "pp"
+    log: list[WireEvent] = []
+    crossings: list[Crossing] = []
+    wire.recording = crossings
     try:
         yield log
     finally:
-        dist.all_reduce, dist.batch_isend_irecv = all_reduce, batch
-
-
-def now() -> float:
-    return time.perf_counter()  # one clock for every process of the machine, as events use
+        wire.recording = None
+        log += [
+            WireEvent(axis_of.get(c.group, "other"), c.kind, c.elements, c.nbytes, c.start, c.end)
+            for c in crossings
+        ]
 
 
 @dataclass
@@ -156,11 +136,10 @@ def record_step(parts: ParallelGPT, windows: torch.Tensor) -> tuple[torch.Tensor
 
 def messages_sent(step: RankStep) -> Counter:
     """(axis, kind, elements, bytes an element) -> how many, of what the rank put on the wire:
-    its all-reduces and sends (a receive is its neighbour's send)."""
+    its all-reduces and sends (a receive is its neighbour's send, so none is logged)."""
     return Counter(
         (event.axis, event.kind, event.elements, event.nbytes // event.elements)
         for event in step.wire
-        if event.kind != "recv"
     )
 
 
@@ -211,17 +190,18 @@ def record_on_ranks(rank: int, store_path: str, out_path: str) -> None:
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120)
     )
-    mesh = init_device_mesh("cpu", SHAPE, mesh_dim_names=AXES)
-    torch.manual_seed(0)
-    parts = parallelize(GPT(CONFIG), mesh, n_microbatches=MICROBATCHES)
-    optimizer = torch.optim.AdamW(parts.parameters(), lr=1e-2)
-    replicas, replica = mesh["dp"].size(), mesh["dp"].get_local_rank()
-    for number in range(2):
-        dist.barrier()
-        _, step = record_step(parts, windows_of(number).tensor_split(replicas)[replica])
-        optimizer.step()
-        optimizer.zero_grad()
-    steps = gather_steps(step)
+    with link_groups():  # the bare machine, through groups that log what crosses them
+        mesh = init_device_mesh("cpu", SHAPE, mesh_dim_names=AXES)
+        torch.manual_seed(0)
+        parts = parallelize(GPT(CONFIG), mesh, n_microbatches=MICROBATCHES)
+        optimizer = torch.optim.AdamW(parts.parameters(), lr=1e-2)
+        replicas, replica = mesh["dp"].size(), mesh["dp"].get_local_rank()
+        for number in range(2):
+            dist.barrier()
+            _, step = record_step(parts, windows_of(number).tensor_split(replicas)[replica])
+            optimizer.step()
+            optimizer.zero_grad()
+        steps = gather_steps(step)
     if rank == 0:
         Path(out_path).write_bytes(pickle.dumps(steps))
     dist.destroy_process_group()
