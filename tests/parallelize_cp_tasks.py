@@ -10,7 +10,7 @@ windows; parallelize cuts them over cp itself.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,26 +24,13 @@ from miniddp.models.gpt import GPT
 from miniddp.parallelize import CP_AXES, ParallelGPT, parallelize
 from miniddp.sharding import clip_grad_norm_
 from tests.mesh_tasks import mesh_once
-from tests.parallelize_tasks import CONFIG, full_tensors, windows
+from tests.parallelize_tasks import CONFIG, MeshScenario, full_tensors, windows
 
 STEPS, LR = 3, 1e-2
 
 
-@dataclass(frozen=True)
-class Scenario:
-    """One composition: the mesh (pp, dp, cp, tp), MiniDDP or fully_shard, float64 or bf16 on
-    fp32 masters, and how many train_step calls make one optimizer step."""
-
-    shape: tuple[int, int, int, int]
-    data_parallel: str = "ddp"
-    precision: str = "fp64"
-    accumulate: int = 1
-
-    @property
-    def name(self) -> str:
-        pp, dp, cp, tp = self.shape
-        extra = f"-accumulate{self.accumulate}" if self.accumulate > 1 else ""
-        return f"pp{pp}-dp{dp}-cp{cp}-tp{tp}-{self.data_parallel}-{self.precision}{extra}"
+class Scenario(MeshScenario):
+    THIRD = "cp"
 
 
 def build_gpt(precision: str) -> GPT:

@@ -11,7 +11,7 @@ number of microbatches, backward; the gradients' norm; one AdamW step.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,27 +28,14 @@ from miniddp.parallelize_experts import EP_AXES
 from miniddp.sharding import clip_grad_norm_, full_state_dict
 from tests.mesh_tasks import mesh_once
 from tests.parallelize_tasks import CONFIG as DENSE
-from tests.parallelize_tasks import SPLIT_DIM, windows
+from tests.parallelize_tasks import SPLIT_DIM, MeshScenario, windows
 
 CONFIG = replace(DENSE, moe=MoEConfig(num_experts=4, top_k=2, aux_loss_coef=0.1))
 STEPS, LR, MICROBATCHES = 3, 1e-2, 2
 
 
-@dataclass(frozen=True)
-class Scenario:
-    """One composition: the mesh (pp, dp, ep, tp), MiniDDP or fully_shard, float64 or bf16 on
-    fp32 masters, and how many train_step calls make one optimizer step."""
-
-    shape: tuple[int, int, int, int]
-    data_parallel: str = "ddp"
-    precision: str = "fp64"
-    accumulate: int = 1
-
-    @property
-    def name(self) -> str:
-        pp, dp, ep, tp = self.shape
-        extra = f"-accumulate{self.accumulate}" if self.accumulate > 1 else ""
-        return f"pp{pp}-dp{dp}-ep{ep}-tp{tp}-{self.data_parallel}-{self.precision}{extra}"
+class Scenario(MeshScenario):
+    THIRD = "ep"
 
     @property
     def replicas(self) -> int:

@@ -3,6 +3,9 @@ through `miniddp.parallelize.parallelize` on a (pp, dp, tp) mesh, against one pr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 import torch.distributed as dist
 
@@ -102,3 +105,22 @@ def what_parallelize_says(mistake: str) -> str:
     except Exception as error:
         return f"{type(error).__name__}: {error}"
     return "accepted"
+
+
+@dataclass(frozen=True)
+class MeshScenario:
+    """One composition on a (pp, dp, THIRD, tp) mesh (THIRD: cp or ep), MiniDDP or fully_shard,
+    float64 or bf16 on fp32 masters, and how many train_step calls make one optimizer step."""
+
+    THIRD: ClassVar[str]
+    shape: tuple[int, int, int, int]
+    data_parallel: str = "ddp"
+    precision: str = "fp64"
+    accumulate: int = 1
+
+    @property
+    def name(self) -> str:
+        pp, dp, third, tp = self.shape
+        extra = f"-accumulate{self.accumulate}" if self.accumulate > 1 else ""
+        axes = f"pp{pp}-dp{dp}-{self.THIRD}{third}-tp{tp}"
+        return f"{axes}-{self.data_parallel}-{self.precision}{extra}"
