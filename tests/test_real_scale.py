@@ -44,7 +44,12 @@ def large_all_reduces(count: int, poll_s: float) -> int:
     return exact
 
 
-@pytest.mark.parametrize("poll_s", [faults.POLL_S, 0.001], ids=["default-poll", "1ms-poll"])
+# The 1 ms poll (30 all-reduces, 7 s) under -m slow: the default poll runs the same path.
+@pytest.mark.parametrize(
+    "poll_s",
+    [faults.POLL_S, pytest.param(0.001, marks=pytest.mark.slow)],
+    ids=["default-poll", "1ms-poll"],
+)
 def test_100mb_all_reduces_on_a_busy_machine_raise_nothing(pool2, poll_s):
     count = 8 if poll_s == faults.POLL_S else 30
     with cpu_hog():
@@ -94,7 +99,12 @@ def big_model_against_torch(bucket_cap_mb: float | None) -> dict:
     }
 
 
-@pytest.mark.parametrize("bucket_cap_mb", [None, 100.0], ids=["default-caps", "cap-100MB"])
+# One 100 MB bucket under -m slow: the default caps' buckets take the same path, more of them.
+@pytest.mark.parametrize(
+    "bucket_cap_mb",
+    [None, pytest.param(100.0, marks=pytest.mark.slow)],
+    ids=["default-caps", "cap-100MB"],
+)
 def test_25m_parameter_model_is_bitwise_torchs_on_a_busy_machine(pool2, bucket_cap_mb):
     with cpu_hog():
         results = pool2.run(big_model_against_torch, bucket_cap_mb, timeout=120)
