@@ -19,10 +19,9 @@ backward, gradients complete, no optimizer (the plan's optimizer term is left ou
 The layouts take turns within each iteration, so that the machine's load weighs on them alike.
 
 Reported: measured / predicted per layout, and whether the plan orders the layouts as the
-measurements do. At the defaults (2 blocks of width 64, the link alpha=1ms,1gbit) one run gave
-1.73, 2.06, 1.65 and 2.00, in the measured order. Not yet the issue's 25 %; what the plan still
-leaves out, found by counting what crosses the link and timing each layout with alpha alone and
-bandwidth alone:
+measurements do (two runs' figures: docs/PERFORMANCE.md). Not yet the issue's 25 %; what
+the plan still leaves out, found by counting what crosses the link and timing each layout with
+alpha alone and bandwidth alone:
 
 - the collectives outside the layers: TP's vocabulary-parallel embedding and loss (5 a
   microbatch: the embedding's all-reduce, the loss's three, the head's input gradient), the
@@ -48,6 +47,7 @@ import torch.distributed as dist
 
 from miniddp.instruments.bench.compose import ours, over, windows
 from miniddp.instruments.bench.options import add_gpt_options, add_iters_and_json, whole_number
+from miniddp.instruments.bench.paired import rotated
 from miniddp.job.env import cleanup, init_distributed
 from miniddp.models.gpt import Block, GPTConfig
 from miniddp.observe.link import Link
@@ -149,7 +149,7 @@ def measured_steps(args: argparse.Namespace, link: Link) -> dict[tuple, float]:
             sides[shape], batches[shape] = ours(run), windows(run)
         seconds: dict[tuple, list[float]] = {shape: [] for shape in LAYOUTS}
         for iteration in range(args.warmup + args.iters):
-            for shape in LAYOUTS[iteration % len(LAYOUTS) :] + LAYOUTS[: iteration % len(LAYOUTS)]:
+            for shape in rotated(list(LAYOUTS), iteration):
                 dist.barrier()
                 start = time.perf_counter()
                 sides[shape].step(batches[shape])
