@@ -5,9 +5,9 @@ is found in one go, and the whole run fits in 8 minutes on one 8-GPU node.
     1. scripts/parallelism_checks.py's checks under torchrun (scripts/run_checks.py), one rank
        per GPU, over NCCL: DDP, ZeRO, FSDP, TP, PP, CP, the 3-D composition and the send/recv
        collectives, each against torch's own or one process. On one GPU, W = 2 over gloo with
-       CUDA tensors, both ranks on the same GPU (NCCL refuses two ranks on one GPU), and the
-       checks that send device tensors by send/recv are skipped: gloo's send/recv take host
-       memory only (docs/cpu_assumptions.md).
+       CUDA tensors, both ranks on the same GPU (NCCL refuses two ranks on one GPU). Our messages
+       go through a host copy there (gloo's send/recv read host memory only); torch's pipelining
+       sends GPU tensors as they are, so its checks are skipped (docs/cpu_assumptions.md).
     2. `pytest -m cuda tests/test_cuda.py`: MiniDDP over NCCL at W = 1 and over gloo with CUDA
        tensors at W = 2.
     3. the step benchmark on cuda, MiniDDP against torch's DDP, for its figures.
@@ -48,6 +48,7 @@ PYTEST_ROWS = {
     "test_miniddp_on_one_rank_over_the_devices_backend_matches_torch_ddp": "MiniDDP on W = 1",
     "test_miniddp_on_two_ranks_over_gloo_matches_torch_ddp": "MiniDDP on W = 2, gloo+CUDA",
     "test_send_recv_collectives_match_torch": "send/recv collectives, gloo+CUDA",
+    "test_the_pipeline_sends_cuda_tensors_over_gloo": "pipeline's sends, gloo+CUDA",
 }
 
 
@@ -62,12 +63,12 @@ class Plan:
     machine: str
 
     @property
-    def skips_sends(self) -> bool:
+    def host_memory_sends(self) -> bool:
         return self.device == "cuda" and self.backend == "gloo"
 
     @property
     def backend_label(self) -> str:
-        return f"{self.backend}+cuda" if self.skips_sends else self.backend
+        return f"{self.backend}+cuda" if self.host_memory_sends else self.backend
 
     def torchrun(self, out: Path, checks: list[str]) -> list[str]:
         return [
@@ -111,10 +112,10 @@ def plan_for(cpu: bool, gpus: int | None = None, machine: str | None = None) -> 
 
 
 def skipped(plan: Plan) -> dict[str, str]:
-    if not plan.skips_sends:
+    if not plan.host_memory_sends:
         return {}
-    reason = "skipped: gloo's send/recv take host memory only"
-    return {name: reason for name, check in CHECKS.items() if check.sends}
+    reason = "skipped: torch's side sends GPU tensors by gloo's send/recv (host memory only)"
+    return {name: reason for name, check in CHECKS.items() if check.torch_sends}
 
 
 def dry_run(plan: Plan) -> None:

@@ -42,19 +42,21 @@ class Check:
     name: str
     parallelism: str  # DDP, ZeRO, FSDP, HSDP, TP, PP, CP, EP, 3-D, 4-D, 5-D, collectives
     run: Callable[[torch.device], Measured]
-    sends: bool  # sends device tensors by send/recv: gloo's take host memory only
+    # torch's side sends device tensors by gloo's send/recv, which read host memory only (ours
+    # go through a host copy there: collectives/peers.py, on_the_wire)
+    torch_sends: bool
 
 
 CHECKS: dict[str, Check] = {}
 
 
-def check(parallelism: str, variants: dict[str, dict], sends: bool = False):
+def check(parallelism: str, variants: dict[str, dict], torch_sends: bool = False):
     """Register the decorated function as one check per variant: `variants` maps each check's
     name to the options bound to the function for it, in the table's order."""
 
     def register(function: Callable[..., Measured]) -> Callable[..., Measured]:
         for name, options in variants.items():
-            CHECKS[name] = Check(name, parallelism, partial(function, **options), sends)
+            CHECKS[name] = Check(name, parallelism, partial(function, **options), torch_sends)
         return function
 
     return register
@@ -134,7 +136,9 @@ def fsdp_params(kind: str, device: torch.device, policy: dict | None) -> list[to
     seen = []
     for step in range(3):
         x, y = fsdp.batch(spec, dist.get_rank(), step, 0)
-        F.mse_loss(model(x.to(device)), y.to(device)).backward()
+        # The loss in float32: under the bf16 policy the output is bf16, and CUDA's mse_loss
+        # backward refuses a bf16 input against a float32 target (the CPU's promotes).
+        F.mse_loss(model(x.to(device)).float(), y.to(device)).backward()
         optimizer.step()
         optimizer.zero_grad()
         seen += [t.cpu() for t in fsdp.full_parameters(kind, model)]
@@ -150,7 +154,6 @@ BF16_POLICY = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
         "fully_shard vs torch's (fp32)": {"policy": None},
         "fully_shard vs torch's (bf16 compute, fp32 reduce)": {"policy": BF16_POLICY},
     },
-    sends=True,
 )
 def fsdp(device: torch.device, policy: dict | None) -> Measured:
     ours, theirs = (fsdp_params(kind, device, policy) for kind in ("ours", "torch"))
@@ -188,7 +191,9 @@ def tensor_parallel(device: torch.device) -> Measured:
             model = tp.parallelize_module(model, None, tp.plan_for(model))
         else:
             model = torch_parallelize(model, torch_mesh(device), tasks.torch_plan(model))
-        optimizer = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=0.9)
+        # One tensor at a time, as on the CPU: on a GPU the optimizers default to foreach, which
+        # refuses torch's mix of DTensor (sharded) and plain (the norms') parameters.
+        optimizer = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=0.9, foreach=False)
         seen = []
         for step in range(spec.steps):
             x, y = (t.to(device) for t in tasks.batch(spec, step))
@@ -209,7 +214,7 @@ def tensor_parallel(device: torch.device) -> Measured:
         "Schedule1F1B vs torch's (W stages)": {"kind": "1f1b"},
         "ScheduleInterleaved1F1B vs torch's (2W stages)": {"kind": "interleaved"},
     },
-    sends=True,
+    torch_sends=True,
 )
 def pipeline(device: torch.device, kind: str) -> Measured:
     """Every stage's gradients and parameters after each step, bitwise, against torch's
@@ -261,7 +266,6 @@ def pipeline(device: torch.device, kind: str) -> Measured:
         "ring_attention vs SDPA, fp32 (causal, balanced)": {"dtype": torch.float32},
         "ring_attention vs SDPA, bf16 (causal, balanced)": {"dtype": torch.bfloat16},
     },
-    sends=True,
 )
 def ring(device: torch.device, dtype: torch.dtype) -> Measured:
     """Forward and backward of this rank's part, against F.scaled_dot_product_attention over
@@ -311,7 +315,6 @@ def mesh_shape(world: int) -> tuple[int, int, int]:
         "parallelize(GPT) vs one process, MiniDDP on dp": {"dp": "ddp"},
         "parallelize(GPT) vs one process, fully_shard on dp": {"dp": "fsdp"},
     },
-    sends=True,
 )
 def three_d(device: torch.device, dp: str) -> Measured:
     """Chapter 12's GPT in float64 (tests/parallelize_tasks.py): the losses and every full
@@ -322,7 +325,7 @@ def three_d(device: torch.device, dp: str) -> Measured:
     return against_one_process(device, AXES, sizes, dp)
 
 
-@check("4-D", {"parallelize(GPT) with cp vs one process, MiniDDP": {}}, sends=True)
+@check("4-D", {"parallelize(GPT) with cp vs one process, MiniDDP": {}})
 def four_d(device: torch.device) -> Measured:
     """The same, with the sequence cut over a "cp" axis of 2 (ring attention on the device's
     kernel) and the rest of the ranks laid out as the 3-D check lays them."""
@@ -375,7 +378,7 @@ def against_one_process(device: torch.device, axes: tuple, sizes: dict, dp: str)
     return Measured(difference, 1e-10, f"({', '.join(axes)}) = {shape}")
 
 
-@check("5-D", {"parallelize(GPT) with ep vs one process, MiniDDP": {}}, sends=True)
+@check("5-D", {"parallelize(GPT) with ep vs one process, MiniDDP": {}})
 def five_d(device: torch.device) -> Measured:
     """Chapter 12's GPT with 4 experts in its second block (tests/parallelize_ep_tasks.py),
     float64, its experts cut over an "ep" axis of 2, the rest laid out as the 3-D check lays
@@ -410,7 +413,7 @@ def five_d(device: torch.device) -> Measured:
     return Measured(difference, 1e-10, f"({', '.join(EP_AXES)}) = {scenario.shape}")
 
 
-@check("HSDP", {"fully_shard over (replicate, shard) vs torch's": {}}, sends=True)
+@check("HSDP", {"fully_shard over (replicate, shard) vs torch's": {}})
 def hsdp(device: torch.device) -> Measured:
     """HSDP, torch's meaning: every Linear, then the root, sharded over a 2-D mesh (2, W / 2),
     replicated down its first axis; three AdamW steps; every full parameter, bitwise."""
@@ -446,7 +449,7 @@ def hsdp(device: torch.device) -> Measured:
     return Measured(largest_difference(*runs), note=f"(replicate, shard) = {shape}")
 
 
-@check("EP", {"all_to_all_single vs torch's (uneven, zeros)": {}}, sends=True)
+@check("EP", {"all_to_all_single vs torch's (uneven, zeros)": {}})
 def all_to_all(device: torch.device) -> Measured:
     """Rank r sends (r + d) % 3 rows to rank d, some of them none: ours, on send/recv,
     against torch.distributed.all_to_all_single on the same rows, bitwise (rows only move)."""
@@ -463,12 +466,15 @@ def all_to_all(device: torch.device) -> Measured:
     return Measured(largest_difference([mine], [theirs]), note=f"rows out: {sum(sends)}")
 
 
-@check("EP", {"MoE + ExpertParallel vs one process (dropless)": {}}, sends=True)
+@check("EP", {"MoE + ExpertParallel vs one process (dropless)": {}})
 def expert_parallel(device: torch.device) -> Measured:
     """2W experts, top 2, each rank its own 12 tokens (tests/expert_parallel_tasks.py): the
-    output and every expert's gradient bitwise one process's on the whole batch (each expert
-    sees the same rows in the same order); the router's gradient, summed over ranks, within
-    rounding (a sum in another order)."""
+    output and every expert's gradient bitwise one process's on the whole batch on the CPU
+    (each expert sees the same rows in the same order); the router's gradient, summed over
+    ranks, within rounding (a sum in another order). On a GPU the experts too are within
+    rounding: cuBLAS picks its kernel by the operands' shapes and alignment, and an expert's
+    rows sit elsewhere in a batch of 12 tokens than in one of 12 W (measured on an H200:
+    2.4e-07, so not bitwise)."""
     from miniddp.expert_parallel import ExpertParallel
     from miniddp.tensor_parallel import parallelize_module
     from tests.expert_parallel_tasks import Spec, build, run
@@ -483,16 +489,21 @@ def expert_parallel(device: torch.device) -> Measured:
     mine = slice(rank * spec.tokens, (rank + 1) * spec.tokens)
     ours = run(moe, x[mine], dy[mine], 1.0)
     experts = [f"experts.{w}" for w in ("w1", "w2", "w3")]
-    exact = largest_difference(
-        [ours["y"], *(ours[name] for name in experts)],
-        [reference["y"][mine], *(reference[name].chunk(world)[rank] for name in experts)],
-    )
-    if exact > 0:
-        return Measured(exact, note="the output or an expert's gradient is not bitwise")
+    pairs = [(ours["y"], reference["y"][mine])]
+    pairs += [(ours[name], reference[name].chunk(world)[rank]) for name in experts]
+    if device.type == "cpu":
+        exact = largest_difference(*zip(*pairs))
+        if exact > 0:
+            return Measured(exact, note="the output or an expert's gradient is not bitwise")
+    else:
+        error = max(scaled_error(a, b) for a, b in pairs)
+        if error > 1e-6:
+            return Measured(error, 1e-6, "the output or an expert's gradient beyond rounding")
     router = ours["router.gate.weight"]
     dist.all_reduce(router)
     error = scaled_error(router, reference["router.gate.weight"])
-    return Measured(error, 1e-6, "output, experts bitwise; router within rounding")
+    exact = "bitwise" if device.type == "cpu" else "within rounding"
+    return Measured(error, 1e-6, f"output, experts {exact}; router within rounding")
 
 
 @check(
@@ -501,7 +512,6 @@ def expert_parallel(device: torch.device) -> Measured:
         "miniddp.collectives vs torch.distributed, 4 KB": {"large": False},
         "miniddp.collectives vs torch.distributed, 64 MiB": {"large": True},
     },
-    sends=True,
 )
 def collectives(device: torch.device, large: bool) -> Measured:
     """Every send/recv algorithm on device tensors, against torch.distributed's collective on

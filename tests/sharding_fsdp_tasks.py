@@ -65,8 +65,22 @@ def full_parameters(kind: str, model: nn.Module) -> list[torch.Tensor]:
     if kind == "ours":
         return [t.clone() for t in full_state_dict(model).values()]
     if kind == "torch":
-        return [t.full_tensor().detach().clone() for t in model.state_dict().values()]
+        return [gathered_on_the_host(t) for t in model.state_dict().values()]
     return [t.detach().clone() for t in model.state_dict().values()]
+
+
+def gathered_on_the_host(shard) -> torch.Tensor:
+    """A torch FSDP parameter (a DTensor, Shard(0) on one mesh dimension, replicated on any
+    other: HSDP's) whole: the rows of the ranks it is sharded over, gathered as host tensors.
+    Not DTensor.full_tensor(): on GPU shards over gloo (one GPU shared by two ranks,
+    scripts/gpu_check.sh) its functional all-gather crashes the process."""
+    local = shard.to_local().detach().cpu()
+    dims = [d for d, placement in enumerate(shard.placements) if placement.is_shard()]
+    if not dims:
+        return local.to(shard.device)
+    pieces = [None] * shard.device_mesh.size(dims[0])
+    dist.all_gather_object(pieces, local, group=shard.device_mesh.get_group(dims[0]))
+    return torch.cat(pieces).to(shard.device)
 
 
 def train(kind: str, spec: FsdpSpec, model=None, optimizer=None, first_step: int = 0) -> dict:

@@ -163,6 +163,7 @@ def test_averaging_over_dp_alone_is_caught(rank_pools):
         ("cuda", torch.bfloat16, "cuda flash"),
         ("cuda", torch.float16, "cuda flash"),
         ("cuda", torch.float32, "cuda efficient"),
+        ("cuda", torch.float64, "math"),
     ],
 )
 def test_the_block_kernel_is_the_devices(device, dtype, kernel):
@@ -184,3 +185,20 @@ def test_the_cpu_kernel_returns_sdpas_output_and_the_log_sum_exp():
     scores = q @ k.transpose(-1, -2) / 8**0.5
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v))
     torch.testing.assert_close(lse, scores.logsumexp(-1))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_written_out_kernel_is_the_cpu_kernel(causal):
+    """CUDA's float64 blocks run the attention written out (kernels.py, MATH): forward (out,
+    lse) and backward (given the merged out and lse, as the ring calls it) against the CPU
+    flash kernel, in float64."""
+    generator = torch.Generator().manual_seed(3)
+    q, k, v, grad_out = torch.randn(4, 2, 3, 6, 8, dtype=torch.float64, generator=generator)
+    cpu, math = kernel_for("cpu", q.dtype), kernel_for("cuda", q.dtype)
+    out, lse = cpu.forward(q, k, v, causal, 0.3)
+    for mine, theirs in zip(math.forward(q, k, v, causal, 0.3), (out, lse), strict=True):
+        torch.testing.assert_close(mine, theirs)
+    mine = math.backward(grad_out, q, k, v, out, lse, causal, 0.3)
+    theirs = cpu.backward(grad_out, q, k, v, out, lse, causal, 0.3)
+    for a, b in zip(mine, theirs[:3], strict=True):
+        torch.testing.assert_close(a, b)

@@ -39,18 +39,6 @@ ON_GPU = pytest.param(
     "cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(NO_CUDA, reason="no CUDA device")]
 )
 DEVICES = ["cpu", ON_GPU]
-# gloo's send/recv hand the tensor's data pointer to its TCP transport (ProcessGroupGloo::send),
-# which reads host memory only; scripts/gpu_check.sh runs the same algorithms over NCCL.
-SENDS_ON_GPU = pytest.param(
-    "cuda",
-    marks=[
-        pytest.mark.cuda,
-        pytest.mark.skipif(NO_CUDA, reason="no CUDA device"),
-        pytest.mark.xfail(reason="gloo's send/recv take host memory only", strict=False),
-    ],
-)
-
-
 STEPS = 3
 
 
@@ -159,12 +147,40 @@ def collectives_against_torch(kind: str, numel: int = 1000) -> dict[str, bool]:
     return results
 
 
-@pytest.mark.parametrize("device", ["cpu", SENDS_ON_GPU])
+@pytest.mark.parametrize("device", DEVICES)
 def test_send_recv_collectives_match_torch(pool2: RankPool, device: str) -> None:
-    """Every algorithm built from isend/irecv, on `device` tensors, against torch.distributed."""
+    """Every algorithm built from isend/irecv, on `device` tensors, against torch.distributed.
+    On CUDA over gloo, whose send/recv read host memory only, each message goes through a host
+    copy (collectives/peers.py, on_the_wire)."""
     for rank, results in enumerate(pool2.run(collectives_against_torch, device)):
         wrong = [name for name, same in results.items() if not same]
         assert not wrong, f"rank {rank}: {wrong} differ from torch.distributed"
+
+
+def pipeline_gradients(kind: str) -> list[torch.Tensor]:
+    """One Schedule1F1B step of a 2-stage MLP, a stage a rank: this stage's gradients."""
+    from miniddp import pipeline
+    from tests.test_pipeline import PipeSpec, batch, build_model, mse
+
+    device, rank = rank_device(kind), dist.get_rank()
+    spec = PipeSpec(widths=(6, 5, 3), n_microbatches=4)
+    block = build_model(spec)[rank].to(device)
+    stage = pipeline.PipelineStage(block, rank, spec.stages, device)
+    schedule = pipeline.Schedule1F1B(stage, spec.n_microbatches, mse)
+    x, y = (t.to(device) for t in batch(spec, 0))
+    schedule.step(x) if rank == 0 else schedule.step(target=y, losses=[])
+    return [p.grad.cpu() for p in block.parameters()]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(NO_CUDA, reason="no CUDA device")
+def test_the_pipeline_sends_cuda_tensors_over_gloo(pool2: RankPool) -> None:
+    """Activations and gradients between stages on CUDA over gloo go through a host copy
+    (pipeline/p2p.py): the gradients are the CPU run's, to the GPU's rounding."""
+    on_gpu, on_cpu = pool2.run(pipeline_gradients, "cuda"), pool2.run(pipeline_gradients, "cpu")
+    for gpu, cpu in zip(on_gpu, on_cpu, strict=True):
+        for a, b in zip(gpu, cpu, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.cuda

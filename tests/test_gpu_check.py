@@ -50,8 +50,11 @@ def test_the_dry_run_on_one_gpu_shares_it_over_gloo_and_says_what_it_skips(capsy
     assert gpu_check.main(["--dry-run", "--gpus", "1"]) == 0
     output = capsys.readouterr().out
     assert "W = 2 over gloo+cuda" in output and "NCCL refuses two ranks on one GPU" in output
-    sending = [c.name for c in parallelism_checks.CHECKS.values() if c.sends]
-    assert sending and all(f"{name} skipped: gloo's send/recv" in output for name in sending)
+    checks = parallelism_checks.CHECKS.values()
+    sending = [c.name for c in checks if c.torch_sends]
+    assert sending and all(f"{name} skipped: torch's side sends" in output for name in sending)
+    ours = [c.name for c in checks if not c.torch_sends]  # ours go through a host copy
+    assert ours and not any(f"{name} skipped" in output for name in ours)
 
 
 def test_the_checks_pass_on_the_cpu_over_gloo_at_w2(tmp_path, monkeypatch, capsys):
@@ -101,11 +104,12 @@ JUNIT = """<testsuites><testsuite>
   <failure message="AssertionError: rank 0: MiniDDP differs&#10;more">trace</failure></testcase>
 <testcase name="test_send_recv_collectives_match_torch[cuda]">
   <skipped type="pytest.xfail" message="gloo's send/recv take host memory only"/></testcase>
+<testcase name="test_the_pipeline_sends_cuda_tensors_over_gloo"/>
 </testsuite></testsuites>"""
 
 
 def test_the_cuda_tests_rows_come_from_pytests_report():
     rows = {row["check"]: row for row in gpu_check.junit_rows(JUNIT, "see tests.log")}
-    assert [row["status"] for row in rows.values()] == ["ok", "FAIL", "xfail"]
+    assert [row["status"] for row in rows.values()] == ["ok", "FAIL", "xfail", "ok"]
     assert rows["MiniDDP on W = 2, gloo+CUDA"]["note"] == "AssertionError: rank 0: MiniDDP differs"
     assert {row["status"] for row in gpu_check.junit_rows(None, "timed out")} == {"not run"}

@@ -119,7 +119,8 @@ class Peers:
         traffic.bytes_received += buffer.numel() * buffer.element_size()
         traffic.messages_received += 1
         source = self.global_ranks[src]
-        return dist.irecv(buffer, source, group=self.group, tag=MESSAGE_TAG)
+        wire = on_the_wire(buffer, self.group, incoming=True)
+        return landing(dist.irecv(wire, source, group=self.group, tag=MESSAGE_TAG), wire, buffer)
 
     def send(self, step: int, dst: int, buffer: torch.Tensor, what: str) -> dist.Work | None:
         """Post a send of `buffer` to group rank `dst`, and return without waiting."""
@@ -132,7 +133,8 @@ class Peers:
         if self.log is not None:
             me = self.global_ranks[self.rank]
             self.log.append(Message(self.collective, step, me, target, what, nbytes))
-        return dist.isend(buffer, target, group=self.group, tag=MESSAGE_TAG)
+        wire = on_the_wire(buffer, self.group, incoming=False)
+        return dist.isend(wire, target, group=self.group, tag=MESSAGE_TAG)
 
     def exchange(
         self,
@@ -148,6 +150,39 @@ class Peers:
         posted = [self.receive(src, buffer) for src, buffer in receives]
         posted += [self.send(step, dst, buffer, what) for dst, buffer, what in sends]
         wait_all(*posted)
+
+
+def on_the_wire(tensor: torch.Tensor, group: ProcessGroup | None, incoming: bool) -> torch.Tensor:
+    """The tensor a message travels in: `tensor` itself, except for a GPU tensor on gloo, whose
+    send and receive hand the tensor's address straight to the TCP transport (a GPU address
+    aborts the process: "writev: Bad address"). gloo's collectives copy GPU tensors through host
+    memory themselves; for its point-to-point calls we do: a send goes out from a host copy, a
+    receive lands in a host buffer and is copied to the GPU when waited for (`landing`)."""
+    if tensor.device.type == "cpu" or dist.get_backend(group) != dist.Backend.GLOO:
+        return tensor
+    return torch.empty_like(tensor, device="cpu") if incoming else tensor.cpu()
+
+
+def landing(work: dist.Work, wire: torch.Tensor, tensor: torch.Tensor) -> dist.Work:
+    """The receive `work` into `wire`, such that waiting for it leaves the message in `tensor`."""
+    return work if wire is tensor else _CopiedOnArrival(work, wire, tensor)
+
+
+class _CopiedOnArrival:
+    """A receive into a host buffer, waited for as a `dist.Work`: the wait also copies the
+    message to the GPU tensor it was meant for."""
+
+    def __init__(self, work: dist.Work, host: torch.Tensor, tensor: torch.Tensor) -> None:
+        self.work, self.host, self.tensor = work, host, tensor
+
+    def wait(self, timeout=None) -> bool:
+        arrived = self.work.wait() if timeout is None else self.work.wait(timeout)
+        if arrived:
+            self.tensor.copy_(self.host)
+        return arrived
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
 
 
 def wait_all(*works: dist.Work | None) -> None:

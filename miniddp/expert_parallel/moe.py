@@ -128,7 +128,7 @@ class MoE(nn.Module):
             [
                 chosen.double(),
                 probs.detach().double().sum(0),
-                torch.tensor([len(probs), dropped], dtype=torch.float64),
+                torch.tensor([len(probs), dropped], dtype=torch.float64, device=probs.device),
             ]
         )
         group = self.routing_group or self.experts.dispatch.group

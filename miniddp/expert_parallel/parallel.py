@@ -69,8 +69,9 @@ class AllToAllDispatch:
         sends = counts.view(self.size, self.local).sum(1).tolist()
         arrives = received.sum(1).tolist()
         arrived = all_to_all_single_autograd(rows, arrives, sends, self.group)  # 3. dispatch
-        source = torch.arange(self.size).repeat_interleave(received.sum(1))
-        expert = torch.arange(self.local).repeat(self.size).repeat_interleave(received.view(-1))
+        source = torch.arange(self.size, device=counts.device).repeat_interleave(received.sum(1))
+        expert = torch.arange(self.local, device=counts.device).repeat(self.size)
+        expert = expert.repeat_interleave(received.view(-1))
         by_expert = torch.argsort(expert * self.size + source, stable=True)  # 4. regroup
         outputs = compute(arrived[by_expert], received.sum(0))
         back = outputs[torch.argsort(by_expert)]

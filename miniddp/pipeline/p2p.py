@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from miniddp.collectives.peers import landing, on_the_wire
 from miniddp.job.faults import wait_for, wait_for_transfer
 
 MAX_TENSORS = 8  # an activation is a tuple of at most 8 tensors ...
@@ -176,15 +177,16 @@ class Mailbox:
         transfers = [*sends, *(t for t in receives if t.rank != self.rank)]
         if not transfers:
             return []
+        wires = [on_the_wire(t.tensor, self.group, incoming=not t.is_send) for t in transfers]
         ops = [
             dist.P2POp(
                 dist.isend if t.is_send else dist.irecv,
-                t.tensor,
+                wire,
                 group=self.group,
                 tag=t.tag,
                 group_peer=t.rank,
             )
-            for t in transfers
+            for t, wire in zip(transfers, wires)
         ]
         try:
             works = dist.batch_isend_irecv(ops)
@@ -195,7 +197,8 @@ class Mailbox:
             self._sends_in_flight.append((work, transfer))  # keeps the tensor alive
             self.bytes_sent += transfer.tensor.numel() * transfer.tensor.element_size()
             self.note("send", transfer.what)
-        return works[len(sends) :]
+        received = zip(works[len(sends) :], wires[len(sends) :], transfers[len(sends) :])
+        return [landing(work, wire, transfer.tensor) for work, wire, transfer in received]
 
     def wait_receives(
         self, works: list[dist.Work | None], receives: list[Transfer]
