@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from miniddp import MiniDDP
+from miniddp.observe.events import Recorder
 from miniddp.pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe
 from tests.harness.measurements import record_max
 from tests.mesh_tasks import mesh_once
@@ -140,6 +141,35 @@ def test_with_dropout_or_batchnorm_it_is_bitwise_the_pipeline_averaged_by_hand(
             assert torch.equal(result["buffers"][name], buffer), f"rank {rank}'s buffer {name}"
         if layer == "batchnorm":
             assert result["buffers"]["1.num_batches_tracked"].item() == STEPS * m
+
+
+def sends_and_waits(schedule_name: str) -> tuple[int, list[str]]:
+    """One step of 2 microbatches, MiniDDP and the schedule heard by one Recorder: this rank's
+    stage, and its sends and MiniDDP's waits for its buckets, in the order they happened."""
+    mesh = mesh_once((2, REPLICAS), ("pp", "dp"))
+    stage_index, replica = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    block = build_model()[stage_index]
+    wrapped = MiniDDP(block, process_group=mesh["dp"].get_group())
+    stage = PipelineStage(wrapped, stage_index, 2, "cpu", group=mesh["pp"].get_group())
+    schedule = SCHEDULES[schedule_name](stage, 2, mse)
+    schedule.observer = wrapped.observer = recorder = Recorder()
+    run_step(schedule, stage, *(t.tensor_split(REPLICAS)[replica] for t in global_batch(2, 0)))
+    heard = [f"{e.kind} {e.name}" for e in recorder.events if e.kind in ("send", "wait")]
+    return stage_index, heard
+
+
+@pytest.mark.parametrize("schedule_name", ["gpipe", "1f1b"])
+def test_the_last_stage_sends_its_last_gradient_before_waiting_for_its_all_reduce(
+    rank_pools, schedule_name
+):
+    """The stage before needs that gradient for its own last backward, and so to start its own
+    all-reduce: sent after this stage's wait, the stages' all-reduces would run one after the
+    other (pipeline/stage.py, `early`)."""
+    for stage_index, events in rank_pools(4).run(sends_and_waits, schedule_name):
+        if stage_index == 1:
+            waits = [k for k, event in enumerate(events) if event.startswith("wait")]
+            (sent,) = [k for k, event in enumerate(events) if event.startswith("send gradient 1")]
+            assert waits and sent < waits[0], events
 
 
 def accumulate_over_two_steps(schedule_name: str) -> dict:

@@ -134,12 +134,55 @@ def tp_errors() -> list[str]:
     for tp in (2, 4, 8):
         layout = Layout(tp, 1, 1, 1, microbatch=1)
         plan = evaluate(SMALL, cluster, layout, 1024, 4, tp)
-        token_bytes = 2 * 1024 * SMALL.hidden
-        expected = 4 * 4 * SMALL.layers * wire_bytes("all_reduce", token_bytes, tp)
+        token_bytes, loss_bytes = 2 * 1024 * SMALL.hidden, 4 * 1024
+        # 4 microbatches: 4 all-reduces a layer; at the ends the embedding's and the output
+        # layer's of a token's width, and the vocabulary-parallel loss's 3 of a number a token
+        a_microbatch = (4 * SMALL.layers + 2) * wire_bytes("all_reduce", token_bytes, tp)
+        a_microbatch += 3 * wire_bytes("all_reduce", loss_bytes, tp)
+        expected = 4 * a_microbatch
         got = terms(plan, "time")["tp"].value * cluster.nvlink_bandwidth
         if not got == pytest.approx(expected, rel=1e-9):
             errors.append(f"tp={tp}: {got} bytes on the wire != {expected}")
     return errors
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_pipeline_pays_its_step_check_and_a_tied_embeddings_all_reduce(tied):
+    """Besides 2·v·m sends, once a step: the pipeline's check of its inputs, each stage's
+    CheckRow of int64s in one all-reduce (pipeline/step_checks.py), and a tied embedding's
+    gradient (GPT's, not Llama's) all-reduced between the first and last stage; what bench
+    plan counted crossing the link."""
+    from miniddp.pipeline.step_checks import CheckRow
+
+    model = SMALL if tied else replace(SMALL, biases=False)
+    cluster = replace(H100, nvlink_latency=0.0, overlap=False)
+    plan = evaluate(model, cluster, Layout(1, 2, 1, 1, microbatch=1), 1024, 4, 2)
+    token_bytes = 2 * 1024 * model.hidden
+    wire = 2 * 4 * token_bytes  # 2 sends a microbatch, 4 microbatches
+    wire += wire_bytes("all_reduce", 8 * len(CheckRow._fields) * 2, 2)
+    wire += wire_bytes("all_reduce", 4 * model.embedding_parameters, 2) if tied else 0
+    got = terms(plan, "time")["pp"].value * cluster.nvlink_bandwidth
+    assert got == pytest.approx(wire, rel=1e-9)
+
+
+def test_element_bytes_are_what_tp_sends_a_token():
+    """This machine's bench runs float32: its TP messages are twice bf16's."""
+    cluster = replace(H100, nvlink_latency=0.0, tp_overlap=False)
+    layout = Layout(2, 1, 1, 1, microbatch=1)
+    bf16, fp32 = (
+        terms(evaluate(SMALL, replace(cluster, element_bytes=n), layout, 1024, 4, 2), "time")
+        for n in (2, 4)
+    )
+    loss = 4 * 3 * wire_bytes("all_reduce", 4 * 1024, 2) / cluster.nvlink_bandwidth  # fp32 both
+    assert fp32["tp"].value - loss == pytest.approx(2 * (bf16["tp"].value - loss), rel=1e-9)
+
+
+def test_the_hosts_time_outside_the_layers_is_paid_once_a_microbatch():
+    layout = Layout(1, 2, 1, 4, microbatch=4)
+    base = terms(evaluate(SMALL, H100, layout, 1024, 64, 8), "time")["compute"].value
+    slow = replace(H100, ends_overhead=1e-3)
+    compute = terms(evaluate(SMALL, slow, layout, 1024, 64, 8), "time")["compute"].value
+    assert compute - base == pytest.approx((64 // 4 // 4) * 1e-3)
 
 
 def test_alpha_once_pays_one_alpha_a_collective_where_a_ring_pays_one_a_step():
@@ -149,7 +192,7 @@ def test_alpha_once_pays_one_alpha_a_collective_where_a_ring_pays_one_a_step():
     layout = Layout(4, 1, 1, 1, microbatch=1)
     for once, steps in ((False, 2 * (4 - 1)), (True, 1)):
         plan = evaluate(SMALL, replace(cluster, alpha_once=once), layout, 1024, 4, 4)
-        collectives = 4 * 4 * SMALL.layers  # 4 a layer, 4 microbatches
+        collectives = 4 * (4 * SMALL.layers + 5)  # 4 a layer and 5 at the ends, 4 microbatches
         alpha = cluster.nvlink_latency
         assert terms(plan, "time")["tp"].value == pytest.approx(collectives * steps * alpha)
 

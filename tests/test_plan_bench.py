@@ -24,11 +24,12 @@ def test_every_layout_is_measured_and_priced_from_this_machines_constants(tmp_pa
     assert returncode == 0, output[-3000:]
     report = json.loads(report_path.read_text())
     assert report["flops"] > 0 and report["layer"] > 0 and report["o"] >= 0
+    assert report["ends"] >= 0 and 0 < report["bandwidth"] <= 100e6 / 8  # at most the link's
     assert [tuple(row["pp_dp_tp"]) for row in report["rows"]] == list(LAYOUTS)
     for row in report["rows"]:
         assert row["measured_s"] > 0 and row["predicted_s"] > 0
         assert row["ratio"] == pytest.approx(row["measured_s"] / row["predicted_s"])
-    assert "fastest to slowest, planned:" in output
+    assert "fastest to slowest, planned:" in output and "within 25% of the plan:" in output
 
 
 def test_a_global_batch_that_does_not_split_is_refused_before_anything_runs(tmp_path):

@@ -145,9 +145,9 @@ def test_every_published_layout_is_within_10_percent_of_the_plans_best(row):
 
 
 def test_a_planted_wrong_constant_fails_the_held_out_check():
-    """The check can fail: a cluster 20% slower at matmuls misses the published rows."""
+    """The check can fail: a cluster 25% slower at matmuls misses the published rows."""
     slow = replace(
-        clusters.PRESETS["h100"], matmul_efficiency=0.8 * clusters.H100.matmul_efficiency
+        clusters.PRESETS["h100"], matmul_efficiency=0.75 * clusters.H100.matmul_efficiency
     )
     row = HELD_OUT[10]  # Megatron-Core's 32B
     assert abs(row.predicted_tflops(slow) / row.tflops_per_gpu - 1) > 0.15

@@ -141,7 +141,7 @@ def section_mfu(gpt3: Plan, llama: Plan, checks: dict[str, bool]) -> None:
         And the two plans above: GPT-3 175B at {gpt3.mfu:.0%} MFU on A100s
         ({gpt3.tflops_per_gpu():.0f} model TFLOP/s), Llama 3 70B at {llama.mfu:.0%} on H100s.
         The fit reproduces its four rows by construction; the test is the 18 it never saw
-        (tests/test_plan_published.py: median 4.7%, at most 10.5%).""")
+        (tests/test_plan_published.py: median 4.7%, at most 10.7%).""")
     checks["MFU between 20% and 70% for both plans"] = all(0.2 < p.mfu < 0.7 for p in (gpt3, llama))
 
 

@@ -245,7 +245,8 @@ class PipelineSchedule:
             for action in order:
                 # This action's receives go out in one batch with the previous action's sends.
                 received = self.borders.receive_for(action, sends)
-                sends = self._run(action, data, received, last_backward.get(action.stage) == action)
+                last = last_backward.get(action.stage) == action
+                sends = self._run(action, data, received, last, final=action is order[-1])
                 self.peak_held = max(self.peak_held, sum(len(s.held) for s in self.stages))
         self.mailbox.post(sends)
         self.mailbox.finish_sends()
@@ -256,10 +257,16 @@ class PipelineSchedule:
         return data.merged_outputs() if self.has_last_stage else None
 
     def _run(
-        self, action: Action, data: StepData, received: Activation | None, last: bool
+        self,
+        action: Action,
+        data: StepData,
+        received: Activation | None,
+        last: bool,
+        final: bool = False,
     ) -> list[Transfer]:
         """Compute `action` at its stage; what it sends (an activation downstream, gradients
-        upstream), for the next action's batch."""
+        upstream), for the next action's batch. The rank's `final` action has no next batch:
+        its gradients go out alone, as soon as autograd has them (stage.py, `early`)."""
         stage, i, s = self._by_index[action.stage], action.microbatch, action.stage
         name = f"{i} {s}"
         self.observer.note(EVENT_KIND[action.kind], f"start {name}")
@@ -280,10 +287,15 @@ class PipelineSchedule:
             stage.backward_weight(i, last)
         else:
             if action.kind == BACKWARD:
-                input_grads = stage.backward(i, received, last)
+
+                def early(grads: Activation) -> None:
+                    self.mailbox.post(self.borders.gradient_sends(grads, s, i))
+
+                input_grads = stage.backward(i, received, last, early if final else None)
             else:
                 input_grads = stage.backward_input(i, received)
-            sends += self.borders.gradient_sends(input_grads, s, i)
+            if input_grads is not None:
+                sends += self.borders.gradient_sends(input_grads, s, i)
         self.observer.note(EVENT_KIND[action.kind], f"end {name}")
         return sends
 

@@ -51,6 +51,14 @@ gradient of the loss that was computed, dropout's masks and BatchNorm's m update
 Inside the user's own `no_sync()` (accumulating over several steps) the stage arms nothing.
 As in torch, buffers are not broadcast between the replicas (no forward is synced).
 
+That backward ends waiting for the all-reduce (the wrapper's end-of-backward callback), and the
+stage before needs this stage's input gradients to run its own last backward. Sent after the
+wait, they would chain the stages' all-reduces one after the other (measured on the link:
+(pp, dp) = (2, 4), a 4-block GPT at alpha=2ms,100mbit, 155 ms a step where one all-reduce
+would take 100). So when it is the rank's last action, the schedule hands that backward an
+`early` callback: hooks on the stage's inputs send their gradients the moment autograd has
+them (`_SentEarly`), and the all-reduces of all stages travel together.
+
 Every parameter of the stage is marked as this stage's (miniddp/placement.py): clipping's norm
 adds the stages' parts, and a checkpoint keeps each stage's state apart.
 """
@@ -58,7 +66,9 @@ adds the stages' parts, and a checkpoint keeps each stage's state apart.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -192,18 +202,30 @@ class PipelineStage:
         self.held[microbatch].loss = loss
 
     def backward(
-        self, microbatch: int, output_grads: Activation | None, last: bool = False
+        self,
+        microbatch: int,
+        output_grads: Activation | None,
+        last: bool = False,
+        early: Callable[[Activation], None] | None = None,
     ) -> Activation | None:
         """Backpropagate through what forward(microbatch) kept; the gradients of the inputs that
-        carry one, for stage s-1 (None on the first stage). `last`: the step's last backward,
-        the one that all-reduces under data parallelism."""
+        carry one, for stage s-1 (None on the first stage, or when `early` took them). `last`:
+        the step's last backward, the one that all-reduces under data parallelism; there
+        `early`, if given, gets the input gradients before the all-reduce is waited for."""
         held = self.held.pop(microbatch)
+        sent = None
         if last and self.data_parallel:
             _arm_reduction(self.submodule, held.output)
+            if early is not None and not self.is_first:
+                sent = _SentEarly(held, early)
         roots, grads = held.root(output_grads)
-        if roots:
-            torch.autograd.backward(roots, grad_tensors=grads)  # from the loss: d loss/d loss = 1
-        if self.is_first:
+        try:
+            if roots:  # from the loss: d loss/d loss = 1
+                torch.autograd.backward(roots, grad_tensors=grads)
+        finally:
+            if sent is not None:
+                sent.remove()
+        if self.is_first or (sent is not None and sent.done):
             return None
         return held.input_grads([x.grad for x in held.differentiable_inputs()])
 
@@ -244,6 +266,30 @@ class PipelineStage:
                 "that raised: build a new PipelineStage and schedule to start again"
             )
         self.peak_held = 0
+
+
+class _SentEarly:
+    """Hooks on a stage's inputs for its last backward under data parallelism: once autograd
+    has the gradient of every input that carries one, `send` gets them all, while the backward
+    goes on to its end and the all-reduce's wait. An input the stage did not use gets no
+    gradient, so no hook completes: backward then returns the gradients as usual."""
+
+    def __init__(self, held: Held, send: Callable[[Activation], None]) -> None:
+        self.held, self.send, self.done = held, send, False
+        self.inputs = held.differentiable_inputs()
+        self.arrived: dict[int, torch.Tensor] = {}
+        hooks = (partial(self._arrive, k) for k in range(len(self.inputs)))
+        self.handles = [x.register_hook(hook) for x, hook in zip(self.inputs, hooks)]
+
+    def _arrive(self, k: int, grad: torch.Tensor) -> None:
+        self.arrived[k] = grad
+        if len(self.arrived) == len(self.inputs):
+            self.send(self.held.input_grads([self.arrived[j] for j in range(len(self.inputs))]))
+            self.done = True
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
 
 def _fully_sharded(submodule: nn.Module) -> bool:

@@ -31,6 +31,9 @@ running Megatron-Core in 2024. Every number below is an assumption, written down
                      0 for the GPUs (the host runs ahead of the kernels it launches); on this
                      machine's toy shapes it is most of a layer's time, and `bench plan`
                      measures it (one block at a tiny shape)
+    ends_overhead    the same a microbatch for what lies outside the layers: the embedding, the
+                     last norm, the output layer and the loss. 0 for the GPUs; `bench plan`
+                     measures it (a GPT of one block at a tiny shape, less one block)
     reserved_gib     memory the training never gets: CUDA's context, cuBLAS's and NCCL's
                      workspaces, the allocator's fragmentation, 3 GiB in all
 
@@ -45,6 +48,9 @@ measures it on a GPU):
     tp_overlap       TP's collectives split into chunks that travel under the GEMMs (Megatron-
                      Core's --tp-comm-overlap, 2024); Llama 3's paper describes no such overlap,
                      so its runs keep TP's collectives exposed
+    element_bytes    bytes of an activation as the runs compute and send it (TP's and PP's
+                     messages, CP's K/V, the gathered parameters): 2, bf16, on the GPUs; 4 on
+                     this machine, whose `bench plan` runs in float32
     grad_bytes       bytes an element of the gradient DP reduces: 4 in 2024 (bf16 training
                      reduces fp32 main grads); 2 in 2021 (the fp16 scripts of the time did not
                      pass --accumulate-allreduce-grads-in-fp32: fp16 gradients all-reduced)
@@ -101,9 +107,11 @@ class Cluster:
     collective_overhead: float = 0.0
     alpha_once: bool = False
     layer_overhead: float = 0.0
+    ends_overhead: float = 0.0
     causal_half: bool = True
     overlap: bool = True
     tp_overlap: bool = True
+    element_bytes: int = 2
     grad_bytes: int = 4
     sharded_masters: bool = False
     cp_all_gather: bool = False
@@ -153,8 +161,8 @@ A100 = Cluster(
     max_zero=0,
     sequence_parallel=False,
     context_parallel=False,
-    matmul_efficiency=0.6555,
-    memory_passes=5.045,
+    matmul_efficiency=0.6592,
+    memory_passes=5.123,
 )
 H100 = Cluster(
     "h100",
@@ -168,8 +176,8 @@ H100 = Cluster(
     overlap=True,
     sharded_masters=True,
     max_zero=1,
-    matmul_efficiency=0.5689,
-    memory_passes=18.585,
+    matmul_efficiency=0.5709,
+    memory_passes=18.702,
 )
 PRESETS = {"a100": A100, "h100": H100}
 

@@ -130,7 +130,7 @@ def _stage_terms(model, cluster, layout, seq, microbatches, first: bool) -> list
         "11c; SP's 1/t: tests/test_sequence_parallel.py) x pipeline.bubble.held_formula "
         "(= peak_held of chapter 14's and 14b's orders)"
     )
-    token_bytes = ELEMENT * seq // layout.cp * layout.microbatch * model.hidden
+    token_bytes = cluster.element_bytes * seq // layout.cp * layout.microbatch * model.hidden
     buffers = 2 * token_bytes / layout.tp if layout.pp > 1 else 0.0  # send and receive
     buffers += token_bytes if layout.tp > 1 and cluster.sequence_parallel else 0.0  # SP's
     return [

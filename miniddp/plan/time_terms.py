@@ -8,10 +8,17 @@ kappa = memory_passes (clusters.py):
                + m·kappa·(L_r layers' activations) / HBM bandwidth        memory-bound kernels
     bubble     compute · f/(1 - f),  f = (p-1)/(vm + p-1)        pipeline.bubble.bubble_formula
     tp         4 collectives a layer and microbatch (6 with full recomputation) of b·s·h bf16
-               over tp ranks, each alpha·2(t-1) + 2(t-1)/t·n·beta       collectives.cost_model
+               over tp ranks, each alpha·2(t-1) + 2(t-1)/t·n·beta       collectives.cost_model;
+               and at the ends, a microbatch on the last stage: the vocabulary-parallel
+               loss's 3 all-reduces of b·s fp32 numbers (tensor_parallel/cross_entropy.py),
+               the output layer's input gradient, and without a pipeline the embedding's
+               all-reduce too, each b·s·h (Megatron's VocabParallelEmbedding and head alike)
     cp         K/V round the ring, (W-1)·max(t, m) + t forward and twice backward: hidden
                while a hop's transfer m is shorter than a block's compute t   context_parallel
-    pp         each microbatch's activation forward and gradient back, v times across a rank
+    pp         each microbatch's activation forward and gradient back, v times across a rank;
+               a step's check of its inputs, one tiny all-reduce over the stages
+               (pipeline/step_checks.py); and a tied embedding's gradient (GPT's) all-reduced
+               between the first and last stage after backward
     dp         the stage's gradients reduced over dp·cp ranks (all-reduce; ZeRO: reduce-scatter
                and the parameters' all-gather), hidden under the last microbatch's backward by
                observe.overlap_model.predict_step when the software overlaps (chapter 04's model)
@@ -28,9 +35,10 @@ from miniddp.collectives.cost_model import schedule
 from miniddp.context_parallel.attention import ring_bytes, ring_seconds
 from miniddp.observe.overlap_model import predict_step, predict_zero3_step, uniform_buckets
 from miniddp.pipeline.bubble import bubble_formula
+from miniddp.pipeline.step_checks import CheckRow
 from miniddp.plan.clusters import Cluster
 from miniddp.plan.layout import Layout, layers_per_stage
-from miniddp.plan.memory_terms import ELEMENT, layer_activations, stage_elements
+from miniddp.plan.memory_terms import layer_activations, stage_elements
 from miniddp.plan.shapes import Transformer
 from miniddp.plan.terms import UNVERIFIED, Term
 
@@ -58,7 +66,7 @@ def time_terms(
     passes = cluster.memory_passes * (4 / 3 if layout.recompute == "full" else 1)
     kept = layer_activations(model, cluster, layout, seq, "none")
     memory_bound = passes * layers * kept / cluster.hbm_bandwidth
-    host = layers * cluster.layer_overhead
+    host = layers * cluster.layer_overhead + cluster.ends_overhead
     per_microbatch = flops / rate + memory_bound + host
     compute = m * per_microbatch
     terms = [
@@ -86,10 +94,12 @@ def time_terms(
         )
     )
 
-    token_bytes = ELEMENT * b * seq // cp * model.hidden
+    token_bytes = cluster.element_bytes * b * seq // cp * model.hidden
     per_layer = 6 if layout.recompute == "full" else 4
     one = collective_seconds(cluster, "all_reduce", token_bytes, tp, 1)
-    tp_time = m * layers * per_layer * one
+    at_the_ends = (2 if pp == 1 else 1) * one  # the embedding's (first stage), the head's
+    at_the_ends += 3 * collective_seconds(cluster, "all_reduce", 4 * b * seq // cp, tp, 1)
+    tp_time = m * (layers * per_layer * one + at_the_ends)
     tp_time = tp_time if tp > 1 else 0.0
     tp_exposed = tp_time / tp + max(0.0, tp_time - compute) if cluster.tp_overlap else tp_time
     terms.append(
@@ -98,7 +108,8 @@ def time_terms(
             tp_time,
             f"{per_layer} all-reduces a layer"
             + (" (SP: all-gather + reduce-scatter, the same bytes)" * cluster.sequence_parallel)
-            + f" of {token_bytes / 2**20:.3g} MiB each over {tp} GPUs, "
+            + f" of {token_bytes / 2**20:.3g} MiB each over {tp} GPUs, the vocabulary's "
+            + f"{5 if pp == 1 else 4} at the ends, "
             + ("hidden behind the GEMMs but a chunk" if cluster.tp_overlap else "not overlapped"),
             "collectives.cost_model.CostModel, its ring 2(t-1)/t n (chapters 01, 13, 16); "
             + (f"{UNVERIFIED}: the GEMM overlap" if cluster.tp_overlap else "exposed"),
@@ -109,7 +120,7 @@ def time_terms(
     cp_time = cp_exposed = 0.0
     if cp > 1:
         forward_bytes, _ = ring_bytes(
-            seq, model.key_value_heads // tp, model.head_dim, cp, ELEMENT, b
+            seq, model.key_value_heads // tp, model.head_dim, cp, cluster.element_bytes, b
         )
         cp_alpha, cp_bandwidth = cluster.link(cp, tp)
         hop = cp_alpha + forward_bytes / (cp - 1) / cp_bandwidth
@@ -134,16 +145,25 @@ def time_terms(
 
     pp_time = pp_exposed = 0.0
     if pp > 1:
-        pp_alpha, pp_bandwidth = cluster.link(2, tp * cp * layout.dp)
+        stride = tp * cp * layout.dp  # ranks between neighbouring stages
+        pp_alpha, pp_bandwidth = cluster.link(2, stride)
         send = pp_alpha + token_bytes / tp / pp_bandwidth + cluster.collective_overhead
         pp_time = 2 * v * m * send
         pp_exposed = 2 * (pp - 1) * send if cluster.overlap else pp_time
+        check = 8 * len(CheckRow._fields) * pp  # each stage's row of int64s, one table
+        once = collective_seconds(cluster, "all_reduce", check, pp, stride)
+        if model.biases:  # tied: the first and last stage each hold the embedding
+            tied = cluster.grad_bytes * model.embedding_parameters / tp
+            once += collective_seconds(cluster, "all_reduce", tied, 2, (pp - 1) * stride)
+        pp_time, pp_exposed = pp_time + once, pp_exposed + once
     terms.append(
         Term(
             "pp",
             pp_time,
             f"2·v·m sends of {token_bytes / tp / 2**20:.3g} MiB (sequence-parallel shards), "
-            + ("hidden but for the fill and drain" if cluster.overlap else "not overlapped"),
+            + ("hidden but for the fill and drain" if cluster.overlap else "not overlapped")
+            + ", the step's check"
+            + (" and the tied embedding's all-reduce" if model.biases else ""),
             "the sends chapter 16's traffic_formula counts, at alpha-beta; the overlap "
             f"{UNVERIFIED}",
             pp_exposed,
@@ -177,7 +197,8 @@ def _data_parallel(model, cluster, layout, m, per_microbatch, layers) -> Term:
     source = "collectives.cost_model.CostModel; the overlap observe.overlap_model (chapter 04)"
     if layout.zero == 3:
         unit = model.layer_parameters / layout.tp
-        gather = collective_seconds(cluster, "all_gather", ELEMENT * unit, replicas, layout.tp)
+        gathered = cluster.element_bytes * unit
+        gather = collective_seconds(cluster, "all_gather", gathered, replicas, layout.tp)
         reduce = collective_seconds(
             cluster, "reduce_scatter", cluster.grad_bytes * unit, replicas, layout.tp
         )
@@ -195,7 +216,7 @@ def _data_parallel(model, cluster, layout, m, per_microbatch, layers) -> Term:
         )
     collective = "all_reduce" if layout.zero == 0 else "reduce_scatter"
     reduce_time = collective_seconds(cluster, collective, grads, replicas, layout.tp)
-    params = ELEMENT * elements  # ZeRO-1/2: the updated bf16 parameters, all-gathered
+    params = cluster.element_bytes * elements  # ZeRO-1/2: the updated parameters, gathered
     gather_time = (
         collective_seconds(cluster, "all_gather", params, replicas, layout.tp)
         if layout.zero
@@ -224,7 +245,9 @@ def _data_parallel(model, cluster, layout, m, per_microbatch, layers) -> Term:
     reduced = overlapped(collective, grads, BUCKET_ELEMENTS * cluster.grad_bytes, backward)
     comm, exposed = reduced.comm_s, reduced.exposed_s
     if gather_time:
-        gathered = overlapped("all_gather", params, BUCKET_ELEMENTS * ELEMENT, backward / 2)
+        gathered = overlapped(
+            "all_gather", params, BUCKET_ELEMENTS * cluster.element_bytes, backward / 2
+        )
         comm, exposed = comm + gathered.comm_s, exposed + gathered.exposed_s
     return Term(
         "dp",

@@ -101,12 +101,12 @@ def add_iters_and_json(
     )
 
 
-def add_gpt_options(parser: argparse.ArgumentParser) -> None:
+def add_gpt_options(parser: argparse.ArgumentParser, layers: int = 2) -> None:
     """The shape of chapter 12's GPT a bench builds: width, blocks, heads, vocabulary and the
     tokens of a window, at the benches' small defaults."""
     count = whole_number(at_least=1)
     parser.add_argument("--width", type=count, default=64, help="the GPT's width (default 64)")
-    parser.add_argument("--layers", type=count, default=2, help="blocks (default 2)")
+    parser.add_argument("--layers", type=count, default=layers, help=f"blocks (default {layers})")
     parser.add_argument("--heads", type=count, default=4, help="attention heads (default 4)")
     parser.add_argument("--vocab", type=count, default=64, help="vocabulary (default 64)")
     parser.add_argument("--length", type=count, default=32, help="tokens per window (default 32)")
