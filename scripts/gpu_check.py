@@ -72,23 +72,47 @@ class Plan:
 
     def torchrun(self, out: Path, checks: list[str]) -> list[str]:
         return [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={self.world_size}", "scripts/run_checks.py",
-            f"--device={self.device}", f"--backend={self.backend}", f"--out={out}", *checks,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={self.world_size}",
+            "scripts/run_checks.py",
+            f"--device={self.device}",
+            f"--backend={self.backend}",
+            f"--out={out}",
+            *checks,
+        ]
 
     def pytest(self, logs: Path) -> list[str]:
         return [
-            sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda",
-            "-k", "not benchmark", "tests/test_cuda.py", f"--junitxml={logs / 'tests.xml'}",
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "cuda",
+            "-k",
+            "not benchmark",
+            "tests/test_cuda.py",
+            f"--junitxml={logs / 'tests.xml'}",
+        ]
 
     def bench(self, logs: Path) -> list[str]:
         return [
-            sys.executable, "-m", "miniddp.bench", "step", "--device=cuda", "--models=mlp",
-            "--variants=miniddp,torch", "--iters=20", "--trace-iters=2",
+            sys.executable,
+            "-m",
+            "miniddp.bench",
+            "step",
+            "--device=cuda",
+            "--models=mlp",
+            "--variants=miniddp,torch",
+            "--iters=20",
+            "--trace-iters=2",
             f"--json={logs / 'bench.json'}",
-        ]  # fmt: skip
+        ]
 
 
 def plan_for(cpu: bool, gpus: int | None = None, machine: str | None = None) -> Plan:
@@ -126,8 +150,10 @@ def dry_run(plan: Plan) -> None:
     print(f"gpu_check --dry-run: on {plan.machine}, W = {world} over {plan.backend_label}")
     if plan.gpus == 1:
         print("  (one GPU: NCCL refuses two ranks on one GPU, so both share it over gloo)")
-    print(f"\n1. the parallelism checks, in one torchrun (W = {world}; a 3-D mesh (pp, dp, tp) "
-          f"= {mesh_shape(world)}):\n   {show(plan.torchrun(logs, []))}")  # fmt: skip
+    print(
+        f"\n1. the parallelism checks, in one torchrun (W = {world}; a 3-D mesh (pp, dp, tp) "
+        f"= {mesh_shape(world)}):\n   {show(plan.torchrun(logs, []))}"
+    )
     leave_out = skipped(plan)
     for name, check in CHECKS.items():
         print(f"   {check.parallelism:<12} {name}", *[leave_out[name]] if name in leave_out else [])
@@ -142,11 +168,19 @@ def dry_run(plan: Plan) -> None:
 def run(command: list[str], log: Path, timeout: float) -> int | None:
     """Run `command` in its own session, its output to `log`; None when it ran out of time
     (then its whole process group is killed: torchrun's workers too)."""
-    env = os.environ | {"PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-                        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}  # fmt: skip
+    env = os.environ | {
+        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    }
     with log.open("a") as output:
-        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=output,
-                                   stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        process = subprocess.Popen(
+            command,
+            cwd=REPO,
+            env=env,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             return process.wait(timeout=max(timeout, 1))
         except subprocess.TimeoutExpired:
@@ -158,8 +192,15 @@ def run(command: list[str], log: Path, timeout: float) -> int | None:
 def parallelism_rows(plan: Plan, logs: Path, deadline: float) -> list[dict]:
     """Run the checks under torchrun until each has a row; start torchrun again after a check
     that raised (the ranks stop: their group may be out of step) or that killed its ranks."""
-    rows = {name: {"check": name, "parallelism": CHECKS[name].parallelism, "status": "skipped",
-                   "note": reason} for name, reason in skipped(plan).items()}  # fmt: skip
+    rows = {
+        name: {
+            "check": name,
+            "parallelism": CHECKS[name].parallelism,
+            "status": "skipped",
+            "note": reason,
+        }
+        for name, reason in skipped(plan).items()
+    }
     remaining = [name for name in CHECKS if name not in rows]
     attempt = 0
     while remaining:
@@ -180,12 +221,20 @@ def parallelism_rows(plan: Plan, logs: Path, deadline: float) -> list[dict]:
         if code is None or not stopped_after_error:
             lost = remaining.pop(0)  # it killed its ranks, or outlived the run's budget
             why = "out of time" if code is None else f"torchrun exited {code}"
-            rows[lost] = {"check": lost, "parallelism": CHECKS[lost].parallelism,
-                          "status": "CRASHED", "note": f"{why} (logs: checks.log)"}  # fmt: skip
+            rows[lost] = {
+                "check": lost,
+                "parallelism": CHECKS[lost].parallelism,
+                "status": "CRASHED",
+                "note": f"{why} (logs: checks.log)",
+            }
         if code is None:
             for name in remaining:
-                rows[name] = {"check": name, "parallelism": CHECKS[name].parallelism,
-                              "status": "not run", "note": "no time left"}  # fmt: skip
+                rows[name] = {
+                    "check": name,
+                    "parallelism": CHECKS[name].parallelism,
+                    "status": "not run",
+                    "note": "no time left",
+                }
             break
     return [rows[name] for name in CHECKS]
 
@@ -200,8 +249,10 @@ def pytest_rows(plan: Plan, logs: Path) -> list[dict]:
 def junit_rows(report: str | None, missing: str) -> list[dict]:
     """A row for each of PYTEST_ROWS' tests from pytest's junit `report`: ok, FAIL, skipped,
     or xfail (an expected failure: tests/test_cuda.py says why); `missing` where it has none."""
-    rows = {name: {"check": name, "parallelism": "test_cuda", "status": "not run",
-                   "note": missing} for name in PYTEST_ROWS.values()}  # fmt: skip
+    rows = {
+        name: {"check": name, "parallelism": "test_cuda", "status": "not run", "note": missing}
+        for name in PYTEST_ROWS.values()
+    }
     for case in ElementTree.fromstring(report).iter("testcase") if report else []:
         name = PYTEST_ROWS.get(case.get("name", "").split("[")[0])
         if name is None:
@@ -225,8 +276,11 @@ def bench_row(plan: Plan, logs: Path) -> dict:
     try:
         figures = json.loads((logs / "bench.json").read_text())["results"][0]["rows"]
         mine, theirs = figures["miniddp"], figures["torch"]
-        return row | {"status": "ok", "note": f"miniddp {mine['median_ms']:.2f} ms, torch "
-                      f"{theirs['median_ms']:.2f} ms: {mine['vs_reference']:.2f}x"}  # fmt: skip
+        return row | {
+            "status": "ok",
+            "note": f"miniddp {mine['median_ms']:.2f} ms, torch "
+            f"{theirs['median_ms']:.2f} ms: {mine['vs_reference']:.2f}x",
+        }
     except (OSError, KeyError, IndexError, ValueError):
         return row | {"note": "timed out" if code is None else "see bench.log"}
 
@@ -236,8 +290,9 @@ PASSING = ("ok", "skipped", "xfail")
 
 def table(rows: list[dict], plan: Plan) -> str:
     """One screen: a line a row, the difference beside the bound it had to stay within."""
-    lines = [f"{'':<12} {'check':<52} {'W':>2} {'backend':<9} {'s':>4} {'result':<7} "
-             "max difference"]  # fmt: skip
+    lines = [
+        f"{'':<12} {'check':<52} {'W':>2} {'backend':<9} {'s':>4} {'result':<7} max difference"
+    ]
     for row in rows:
         world = plan.world_size if row["parallelism"] not in ("test_cuda", "bench") else ""
         backend = plan.backend_label if world else ""
@@ -248,8 +303,10 @@ def table(rows: list[dict], plan: Plan) -> str:
         else:
             detail = row.get("note", "")
         seconds = f"{row['seconds']:.0f}" if "seconds" in row else ""
-        lines.append(f"{row['parallelism']:<12} {row['check']:<52} {world!s:>2} {backend:<9} "
-                     f"{seconds:>4} {row['status']:<7} {detail}")  # fmt: skip
+        lines.append(
+            f"{row['parallelism']:<12} {row['check']:<52} {world!s:>2} {backend:<9} "
+            f"{seconds:>4} {row['status']:<7} {detail}"
+        )
     return "\n".join(lines)
 
 
@@ -288,8 +345,10 @@ def main(argv: list[str] | None = None) -> int:
     if raised:
         (logs / "tracebacks.txt").write_text("\n".join(raised))
     verdict = "PASS" if passed else "FAIL"
-    print(f"gpu_check: {verdict} in {time.time() - start:.0f} s; logs in {logs}"
-          + (" (tracebacks.txt: what the checks raised)" if raised else ""))  # fmt: skip
+    print(
+        f"gpu_check: {verdict} in {time.time() - start:.0f} s; logs in {logs}"
+        + (" (tracebacks.txt: what the checks raised)" if raised else "")
+    )
     return 0 if passed else 1
 
 

@@ -54,11 +54,19 @@ def attempt(chosen: Check, device: torch.device) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         status = "ok" if measured.difference <= measured.bound else "FAIL"
-        outcome = {"status": status, "difference": measured.difference,
-                   "bound": measured.bound, "note": measured.note}  # fmt: skip
+        outcome = {
+            "status": status,
+            "difference": measured.difference,
+            "bound": measured.bound,
+            "note": measured.note,
+        }
     except Exception as error:
-        outcome = {"status": "ERROR", "note": f"{type(error).__name__}: {error}".splitlines()[0],
-                   "traceback": traceback.format_exc(), "raised_at": time.time()}  # fmt: skip
+        outcome = {
+            "status": "ERROR",
+            "note": f"{type(error).__name__}: {error}".splitlines()[0],
+            "traceback": traceback.format_exc(),
+            "raised_at": time.time(),
+        }
     return outcome | {"seconds": time.perf_counter() - start}
 
 
@@ -70,15 +78,22 @@ def agree(name: str, parallelism: str, outcomes: list[dict]) -> dict:
     ]
     failed = [o for o in outcomes if o["status"] == "FAIL"]
     measured = [o for o in outcomes if "difference" in o]
-    row = {"check": name, "parallelism": parallelism, "status": "ok",
-           "seconds": max(o["seconds"] for o in outcomes)}  # fmt: skip
+    row = {
+        "check": name,
+        "parallelism": parallelism,
+        "status": "ok",
+        "seconds": max(o["seconds"] for o in outcomes),
+    }
     if measured:
         worst = max(measured, key=lambda o: o["difference"])
         row |= {k: worst[k] for k in ("difference", "bound", "note")}
     if errors:
         _, rank, first = min(errors, key=lambda error: error[:2])
-        row |= {"status": "ERROR", "note": f"rank {rank}: {first['note']}",
-                "traceback": first["traceback"]}  # fmt: skip
+        row |= {
+            "status": "ERROR",
+            "note": f"rank {rank}: {first['note']}",
+            "traceback": first["traceback"],
+        }
     elif failed:
         row["status"] = "FAIL"
     return row
@@ -106,9 +121,13 @@ def main() -> int:
             dist.all_gather_object(outcomes, mine, group=agreement)
             row = agree(name, chosen.parallelism, outcomes)
         except RuntimeError:  # a peer never reported: hung, or dead
-            row = agree(name, chosen.parallelism, [mine]) | {"status": "HUNG", "note": (
-                f"a rank did not report within {AGREEMENT_TIMEOUT_S} s; rank {rank}: "
-                f"{mine['status']} {mine.get('note', '')}")}  # fmt: skip
+            row = agree(name, chosen.parallelism, [mine]) | {
+                "status": "HUNG",
+                "note": (
+                    f"a rank did not report within {AGREEMENT_TIMEOUT_S} s; rank {rank}: "
+                    f"{mine['status']} {mine.get('note', '')}"
+                ),
+            }
         log.write(json.dumps(row) + "\n")
         log.flush()
         if row["status"] in STOPPING:

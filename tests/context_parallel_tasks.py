@@ -79,13 +79,31 @@ def torchs(spec: AttentionSpec) -> dict[str, torch.Tensor]:
         mock.patch.object(options, "convert_to_f32", False),
     ):
         out, lse = cp._templated_ring_attention(
-            group, 2, aten._scaled_dot_product_flash_attention_for_cpu, q, k, v,
-            is_causal=spec.is_causal, dropout_p=0.0, scale=spec.scale,
-        )[:2]  # fmt: skip
+            group,
+            2,
+            aten._scaled_dot_product_flash_attention_for_cpu,
+            q,
+            k,
+            v,
+            is_causal=spec.is_causal,
+            dropout_p=0.0,
+            scale=spec.scale,
+        )[:2]
         dq, dk, dv = cp._templated_ring_attention_backward(
-            group, 2, aten._scaled_dot_product_flash_attention_for_cpu_backward, grad,
-            "grad_out", q, k, v, out, lse, spec.is_causal, dropout_p=0.0, scale=spec.scale,
-        )[:3]  # fmt: skip
+            group,
+            2,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward,
+            grad,
+            "grad_out",
+            q,
+            k,
+            v,
+            out,
+            lse,
+            spec.is_causal,
+            dropout_p=0.0,
+            scale=spec.scale,
+        )[:3]
     return {"out": out, "dq": dq, "dk": dk, "dv": dv}
 
 

@@ -109,8 +109,14 @@ def train(kind: str, spec: FsdpSpec, model=None, optimizer=None, first_step: int
         optimizer.step()
         optimizer.zero_grad()
         params.append(full_parameters(kind, model))
-    return {"params": params, "memory": memory, "sent": sent, "collectives": collectives_run,
-            "model": model, "optimizer": optimizer}  # fmt: skip
+    return {
+        "params": params,
+        "memory": memory,
+        "sent": sent,
+        "collectives": collectives_run,
+        "model": model,
+        "optimizer": optimizer,
+    }
 
 
 class _nothing:
@@ -142,8 +148,9 @@ def resumes_bitwise(spec: FsdpSpec) -> dict:
     straight = train("ours", replace(spec, steps=2 * spec.steps))["params"][-1]
     first = train("ours", spec)
     buffer = io.BytesIO()
-    torch.save({"model": first["model"].state_dict(),
-                "optimizer": first["optimizer"].state_dict()}, buffer)  # fmt: skip
+    torch.save(
+        {"model": first["model"].state_dict(), "optimizer": first["optimizer"].state_dict()}, buffer
+    )
     checkpoint = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
     model = shard("ours", build_model(replace(spec, seed=spec.seed + 1)), spec)
     model.load_state_dict(checkpoint["model"])

@@ -84,8 +84,13 @@ def train(
         optimizer.step()
         optimizer.zero_grad()
         params.append([p.detach().clone() for p in model.parameters()])
-    return {"grads": grads, "params": params, "memory": memory, "model": model,
-            "optimizer": optimizer}  # fmt: skip
+    return {
+        "grads": grads,
+        "params": params,
+        "memory": memory,
+        "model": model,
+        "optimizer": optimizer,
+    }
 
 
 def zero1_against_torch_and_plain(spec: ShardSpec) -> dict:
@@ -126,8 +131,10 @@ def zero1_resumes_bitwise(spec: ShardSpec) -> dict:
     saved = [None]
     if dist.get_rank() == 0:
         buffer = io.BytesIO()
-        torch.save({"model": first["model"].state_dict(),
-                    "optimizer": first["optimizer"].state_dict()}, buffer)  # fmt: skip
+        torch.save(
+            {"model": first["model"].state_dict(), "optimizer": first["optimizer"].state_dict()},
+            buffer,
+        )
         saved = [buffer.getvalue()]
     dist.broadcast_object_list(saved, src=0)
     checkpoint = torch.load(io.BytesIO(saved[0]), weights_only=True)
@@ -149,8 +156,13 @@ def zero2_against_plain(spec: ShardSpec) -> dict:
     ours, plain = train(spec, "zero2"), train(spec, "plain")
     optimizer = ours["optimizer"]
     owned = [optimizer.owner_of(p) == optimizer.rank for p in ours["model"].parameters()]
-    return {"ours": ours["grads"], "plain": plain["grads"], "owned": owned,
-            "ours_params": ours["params"], "plain_params": plain["params"]}  # fmt: skip
+    return {
+        "ours": ours["grads"],
+        "plain": plain["grads"],
+        "owned": owned,
+        "ours_params": ours["params"],
+        "plain_params": plain["params"],
+    }
 
 
 def memory_of_each_stage(spec: ShardSpec) -> dict:

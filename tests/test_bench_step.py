@@ -86,9 +86,22 @@ def test_the_interval_of_a_paired_median_narrows_with_more_iterations():
 @pytest.mark.slow  # 17 s, a whole benchmark; its arithmetic and refusals are tested above
 def test_a_tiny_run_reports_every_variant_with_paired_ratios(tmp_path):
     report_path = tmp_path / "step.json"
-    command = [sys.executable, "-m", "miniddp.bench", "step", "--models", "deep",
-               "--variants", "miniddp,naive", "--iters", "2", "--trace-iters", "1",
-               "--json", str(report_path)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "miniddp.bench",
+        "step",
+        "--models",
+        "deep",
+        "--variants",
+        "miniddp,naive",
+        "--iters",
+        "2",
+        "--trace-iters",
+        "1",
+        "--json",
+        str(report_path),
+    ]
     returncode, output = run_in_own_session(command, child_env(tmp_path), timeout=240)
     assert returncode == 0, output[-3000:]
     assert "torchrun" in output or "torch.distributed.run" in output  # relaunched itself

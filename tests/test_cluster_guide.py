@@ -125,21 +125,34 @@ def test_two_vm_script_runs_a_two_node_job_on_loopback(tmp_path: Path) -> None:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     checkpoint = tmp_path / "last.pt"
-    command = [str(GUIDE / "two_vms.sh"), "tutorials/08_template.py", "--epochs=1",
-               f"--checkpoint={checkpoint}"]  # fmt: skip
+    command = [
+        str(GUIDE / "two_vms.sh"),
+        "tutorials/08_template.py",
+        "--epochs=1",
+        f"--checkpoint={checkpoint}",
+    ]
 
     def node_env(node: int) -> dict[str, str]:
         return child_env(
-            tmp_path, NODE_RANK=str(node), NODE0_ADDR="127.0.0.1", NPROC="1",
-            RDZV_PORT=str(port), RDZV_ID=f"test-{port}",
-        )  # fmt: skip
+            tmp_path,
+            NODE_RANK=str(node),
+            NODE0_ADDR="127.0.0.1",
+            NPROC="1",
+            RDZV_PORT=str(port),
+            RDZV_ID=f"test-{port}",
+        )
 
     # VM 0 in the background (its own session, so all of it can be killed), VM 1 in the
     # foreground; each alone would wait for the other until the rendezvous timeout.
     vm0 = subprocess.Popen(
-        command, cwd=REPO, env=node_env(0), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, start_new_session=True,
-    )  # fmt: skip
+        command,
+        cwd=REPO,
+        env=node_env(0),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         vm1_returncode, vm1_output = run_in_own_session(command, node_env(1), TIMEOUT_S)
         vm0_output, _ = vm0.communicate(timeout=30)

@@ -188,9 +188,17 @@ def test_the_pipeline_sends_cuda_tensors_over_gloo(pool2: RankPool) -> None:
 def test_step_benchmark_runs_on_cuda(tmp_path: Path) -> None:
     report = tmp_path / "bench.json"
     command = [
-        sys.executable, "-m", "miniddp.bench", "step", "--device=cuda", "--models=mlp",
-        "--variants=miniddp,torch", "--iters=5", "--trace-iters=1", f"--json={report}",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "miniddp.bench",
+        "step",
+        "--device=cuda",
+        "--models=mlp",
+        "--variants=miniddp,torch",
+        "--iters=5",
+        "--trace-iters=1",
+        f"--json={report}",
+    ]
     returncode, output = run_in_own_session(command, child_env(tmp_path), timeout=300)
     assert returncode == 0, tail(output)
     figures = json.loads(report.read_text())

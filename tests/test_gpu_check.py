@@ -78,12 +78,19 @@ def outcome(status: str, **fields) -> dict:
 
 def test_the_ranks_agree_on_the_worst_outcome_and_name_the_first_error():
     agree = run_checks.agree
-    passed = [outcome("ok", difference=0.0, bound=0.0, note=""),
-              outcome("ok", difference=1e-9, bound=1e-8, note="k")]  # fmt: skip
+    passed = [
+        outcome("ok", difference=0.0, bound=0.0, note=""),
+        outcome("ok", difference=1e-9, bound=1e-8, note="k"),
+    ]
     assert agree("c", "DDP", passed) | {"seconds": 0} == {
-        "check": "c", "parallelism": "DDP", "status": "ok", "seconds": 0,
-        "difference": 1e-9, "bound": 1e-8, "note": "k",
-    }  # fmt: skip
+        "check": "c",
+        "parallelism": "DDP",
+        "status": "ok",
+        "seconds": 0,
+        "difference": 1e-9,
+        "bound": 1e-8,
+        "note": "k",
+    }
     one_differs = [passed[0], outcome("FAIL", difference=2e-8, bound=1e-8, note="")]
     assert agree("c", "DDP", one_differs)["status"] == "FAIL"
     echo = outcome("ERROR", note="timed out", traceback="t0", raised_at=20.0)

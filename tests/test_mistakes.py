@@ -59,26 +59,55 @@ def run_checks(rank_pools, case: Case, implementation: str) -> list[dict]:
 
 
 CAUGHT_BY_THE_PROPERTY_CHECKS = [
-    Case("hook_averages_weights", f"{ZOO}.hook_averages_weights:AveragesWeights",
-         "miniddp.steps:OverlapDDP", 2, SMALL,
-         "a hook that reduced the parameter instead of its gradient"),
-    Case("divide_after_sum", f"{ZOO}.divide_after_sum:DividesAfterSum",
-         "miniddp.steps:TorchLayoutDDP", 3, SMALL,
-         "not torch's bits. torch multiplies each gradient by the float 1/W"),
-    Case("no_buffer_broadcast", f"{ZOO}.no_buffer_broadcast:NoBufferBroadcast",
-         "miniddp.steps:NaiveDDP", 2,
-         dataclasses.replace(SMALL, model=ModelSpec(seed=3, widths=(6,), batchnorm=True)),
-         "'norm.running_mean' differs from torch's. A buffer"),
-    Case("no_construction_broadcast", f"{ZOO}.no_construction_broadcast:NoConstructionBroadcast",
-         "miniddp.steps:NaiveDDP", 2, dataclasses.replace(SMALL, seed_by_rank=True),
-         "Did construction copy rank 0's parameters"),
-    Case("loss_not_divided", f"{ZOO}.loss_not_divided:train_step",
-         f"{ZOO}.correct_loop:train_step", 2, dataclasses.replace(SMALL, accumulation=3),
-         "off by a factor of the accumulation steps"),
-    Case("step_inside_no_sync", f"{ZOO}.step_inside_no_sync:train_step",
-         f"{ZOO}.correct_loop:train_step", 2, dataclasses.replace(SMALL, accumulation=2),
-         "The gradients were not averaged across ranks"),
-]  # fmt: skip
+    Case(
+        "hook_averages_weights",
+        f"{ZOO}.hook_averages_weights:AveragesWeights",
+        "miniddp.steps:OverlapDDP",
+        2,
+        SMALL,
+        "a hook that reduced the parameter instead of its gradient",
+    ),
+    Case(
+        "divide_after_sum",
+        f"{ZOO}.divide_after_sum:DividesAfterSum",
+        "miniddp.steps:TorchLayoutDDP",
+        3,
+        SMALL,
+        "not torch's bits. torch multiplies each gradient by the float 1/W",
+    ),
+    Case(
+        "no_buffer_broadcast",
+        f"{ZOO}.no_buffer_broadcast:NoBufferBroadcast",
+        "miniddp.steps:NaiveDDP",
+        2,
+        dataclasses.replace(SMALL, model=ModelSpec(seed=3, widths=(6,), batchnorm=True)),
+        "'norm.running_mean' differs from torch's. A buffer",
+    ),
+    Case(
+        "no_construction_broadcast",
+        f"{ZOO}.no_construction_broadcast:NoConstructionBroadcast",
+        "miniddp.steps:NaiveDDP",
+        2,
+        dataclasses.replace(SMALL, seed_by_rank=True),
+        "Did construction copy rank 0's parameters",
+    ),
+    Case(
+        "loss_not_divided",
+        f"{ZOO}.loss_not_divided:train_step",
+        f"{ZOO}.correct_loop:train_step",
+        2,
+        dataclasses.replace(SMALL, accumulation=3),
+        "off by a factor of the accumulation steps",
+    ),
+    Case(
+        "step_inside_no_sync",
+        f"{ZOO}.step_inside_no_sync:train_step",
+        f"{ZOO}.correct_loop:train_step",
+        2,
+        dataclasses.replace(SMALL, accumulation=2),
+        "The gradients were not averaged across ranks",
+    ),
+]
 
 
 @pytest.mark.parametrize("case", CAUGHT_BY_THE_PROPERTY_CHECKS, ids=lambda case: case.name)

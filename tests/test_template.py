@@ -29,9 +29,15 @@ TIMEOUT_S = 120
 
 def train(epochs: int, checkpoint: Path, tmp_path: Path) -> str:
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-        str(TEMPLATE), f"--epochs={epochs}", f"--checkpoint={checkpoint}",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(TEMPLATE),
+        f"--epochs={epochs}",
+        f"--checkpoint={checkpoint}",
+    ]
     returncode, output = run_in_own_session(command, child_env(tmp_path), TIMEOUT_S)
     assert returncode == 0, f"the template exited with {returncode}:\n{tail(output)}"
     return output

@@ -107,16 +107,28 @@ def test_steps_split_at_each_forward_and_late_completions_stay_with_their_step()
 
 def test_concurrent_buckets_count_once_and_no_communication_means_no_overlap():
     both = events(
-        (0, "forward", "start"), (1, "forward", "end"), (1, "backward", "start"),
-        (2, "launch", "bucket 0"), (2, "launch", "bucket 1"),
-        (4, "reduced", "bucket 0"), (6, "reduced", "bucket 1"), (8, "backward", "end"),
-        (8, "wait", "bucket 0"), (8, "wait", "bucket 1"), (8, "sync", "end"),
-    )  # fmt: skip
+        (0, "forward", "start"),
+        (1, "forward", "end"),
+        (1, "backward", "start"),
+        (2, "launch", "bucket 0"),
+        (2, "launch", "bucket 1"),
+        (4, "reduced", "bucket 0"),
+        (6, "reduced", "bucket 1"),
+        (8, "backward", "end"),
+        (8, "wait", "bucket 0"),
+        (8, "wait", "bucket 1"),
+        (8, "sync", "end"),
+    )
     summary = summarize(split_steps(both)[0])
     assert (summary.comm_s, summary.overlapped_s, summary.exposed_s) == (4, 4, 0)
     assert summary.overlap == 1.0
-    silent = events((0, "forward", "start"), (1, "forward", "end"), (1, "backward", "start"),
-                    (3, "backward", "end"), (3, "sync", "end"))  # fmt: skip
+    silent = events(
+        (0, "forward", "start"),
+        (1, "forward", "end"),
+        (1, "backward", "start"),
+        (3, "backward", "end"),
+        (3, "sync", "end"),
+    )
     quiet = summarize(split_steps(silent)[0])
     assert quiet.comm_s == 0 and math.isnan(quiet.overlap)
 

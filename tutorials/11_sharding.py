@@ -119,8 +119,10 @@ def say_memory(stage: str, run: dict, psi: int, world: int) -> bool:
     for kind in KINDS:
         measured, formula = getattr(run["memory"], kind), getattr(expected, kind)
         say(f"  {kind:<16} {fmt_bytes(measured):>10}   formula {fmt_bytes(formula):>10}")
-    say(f"  {'total':<16} {fmt_bytes(run['memory'].total):>10}   (DDP's / this: "
-        f"{RUNS['ddp']['memory'].total / run['memory'].total:.2f})")  # fmt: skip
+    say(
+        f"  {'total':<16} {fmt_bytes(run['memory'].total):>10}   (DDP's / this: "
+        f"{RUNS['ddp']['memory'].total / run['memory'].total:.2f})"
+    )
     return run["memory"] == expected
 
 
@@ -220,8 +222,10 @@ def main() -> None:
     psi = sum(p.numel() for p in build_model().parameters())
     for stage in ("ddp", "zero1", "zero2", "zero3"):
         RUNS[stage] = train(stage)
-    say(f"Chapter 11: sharding on {world} ranks; a {len(WIDTHS) - 1}-layer MLP, Ψ = {psi:,} "
-        "fp32 elements, AdamW")  # fmt: skip
+    say(
+        f"Chapter 11: sharding on {world} ranks; a {len(WIDTHS) - 1}-layer MLP, Ψ = {psi:,} "
+        "fp32 elements, AdamW"
+    )
 
     section("1. The memory problem")
     say(
@@ -238,8 +242,10 @@ def main() -> None:
     view = train("ddp", bucket_view=True)["memory"]
     expected = Formula("ddp", psi, len(list(build_model().parameters())), world, bucket_view=True)
     exact["ddp, gradient_as_bucket_view"] = view == expected.expected()
-    say(f"  with gradient_as_bucket_view=True: buckets {fmt_bytes(view.buckets)}, total "
-        f"{fmt_bytes(view.total)}: the 4Ψ DDP can save without sharding anything")  # fmt: skip
+    say(
+        f"  with gradient_as_bucket_view=True: buckets {fmt_bytes(view.buckets)}, total "
+        f"{fmt_bytes(view.total)}: the 4Ψ DDP can save without sharding anything"
+    )
 
     section("2. ZeRO-1: each rank keeps the optimizer state of its share")
     say(
@@ -272,8 +278,10 @@ def main() -> None:
     )
     exact["zero3"] = say_memory("zero3", RUNS["zero3"], psi, world)
     padding = RUNS["zero3"]["owned"] * world - psi
-    say(f"  padding: {padding} elements over all ranks, {fmt_bytes(4 * padding * 4 / world)} "
-        "per rank across parameters, gradients and Adam")  # fmt: skip
+    say(
+        f"  padding: {padding} elements over all ranks, {fmt_bytes(4 * padding * 4 / world)} "
+        "per rank across parameters, gradients and Adam"
+    )
 
     section("5. The price, in bytes sent per step")
     say(
@@ -289,8 +297,10 @@ def main() -> None:
     theory = {"ddp": 2, "zero1": 3, "zero2": 2, "zero3": 3}
     for stage, run in RUNS.items():
         expected = theory[stage] * (world - 1) / world * psi * 4
-        say(f"  {stage:<6} {fmt_bytes(run['sent']):>10}   theory "
-            f"{theory[stage]}(W-1)/W·Ψ = {fmt_bytes(expected):>10}")  # fmt: skip
+        say(
+            f"  {stage:<6} {fmt_bytes(run['sent']):>10}   theory "
+            f"{theory[stage]}(W-1)/W·Ψ = {fmt_bytes(expected):>10}"
+        )
     if args.plot and env.rank == 0:
         draw(args.plot, world)
 
@@ -407,8 +417,10 @@ def main() -> None:
     section("Checks")
     differences = {stage: same_training(RUNS[stage]) for stage in ("zero1", "zero2", "zero3")}
     for stage, difference in differences.items():
-        say(f"  {stage}: largest difference from DDP's parameters after {STEPS} steps: "
-            f"{difference:.1e}")  # fmt: skip
+        say(
+            f"  {stage}: largest difference from DDP's parameters after {STEPS} steps: "
+            f"{difference:.1e}"
+        )
     assert all(exact.values()), f"memory differs from the formula: {exact}"
     assert differences["zero1"] == 0.0, "ZeRO-1 must train exactly like DDP + AdamW"
     bitwise = world == 2  # a + b = b + a: with two ranks the sums are the same

@@ -234,8 +234,10 @@ def main() -> None:
         measured[design] = bytes_per_link(design, meshes)
         inside, across = measured[design]
         want_inside, want_across = expected[design]
-        say(f"  {design:<14} {fmt_bytes(inside):>10} {fmt_bytes(want_inside):>10}   "
-            f"{fmt_bytes(across):>10} {fmt_bytes(want_across):>10}")  # fmt: skip
+        say(
+            f"  {design:<14} {fmt_bytes(inside):>10} {fmt_bytes(want_inside):>10}   "
+            f"{fmt_bytes(across):>10} {fmt_bytes(want_across):>10}"
+        )
     say_prose("""\
         Across the nodes, per step: HSDP 2(R-1)·Ψ (each rank's 1/S shard, twice over R = 2:
         2Ψ), ZeRO-3 3R(N-1)/N·Ψ (4.5Ψ) and DDP 2R(N-1)/N·Ψ (3Ψ). HSDP keeps its gathers
@@ -263,8 +265,10 @@ def main() -> None:
     modelled = {design: link_seconds(design) for design in DESIGNS}
     for design in DESIGNS:
         inside, across = modelled[design]
-        say(f"  {design:<14} links: {inside * 1e3:5.1f} ms inside, {across * 1e3:5.1f} ms "
-            f"across   step measured {steps[design] * 1e3:6.1f} ms")  # fmt: skip
+        say(
+            f"  {design:<14} links: {inside * 1e3:5.1f} ms inside, {across * 1e3:5.1f} ms "
+            f"across   step measured {steps[design] * 1e3:6.1f} ms"
+        )
     say_prose(f"""\
         ZeRO-3's step over HSDP's: {steps["ZeRO-3 over 4"] / steps["HSDP 2 x 2"]:.2f}x here;
         DDP's over HSDP's: {steps["DDP over 4"] / steps["HSDP 2 x 2"]:.2f}x (timings move with
