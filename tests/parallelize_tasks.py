@@ -3,6 +3,7 @@ through `miniddp.parallelize.parallelize` on a (pp, dp, tp) mesh, against one pr
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -124,3 +125,25 @@ class MeshScenario:
         extra = f"-accumulate{self.accumulate}" if self.accumulate > 1 else ""
         axes = f"pp{pp}-dp{dp}-{self.THIRD}{third}-tp{tp}"
         return f"{axes}-{self.data_parallel}-{self.precision}{extra}"
+
+
+def pooled_runs(
+    rank_pools, groups: list[list], run, checkpoint_group: list, path: str, *args, timeout: float
+):
+    """`results(scenario)`: every rank's result of `scenario`. Each group of scenarios (one
+    world size) runs together, `run(group, checkpoint, *args)` in one pool run (a pool's start
+    is what costs), the first time one of them is asked for; the checkpoint `path` goes to
+    `checkpoint_group`'s run alone."""
+    done: dict = {}
+
+    def results(scenario) -> list[dict]:
+        if scenario not in done:
+            group = next(g for g in groups if scenario in g)
+            checkpoint = path if group is checkpoint_group else None
+            per_rank = rank_pools(math.prod(scenario.shape)).run(
+                run, group, checkpoint, *args, timeout=timeout
+            )
+            done.update({s: [rank[i] for rank in per_rank] for i, s in enumerate(group)})
+        return done[scenario]
+
+    return results

@@ -21,13 +21,13 @@ spec, against one process on the global batch, chapter 12's GPT (tiny, dropout 0
 from __future__ import annotations
 
 import functools
-import math
 
 import pytest
 
 from tests import parallelize_cp_tasks as tasks
 from tests.harness.measurements import record_max
 from tests.parallelize_cp_tasks import Scenario
+from tests.parallelize_tasks import pooled_runs
 
 FP64_TOLERANCE = 1e-12
 # bf16 against one fp32 process: the loss within 5e-3 a step (logits rounded to 8 bits, about
@@ -50,21 +50,10 @@ SCENARIOS = TWO_RANKS + FOUR_RANKS + [pytest.param(s, marks=pytest.mark.slow) fo
 
 @pytest.fixture(scope="module")
 def runs(rank_pools, tmp_path_factory):
-    """`runs(scenario)`: every rank's result. Each world size's scenarios run together, in one
-    pool run (a pool's start is what costs), the first time one of them is asked for."""
+    """`runs(scenario)`: every rank's result; each world size's scenarios in one pool run."""
     path = str(tmp_path_factory.mktemp("cp") / "checkpoint.pt")
-    done: dict[Scenario, list[dict]] = {}
-
-    def results(scenario: Scenario) -> list[dict]:
-        if scenario not in done:
-            group = next(g for g in (TWO_RANKS, FOUR_RANKS, EIGHT_RANKS) if scenario in g)
-            checkpoint = path if group is FOUR_RANKS else None
-            world = math.prod(scenario.shape)
-            per_rank = rank_pools(world).run(tasks.run_scenarios, group, checkpoint, timeout=240)
-            done.update({s: [rank[i] for rank in per_rank] for i, s in enumerate(group)})
-        return done[scenario]
-
-    return results
+    groups = [TWO_RANKS, FOUR_RANKS, EIGHT_RANKS]
+    return pooled_runs(rank_pools, groups, tasks.run_scenarios, FOUR_RANKS, path, timeout=240)
 
 
 @functools.cache

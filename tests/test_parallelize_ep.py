@@ -23,13 +23,13 @@ not scaled by the replicas.
 from __future__ import annotations
 
 import functools
-import math
 
 import pytest
 
 from tests import parallelize_ep_tasks as tasks
 from tests.harness.measurements import record_max
 from tests.parallelize_ep_tasks import Scenario
+from tests.parallelize_tasks import pooled_runs
 
 FP64_TOLERANCE = 1e-12
 BF16_LOSS, BF16_PARAMETER, BF16_NORM = 5e-3, 2 * tasks.LR * tasks.STEPS, 2e-2
@@ -50,20 +50,9 @@ RESUME_AT = (1, 4, 1, 1)
 def runs(rank_pools, tmp_path_factory):
     """`runs(scenario)`: every rank's result; each world size's scenarios in one pool run."""
     path = str(tmp_path_factory.mktemp("ep") / "checkpoint.pt")
-    done: dict[Scenario, list[dict]] = {}
-
-    def results(scenario: Scenario) -> list[dict]:
-        if scenario not in done:
-            group = TWO_RANKS if scenario in TWO_RANKS else FOUR_RANKS
-            checkpoint = path if group is FOUR_RANKS else None
-            world = math.prod(scenario.shape)
-            per_rank = rank_pools(world).run(
-                tasks.run_scenarios, group, checkpoint, RESUME_AT, timeout=300
-            )
-            done.update({s: [rank[i] for rank in per_rank] for i, s in enumerate(group)})
-        return done[scenario]
-
-    return results
+    groups = [TWO_RANKS, FOUR_RANKS]
+    run = tasks.run_scenarios
+    return pooled_runs(rank_pools, groups, run, FOUR_RANKS, path, RESUME_AT, timeout=300)
 
 
 @functools.cache
