@@ -589,3 +589,32 @@ def test_a_labelled_all_gather_shows_every_label_and_survives_pieces_of_other_si
             odd = result["outputs"][1].view(3, 5)
             assert torch.equal(odd[1], torch.full((5,), -1.0))
             assert torch.equal(odd[2 - rank], torch.arange(5.0) + 10 * (2 - rank) + 100)
+
+
+def received_through_a_host_buffer() -> dict:
+    """Rank 0 sends four numbers; rank 1 receives them into a buffer of their own and lands them
+    in its tensor (peers.landing, what a GPU tensor's receive on gloo does: test_cuda runs it)."""
+    from miniddp.collectives.peers import landing, on_the_wire
+
+    tensor = torch.zeros(4)
+    if dist.get_rank() == 0:
+        dist.send(torch.arange(4.0) + 1, 1)
+        return {}
+    wire = torch.empty(4)
+    work = landing(dist.irecv(wire, 0), wire, tensor)
+    before = tensor.clone()
+    work.wait()
+    return {
+        "before": before,
+        "after": tensor,
+        "completed": work.is_completed(),
+        "host tensors travel as they are": on_the_wire(tensor, None, incoming=True) is tensor,
+        "a receive into its own tensor is its work": landing(work, tensor, tensor) is work,
+    }
+
+
+def test_a_receive_through_a_host_buffer_lands_when_waited_for(pool2):
+    result = pool2.run(received_through_a_host_buffer)[1]
+    assert torch.equal(result.pop("before"), torch.zeros(4))  # untouched until the wait
+    assert torch.equal(result.pop("after"), torch.arange(4.0) + 1)
+    assert all(result.values()), result
