@@ -284,7 +284,8 @@ def section_step(run: Run, plot: Path | None) -> list[three_d.RankStep]:
         TP's all-reduces took {talking / computing:.0%} of the ranks' F and B time here (8
         ranks on {os.cpu_count()} cores: a rank waits in each until its partner is scheduled).
         DP's one all-reduce goes out from inside the last backward, when the bucket's last
-        gradient is ready, and that backward ends when it has arrived (MiniDDP's wait). The
+        gradient is ready, and that backward ends when it has arrived (MiniDDP's wait); the
+        gradient the stage before waits for has left already (pipeline/stage.py). The
         figure ({FIGURE}, `python -m miniddp.figures --only 16`) draws the mesh beside every
         rank's step, with what each axis sent and when.""")
     if plot is not None and dist.get_rank() == 0:
