@@ -39,6 +39,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -75,6 +76,29 @@ def matmul_flops(tokens: int, width: int, seconds: float = 0.2) -> float:
     return rate.item()
 
 
+def slowest_seconds(run: Callable[[], object]) -> float:
+    """The slowest rank's seconds for one `run()`, all ranks starting together: a step lasts
+    as long as its slowest rank."""
+    dist.barrier()
+    start = time.perf_counter()
+    run()
+    took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return took.item()
+
+
+def slowest_median(run: Callable[[], object], repeats: int) -> float:
+    """The median over `repeats` of the slowest rank's seconds for `run()`."""
+    return statistics.median(slowest_seconds(run) for _ in range(repeats))
+
+
+def slowest_mean(run: Callable[[], object], repeats: int) -> float:
+    """The slowest rank's mean seconds for `run()`, repeated back to back after one to warm
+    up: for host work of a millisecond, which a barrier each time would swamp."""
+    run()
+    return slowest_seconds(lambda: [run() for _ in range(repeats)]) / repeats
+
+
 def layer_overhead(args: argparse.Namespace, repeats: int = 50) -> float:
     """The host's seconds a layer, forward and backward, whatever its size: one of the GPT's
     blocks on a 2-token window of width 2 a head, where its FLOPs are nothing, all 8 ranks at
@@ -82,14 +106,7 @@ def layer_overhead(args: argparse.Namespace, repeats: int = 50) -> float:
     width = 2 * args.heads
     config = GPTConfig(args.vocab, 2, width, 1, args.heads, dropout=0.0)
     block, x = Block(config), torch.randn(1, 2, width, requires_grad=True)
-    block(x).sum().backward()
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        block(x).sum().backward()
-    took = torch.tensor([(time.perf_counter() - start) / repeats], dtype=torch.float64)
-    dist.all_reduce(took, op=dist.ReduceOp.MAX)
-    return took.item()
+    return slowest_mean(lambda: block(x).sum().backward(), repeats)
 
 
 def ends_overhead(args: argparse.Namespace, layer: float, repeats: int = 50) -> float:
@@ -103,27 +120,7 @@ def ends_overhead(args: argparse.Namespace, layer: float, repeats: int = 50) -> 
         logits = model(tokens[:, :-1])
         F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
 
-    forward_and_backward()
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        forward_and_backward()
-    took = torch.tensor([(time.perf_counter() - start) / repeats], dtype=torch.float64)
-    dist.all_reduce(took, op=dist.ReduceOp.MAX)
-    return max(0.0, took.item() - layer)
-
-
-def slowest_median(run: Callable[[], object], repeats: int) -> float:
-    """The median over `repeats` of the slowest rank's seconds for `run()`."""
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        run()
-        took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(took, op=dist.ReduceOp.MAX)
-        times.append(took.item())
-    return statistics.median(times)
+    return max(0.0, slowest_mean(forward_and_backward, repeats) - layer)
 
 
 def link_as_seen(link: Link, nbytes: int, repeats: int = 8) -> tuple[float, float]:
@@ -190,13 +187,9 @@ def measured_steps(args: argparse.Namespace, link: Link) -> dict[tuple, float]:
         seconds: dict[tuple, list[float]] = {shape: [] for shape in LAYOUTS}
         for iteration in range(args.warmup + args.iters):
             for shape in rotated(list(LAYOUTS), iteration):
-                dist.barrier()
-                start = time.perf_counter()
-                sides[shape].step(batches[shape])
-                took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-                dist.all_reduce(took, op=dist.ReduceOp.MAX)
+                took = slowest_seconds(partial(sides[shape].step, batches[shape]))
                 if iteration >= args.warmup:
-                    seconds[shape].append(took.item())
+                    seconds[shape].append(took)
     return {shape: statistics.median(times) for shape, times in seconds.items()}
 
 
